@@ -1,0 +1,153 @@
+"""Shared Pallas helpers: backend detection, padding to tiles, dtype/precision policy.
+
+Every op family calls these instead of asking JAX about the device itself, so that the
+choice "interpret on CPU, Triton on any GPU, Mosaic GPU on sm90+" is made in one place.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+Backend = Literal["interpret", "triton", "mosaic"]
+
+
+def platform() -> str:
+    """The default JAX platform: ``"cpu"``, ``"gpu"`` or ``"tpu"``."""
+    return jax.default_backend()
+
+
+@functools.cache
+def gpu_compute_capability() -> tuple[int, int] | None:
+    """Compute capability of the first CUDA device, or ``None`` off CUDA GPUs."""
+    if platform() != "gpu":
+        return None
+    capability = getattr(jax.devices()[0], "compute_capability", None)
+    if not capability:
+        return None
+    major, _, minor = str(capability).partition(".")
+    return int(major), int(minor or 0)
+
+
+def is_hopper_or_newer() -> bool:
+    """True on sm90+ (H100, H200, ...): the devices where Mosaic GPU kernels run."""
+    capability = gpu_compute_capability()
+    return capability is not None and capability >= (9, 0)
+
+
+def mosaic_unavailable_reason() -> str | None:
+    """Why the Mosaic GPU backend cannot run here, or ``None`` when it can."""
+    if platform() != "gpu":
+        return f"Mosaic GPU kernels need an NVIDIA GPU; the default JAX platform is {platform()!r}"
+    capability = gpu_compute_capability()
+    if capability is None or capability < (9, 0):
+        return f"Mosaic GPU kernels need compute capability 9.0+ (Hopper); this GPU has {capability}"
+    return None
+
+
+def resolve_backend(requested: str) -> Backend:
+    """Map a user-facing kernel choice to the Pallas backend that will run it.
+
+    ``"auto"``/``"pallas"`` pick Triton on GPUs and interpret mode on CPU. ``"triton"`` runs the
+    Triton kernel, interpreted on CPU (the same kernel code, so CPU tests cover it).
+    ``"mosaic"`` needs Hopper and raises ``ValueError`` with the reason elsewhere.
+    """
+    if requested == "mosaic":
+        reason = mosaic_unavailable_reason()
+        if reason is not None:
+            raise ValueError(f"impl='mosaic' cannot run on this device: {reason}")
+        return "mosaic"
+    if requested in ("auto", "pallas", "triton"):
+        return "triton" if platform() == "gpu" else "interpret"
+    raise ValueError(f"unknown Pallas backend request {requested!r}")
+
+
+def pallas_call(
+    kernel: Callable[..., None],
+    *,
+    backend: Backend,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    **kwargs: Any,
+) -> Callable[..., Any]:
+    """``pl.pallas_call`` for the Triton backend, or interpret mode on CPU.
+
+    Passing Triton compiler params explicitly selects the Triton lowering on GPUs even where
+    JAX's default Pallas GPU backend is Mosaic GPU.
+    """
+    if backend == "interpret":
+        return pl.pallas_call(kernel, interpret=True, **kwargs)
+    if backend == "triton":
+        from jax.experimental.pallas import triton as pltriton
+
+        params = pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+        return pl.pallas_call(kernel, compiler_params=params, **kwargs)
+    raise ValueError(f"pallas_call helper serves interpret/triton, not {backend!r}")
+
+
+def round_up(value: int, multiple: int) -> int:
+    """Smallest multiple of ``multiple`` that is >= ``value``."""
+    return -(-value // multiple) * multiple
+
+
+def pad_axis(x: jax.Array, axis: int, multiple: int, value: float = 0.0) -> jax.Array:
+    """Pad ``x`` along ``axis`` at the end up to a multiple of ``multiple``."""
+    size = x.shape[axis]
+    extra = round_up(max(size, 1), multiple) - size
+    if extra == 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, extra)
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def next_power_of_2(value: int) -> int:
+    """Smallest power of two >= ``value`` (and >= 1)."""
+    return 1 if value <= 1 else 1 << (int(value) - 1).bit_length()
+
+
+# dtype policy: kernels accept these and accumulate in float32.
+KERNEL_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+def check_float_array(name: str, x: Any) -> None:
+    """Raise ``TypeError`` naming ``name`` unless ``x`` is a real floating-point array."""
+    dtype = jnp.result_type(x)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(f"{name} must be a real floating-point array, got dtype {dtype}")
+
+
+def kernel_dtype(*dtypes: Any) -> jnp.dtype:
+    """The dtype a kernel computes its inputs in: their common float type, float64 -> float32.
+
+    float64 exists only with ``jax_enable_x64``; Pallas GPU dots have no float64 path, so the
+    kernels run it in float32 (the XLA references keep float64).
+    """
+    dtype = jnp.result_type(*dtypes)
+    if dtype == jnp.float64:
+        return jnp.dtype(jnp.float32)
+    return jnp.dtype(dtype)
+
+
+ACCUM_DTYPE = jnp.float32
+
+
+def dot_precision(precision: str | None) -> jax.lax.Precision | None:
+    """Map ``precision`` names ("highest", "high", "default", None) to ``lax.Precision``."""
+    if precision is None:
+        return None
+    names = {
+        "highest": jax.lax.Precision.HIGHEST,
+        "high": jax.lax.Precision.HIGH,
+        "default": jax.lax.Precision.DEFAULT,
+    }
+    if precision not in names:
+        raise ValueError(
+            f"precision must be one of {sorted(names)} or None, got {precision!r}"
+        )
+    return names[precision]
