@@ -90,7 +90,9 @@ def read_result_file(path: Path) -> tuple[str, dict, pd.DataFrame]:
     try:
         text = path.read_bytes().decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise UnreadableResultFile(path, f"not UTF-8 text ({exc.reason} at byte {exc.start})")
+        raise UnreadableResultFile(
+            path, f"not UTF-8 text ({exc.reason} at byte {exc.start})"
+        ) from None
     try:
         doc = json.loads(text)
     except json.JSONDecodeError as exc:

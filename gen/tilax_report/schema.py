@@ -27,8 +27,9 @@ COLUMNS: dict[str, tuple[str, str]] = {
     # What was measured.
     "family": ("str", "moe, rbf or nn"),
     "suite": ("str", "benchmark suite (MoE: layer, decoder, pieces, blockm, maxtok, "
-                     "maxtok_summary; RBF: kernel_mv, kde_density, kernel_mv_tiles, ...; "
-                     "NN: transformer, diffusion, moe, ssm, unet)"),
+                     "maxtok_summary; RBF: kernel_mv, kde_density, kernel_mv_tiles, "
+                     "kernel_mv_crossover, kernel_mv_peak, kernel_mv_max_n; NN: transformer, "
+                     "diffusion, moe, ssm, unet)"),
     "impl": ("str", "implementation (NN suites: attention variant or SSM cell)"),
     "dispatch": ("str", "MoE token dispatch: sorted, gather, fused, fused_gsum"),
     "routing": ("str", "MoE routing: dropless, capacity, dense"),
@@ -71,7 +72,7 @@ COLUMNS: dict[str, tuple[str, str]] = {
     # Throughput.
     "flops": ("float64", "counted useful FLOPs of one call (pytest-benchmark MoE rows)"),
     "tflops": ("float64", "flops / median / 1e12"),
-    "pairs_per_s": ("float64", "RBF kernel pairs per second: n * m * batch / median"),
+    "pairs_per_s": ("float64", "RBF kernel pairs per second: n · m · batch / median"),
     # Memory.
     "peak_mb": ("float64", "device peak_bytes_in_use, MiB"),
     "xla_temp_mb": ("float64", "XLA temp buffer size of the compiled call, MiB"),

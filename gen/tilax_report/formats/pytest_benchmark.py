@@ -3,8 +3,9 @@
 Shape: ``{"machine_info": {...}, "commit_info": {...}, "benchmarks": [...], "datetime": ...,
 "version": ...}``. Everything a report needs is in each benchmark's ``extra_info`` (the contract
 in docs/reports/schema.md); ``stats`` are in seconds. A benchmark whose ``extra_info`` has an
-``error`` is a failure row: its stats timed a no-op and are ignored. The run id is the file
-name without ``.json``.
+``error`` is a failure row: its stats timed a no-op and are ignored, as are the stats of summary
+rows (suite ``maxtok_summary``, rows with ``max_n``). The run id is the file name without
+``.json``.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ SAME_NAME = [
 ]
 # Derived from the (ignored) stats of a failure row, so dropped there.
 TIMING_DERIVED = ("flops", "tflops", "pairs_per_s")
+# Summary rows (largest size that ran) time nothing of their own: their stats are ignored too.
+SUMMARY_SUITES = ("maxtok_summary",)
 REL_ERR_REF = {"moe": "float32 dense", "rbf": "float64 reference"}
 
 
@@ -64,7 +67,8 @@ def load(doc: dict[str, Any], run: str) -> list[dict[str, Any]]:
         row.update(split_rel_err(extra.get("rel_err"), where))
         status = status_of(extra.get("error"))
         row.update(source_row=index, status=status)
-        if status == "ok":
+        summary = extra["suite"] in SUMMARY_SUITES or extra.get("max_n") is not None
+        if status == "ok" and not summary:
             row.update(_timing(bench.get("stats"), where))
         else:
             row.update({key: None for key in TIMING_DERIVED})

@@ -14,7 +14,14 @@ from __future__ import annotations
 from pathlib import PurePosixPath
 from typing import Any
 
-from ._common import FormatError, as_list, as_mapping, reject_unknown, require, split_rel_err, status_of
+from ._common import (
+    as_list,
+    as_mapping,
+    reject_unknown,
+    require,
+    split_rel_err,
+    status_of,
+)
 
 NAME = "rbf_seed"
 FALLBACK_RUN = "rbf_kernels"
@@ -91,7 +98,7 @@ def _run_of(record: dict[str, Any], runs: dict[str, dict[str, Any]]) -> str:
             for name, run in runs.items()
             if any(SECTION_FAMILY.get(s) == family for s in run.get("sections", []))
             and impl in run.get("impls", [])
-            and n in (run.get("ladder", []) if family == "kernel_mv_max_n" else run.get("sizes", []))
+            and n in run.get("ladder" if family == "kernel_mv_max_n" else "sizes", [])
         ]
     return found[0] if len(found) == 1 else FALLBACK_RUN
 
