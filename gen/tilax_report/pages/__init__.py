@@ -1,0 +1,1 @@
+"""One module per report page: build(results) -> Markdown."""
