@@ -2,7 +2,7 @@
 
 Usage on the GPU host, from the repository root::
 
-    PYTHONPATH=src python tests/moe/gpu_timing.py            # everything (~5-8 min on an H200)
+    PYTHONPATH=src python tests/moe/gpu_timing.py            # everything (~6 min on an H200)
     PYTHONPATH=src python tests/moe/gpu_timing.py --sections layer --rounds 20
     PYTHONPATH=src python tests/moe/gpu_timing.py --json moe_timing.json
 
@@ -10,12 +10,13 @@ Sections (``--sections``, comma separated):
 
 - ``layer``: bfloat16, d_model 512, d_hidden 1024, 8 experts, top-2, 32768 tokens: forward and
   train step (``value_and_grad`` w.r.t. params and x) for ``impl="pallas"`` x every dispatch,
-  capacity routing, ``ragged_dot``, ``blocked`` and dense routing, with the max relative error
+  ``ragged_dot``, ``blocked`` and dense routing, with the max relative error
   of the output, ``dx`` and the parameter gradients vs the float32 dense oracle.
 - ``decoder``: the fine-grained decoder config (64 experts, top-8, width 128, shared expert
   1024, d_model 512) at 16384 tokens, same rows.
-- ``sweep``: the Pallas ``sorted`` and ``fused_gsum`` paths of the ``layer`` config over
-  block_m x num_warps x num_stages, to pick the device defaults.
+- ``sweep``: train step of the Pallas ``sorted`` path of the ``layer`` config over
+  block_m x num_warps (and two pipeline depths, two ``fused_gsum`` tilings), to pick the
+  device defaults.
 
 Timing: jit, a warm-up call excluded (its time is reported as compile), every call ends in
 ``block_until_ready``, median and q1/q3 over ``--rounds`` rounds (>= 10). Rows are printed as
@@ -49,11 +50,14 @@ DECODER = dict(d_model=512, d_hidden=128, num_experts=64, top_k=8, shared_hidden
                tokens=16384)
 SMOKE = dict(d_model=32, d_hidden=48, num_experts=4, top_k=2, shared_hidden=16, tokens=100)
 DISPATCHES = ("sorted", "gather", "fused", "fused_gsum")
+# block_m x num_warps for the sorted path (3 stages), then pipeline depth and the fused path.
 SWEEP = [
-    dict(block_m=bm, num_warps=nw, num_stages=ns)
-    for bm in (64, 128)
-    for nw in (4, 8)
-    for ns in (3, 4)
+    ("sorted", dict(block_m=bm, num_warps=nw, num_stages=3)) for bm in (64, 128) for nw in (4, 8)
+] + [
+    ("sorted", dict(block_m=128, num_warps=8, num_stages=4)),
+    ("sorted", dict(block_m=64, num_warps=4, num_stages=4)),
+    ("fused_gsum", dict(block_m=64, num_warps=4, num_stages=3)),
+    ("fused_gsum", dict(block_m=64, num_warps=8, num_stages=3)),
 ]
 
 
@@ -133,29 +137,29 @@ class Bench:
             self.oracles[key] = (y, np.asarray(g_x), jax.tree.map(np.asarray, g_params))
         return self.oracles[key]
 
-    def row(self, label, check=True, **config_kwargs):
+    def row(self, label, check=True, forward=True, **config_kwargs):
+        """Time one configuration (forward unless ``forward=False``, and the train step)."""
         config = tilax.MoEConfig(**self.shape_kwargs, **config_kwargs)
         row = dict(section=self.name, label=label, impl=config.impl, dispatch=config.dispatch,
                    routing=config.routing, tokens=self.dims["tokens"])
         try:
-            apply = lambda p, x: tilax.moe_apply(p, x, config)[0]  # noqa: E731
-            resolved = api.resolve_impl(config)
-            if resolved in ("triton", "interpret"):
+            if api.resolve_impl(config) in ("triton", "interpret"):
                 tiles = api.kernel_tiles(config)
                 row["tiles"] = (f"{tiles.block_m}x{tiles.block_n}x{tiles.block_k} "
                                 f"w{tiles.num_warps} s{tiles.num_stages}")
-            fwd = jax.jit(apply)
-            train = self._train(apply)
-            row["fwd_compile_s"], fwd_times = _time(fwd, (self.params, self.x), self.rounds)
-            row["train_compile_s"], train_times = _time(train, (self.params, self.x), self.rounds)
-            row["fwd_ms"] = _stats(fwd_times)
-            row["train_ms"] = _stats(train_times)
+            fwd = jax.jit(lambda p, x: tilax.moe_apply(p, x, config))
+            train = self._train(lambda p, x: tilax.moe_apply(p, x, config)[0])
             flops = _flops(self.dims, config)
-            row["fwd_tflops"] = flops / (row["fwd_ms"][0] * 1e-3) / 1e12
+            if forward:
+                row["fwd_compile_s"], fwd_times = _time(fwd, (self.params, self.x), self.rounds)
+                row["fwd_ms"] = _stats(fwd_times)
+                row["fwd_tflops"] = flops / (row["fwd_ms"][0] * 1e-3) / 1e12
+            row["train_compile_s"], train_times = _time(train, (self.params, self.x), self.rounds)
+            row["train_ms"] = _stats(train_times)
             row["train_tflops"] = 3 * flops / (row["train_ms"][0] * 1e-3) / 1e12
             if check:
                 y_ref, gx_ref, gp_ref = self.oracle(config)
-                y = fwd(self.params, self.x)
+                y, aux = fwd(self.params, self.x)
                 _, (g_params, g_x) = train(self.params, self.x)
                 row["err_out"] = _rel(y, y_ref)
                 row["err_dx"] = _rel(g_x, gx_ref)
@@ -163,15 +167,13 @@ class Bench:
                     _rel(a, b)
                     for a, b in zip(jax.tree.leaves(g_params), jax.tree.leaves(gp_ref), strict=True)
                 )
-            _, aux = jax.jit(lambda p, x: tilax.moe_apply(p, x, config))(self.params, self.x)
-            row["max_expert_frac"] = float(aux["max_expert_frac"])
-            row["dropped_frac"] = float(aux["dropped_frac"])
+                row["max_expert_frac"] = float(aux["max_expert_frac"])
+                row["dropped_frac"] = float(aux["dropped_frac"])
         except Exception as err:  # a failing row is reported, not fatal
             row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"
             traceback.print_exc(limit=2, file=sys.stderr)
         _print_row(row)
         return row
-
 
 HEADER = (f"{'section':8} {'label':26} {'tiles':18} {'fwd ms (q1-q3)':22} "
           f"{'train ms (q1-q3)':24} {'TF/s tr':>7} {'comp s':>6} {'err out/dx/dW':>22}")
@@ -181,19 +183,18 @@ def _print_row(row):
     if "error" in row:
         print(f"{row['section']:8} {row['label']:26} ERROR {row['error']}", flush=True)
         return
-    fwd = "{:.3f} ({:.3f}-{:.3f})".format(*row["fwd_ms"])
+    fwd = "{:.3f} ({:.3f}-{:.3f})".format(*row["fwd_ms"]) if "fwd_ms" in row else "-"
     train = "{:.3f} ({:.3f}-{:.3f})".format(*row["train_ms"])
     errs = ""
     if "err_out" in row:
         errs = f"{row['err_out']:.1e}/{row['err_dx']:.1e}/{row['err_dparams']:.1e}"
-    compile_s = row["fwd_compile_s"] + row["train_compile_s"]
+    compile_s = row.get("fwd_compile_s", 0.0) + row["train_compile_s"]
     print(f"{row['section']:8} {row['label']:26} {row.get('tiles', '-'):18} {fwd:22} "
           f"{train:24} {row['train_tflops']:7.1f} {compile_s:6.1f} {errs:>22}", flush=True)
 
 
 def _problem_rows(bench):
     rows = [bench.row(f"pallas/{d}", impl="pallas", dispatch=d) for d in DISPATCHES]
-    rows.append(bench.row("pallas/sorted capacity", impl="pallas", routing="capacity"))
     rows.append(bench.row("ragged_dot", impl="ragged_dot"))
     rows.append(bench.row("blocked", impl="blocked"))
     rows.append(bench.row("dense routing", routing="dense"))
@@ -206,12 +207,12 @@ def _problem_rows(bench):
     return rows
 
 
-def _sweep_rows(bench):
+def _sweep_rows(bench, sweep):
     rows = []
-    for dispatch in ("sorted", "fused_gsum"):
-        for tiles in SWEEP:
-            label = f"{dispatch} m{tiles['block_m']} w{tiles['num_warps']} s{tiles['num_stages']}"
-            rows.append(bench.row(label, check=False, impl="pallas", dispatch=dispatch, **tiles))
+    for dispatch, tiles in sweep:
+        label = f"{dispatch} m{tiles['block_m']} w{tiles['num_warps']} s{tiles['num_stages']}"
+        rows.append(bench.row(label, check=False, forward=False, impl="pallas",
+                              dispatch=dispatch, **tiles))
     return rows
 
 
@@ -234,13 +235,13 @@ def main(argv=None):
     started = time.perf_counter()
     if "layer" in sections:
         rows += _problem_rows(Bench("layer", SMOKE if args.smoke else LAYER, rounds))
+        print(f"  ({time.perf_counter() - started:.0f} s so far)", flush=True)
     if "decoder" in sections:
         rows += _problem_rows(Bench("decoder", SMOKE if args.smoke else DECODER, rounds))
+        print(f"  ({time.perf_counter() - started:.0f} s so far)", flush=True)
     if "sweep" in sections:
         bench = Bench("sweep", SMOKE if args.smoke else LAYER, rounds)
-        if args.smoke:
-            del SWEEP[2:]
-        rows += _sweep_rows(bench)
+        rows += _sweep_rows(bench, SWEEP[:2] if args.smoke else SWEEP)
     print(f"total {time.perf_counter() - started:.0f} s", flush=True)
     if args.json:
         with open(args.json, "w") as f:
