@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import rel_err
+from moe_testing import rel_err
 
 import tilax
 from tilax import _pallas
