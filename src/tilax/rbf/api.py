@@ -20,7 +20,10 @@ The kernels see *augmented* points whose dot product is the base-2 exponent dire
     x_i . y_j = -0.5 log2(e) |qs_i - ks_j|^2,          K_ij = exp2(x_i . y_j)
 
 padded with zero columns to ``Dp = max(16, next_power_of_2(D + 2))`` (Triton dots need every
-dimension >= 16). The same augmented rows also carry the gradient sums: ``A @ y`` gives
+dimension >= 16). The forward kernels instead read them pre-split into TF32 parts
+(``pallas_triton.tf32x3_parts``, ``3 (D + 2)`` columns padded to a power of two): the float32-
+accurate distance is then one TF32 tensor-core dot. The backward kernels split in registers
+(memory stays lower), and the same augmented rows carry the gradient sums: ``A @ y`` gives
 ``sum_j A_ij ks_j`` (times log2 e) and the row sum of ``A`` in one dot.
 Keys that pad ``M`` to a tile multiple get the exponent ``-1e30``, so they contribute exactly
 zero; padded queries are discarded (and have zero cotangent in the backward pass).
@@ -202,9 +205,10 @@ def _check_batch(names: tuple[str, ...], arrays: tuple[jax.Array, ...], core: tu
 
 def _concrete_value(x: jax.Array) -> np.ndarray | None:
     """The value of ``x`` as NumPy, or ``None`` when it is a tracer (under jit, vmap, grad)."""
-    if isinstance(x, jax.core.Tracer):
+    try:
+        return np.asarray(x)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
         return None
-    return np.asarray(x)
 
 
 def _check_scale(name: str, scale: Any, dim: int, *, per_dimension: bool) -> jax.Array:
