@@ -39,6 +39,12 @@ from tilax.rbf import api  # noqa: E402
 
 N_MAIN, DIM, OUT = 65536, 8, 16
 N_PEAK = 1 << 20
+# (block_q, block_k, num_warps) and (bwd_block_q, bwd_block_k, num_warps, num_stages).
+FWD_SWEEP = [(q, k, w) for q in (64, 128) for k in (64, 128) for w in (4, 8)]
+BWD_SWEEP = [(q, k, w, 2) for q, k in ((32, 64), (64, 64), (64, 128), (128, 64)) for w in (4, 8)]
+BWD_SWEEP += [(64, 64, 4, 3), (64, 64, 8, 3)]
+# The issue's targets at N = M = 65536, D = 8, O = 16 (float32) and N = M = 2**20.
+TARGET_SPEEDUP, TARGET_FWD_MS, TARGET_FWD_BWD_MS, TARGET_PEAK_MB = 8.0, 2.3, 12.0, 1e9 / 2**20
 
 
 def make_inputs(n, m, dim, out, seed=0, dtype=jnp.float32):
@@ -205,28 +211,26 @@ def sweep(n, rounds):
     print(f"  defaults: {base}")
     info = dict(family="rbf", suite="kernel_mv_tiles", impl="pallas", precision="high",
                 n=n, m=n, dim=DIM, out=OUT, batch=1, dtype="float32")  # fmt: skip
-    for block_q in (64, 128):
-        for block_k in (32, 64, 128):
-            for warps in (4, 8):
-                cfg = dataclasses.replace(base, block_q=block_q, block_k=block_k, num_warps=warps)
-                forward, _ = config_fns(cfg)
-                label = f"fwd     block_q={block_q:<3} block_k={block_k:<3} warps={warps}"
-                row = run_case(label, forward, inputs, rounds, op="fwd", block_q=block_q,
-                               block_k=block_k, num_warps=warps, **info)  # fmt: skip
-                if row is not None:
-                    emit(row)
-    for bwd_q, bwd_k in ((32, 64), (64, 64), (64, 128), (128, 64)):
-        for warps in (4, 8):
-            for stages in (2, 3):
-                cfg = dataclasses.replace(base, bwd_block_q=bwd_q, bwd_block_k=bwd_k,
-                                          bwd_num_warps=warps, bwd_num_stages=stages)  # fmt: skip
-                _, forward_backward = config_fns(cfg)
-                label = f"fwd_bwd bwd_q={bwd_q:<3} bwd_k={bwd_k:<3} warps={warps} stages={stages}"
-                row = run_case(label, forward_backward, inputs, rounds, op="fwd_bwd",
-                               bwd_block_q=bwd_q, bwd_block_k=bwd_k, num_warps=warps,
-                               num_stages=stages, **info)  # fmt: skip
-                if row is not None:
-                    emit(row)
+    # Forward: tiles x warps (stages stay at the default).
+    for block_q, block_k, warps in FWD_SWEEP:
+        cfg = dataclasses.replace(base, block_q=block_q, block_k=block_k, num_warps=warps)
+        forward, _ = config_fns(cfg)
+        label = f"fwd     block_q={block_q:<3} block_k={block_k:<3} warps={warps}"
+        row = run_case(label, forward, inputs, rounds, op="fwd", block_q=block_q,
+                       block_k=block_k, num_warps=warps, **info)  # fmt: skip
+        if row is not None:
+            emit(row)
+    # Backward (timed as fwd+bwd with the default forward): tiles x warps x stages.
+    for bwd_q, bwd_k, warps, stages in BWD_SWEEP:
+        cfg = dataclasses.replace(base, bwd_block_q=bwd_q, bwd_block_k=bwd_k,
+                                  bwd_num_warps=warps, bwd_num_stages=stages)  # fmt: skip
+        _, forward_backward = config_fns(cfg)
+        label = f"fwd_bwd bwd_q={bwd_q:<3} bwd_k={bwd_k:<3} warps={warps} stages={stages}"
+        row = run_case(label, forward_backward, inputs, rounds, op="fwd_bwd",
+                       bwd_block_q=bwd_q, bwd_block_k=bwd_k, num_warps=warps,
+                       num_stages=stages, **info)  # fmt: skip
+        if row is not None:
+            emit(row)
 
 
 def peak_child(n, impl):
@@ -262,6 +266,36 @@ def peak_memory(n, impl, timeout):
     emit(row)
 
 
+def summary():
+    """One line per target of the issue, from the rows measured above (default precision)."""
+    print("\n== targets (pallas, default precision 'high', vs xla in this process) ==")
+
+    def find(suite, impl, op, precision=None):
+        for row in ROWS:
+            if (row.get("suite"), row.get("impl"), row.get("op")) == (suite, impl, op) and (
+                precision is None or row.get("precision") == precision
+            ):
+                return row
+        return None
+
+    for op, limit in (("fwd", TARGET_FWD_MS), ("fwd_bwd", TARGET_FWD_BWD_MS)):
+        row = find("kernel_mv", "pallas", op, "high")
+        if row is None or "error" in row:
+            print(f"  {op:<8} no measurement")
+            continue
+        speedup = row.get("speedup_vs_xla", float("nan"))
+        ok = speedup >= TARGET_SPEEDUP and row["median_ms"] <= limit
+        print(f"  {op:<8} {row['median_ms']:.3f} ms (target <= {limit} ms), {speedup}x vs xla "
+              f"(target >= {TARGET_SPEEDUP}x): {'PASS' if ok else 'FAIL'}")
+    row = find("kernel_mv_peak", "pallas", "fwd_bwd")
+    if row is None or "peak_mb" not in row:
+        print("  peak     no measurement", (row or {}).get("error", ""))
+    else:
+        ok = row["peak_mb"] < TARGET_PEAK_MB
+        print(f"  peak     {row['peak_mb']} MiB at N=M={row['n']} (target < 1 GB = "
+              f"{TARGET_PEAK_MB:.0f} MiB): {'PASS' if ok else 'FAIL'}")
+
+
 def environment():
     device = jax.devices()[0]
     try:
@@ -295,6 +329,7 @@ def main():
     main_comparison(args.n, args.rounds, reference=not args.no_reference)
     kde_comparison(args.n, args.rounds)
     peak_memory(args.peak_n, "pallas", args.peak_timeout)
+    summary()
     if not args.no_sweep:
         sweep(args.n, max(5, args.rounds // 2))
     if args.json:
