@@ -448,7 +448,8 @@ _kernel_mv_pallas.defvjp(_kernel_mv_pallas_fwd, _kernel_mv_pallas_bwd)
 
 
 def _log2_weights(w: jax.Array) -> jax.Array:
-    return jnp.where(w > 0, jnp.log2(jnp.where(w > 0, w, 1.0)), PAD_EXPONENT)
+    """``log2 w``, with zero weights at the padding exponent (they contribute exactly 0)."""
+    return jnp.where(w == 0, PAD_EXPONENT, jnp.log2(jnp.where(w == 0, 1.0, w)))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
