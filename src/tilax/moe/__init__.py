@@ -1,7 +1,7 @@
 """Mixture-of-Experts layer: router, dispatch, Pallas grouped matmuls and XLA baselines.
 
 The public entry points are re-exported at the top level as ``tilax.MoEConfig``,
-``tilax.moe_init`` and ``tilax.moe_apply``; :func:`skew_tokens` is the benchmark/test knob for
+``tilax.moe_init`` and ``tilax.moe_apply``; ``skew_tokens`` is the benchmark/test knob for
 skewed routing.
 """
 

@@ -65,16 +65,20 @@ class MoEConfig:
         renormalize: divide the top-k probabilities by their sum.
         dtype: expert weights and activations (``float32``, ``bfloat16`` or ``float16``);
             matmuls accumulate in float32 and the router always runs in float32.
-        block_m, block_n, block_k: kernel tiles (powers of two >= 16); ``None`` picks the
-            device default (see :func:`kernel_tiles`).
-        num_warps, num_stages: Triton launch parameters; ``None`` picks the device default.
+        block_m: rows per kernel tile (a power of two >= 16); ``None`` picks the device
+            default (see ``kernel_tiles``).
+        block_n: output columns per kernel tile (power of two >= 16); ``None``: device default.
+        block_k: contraction slice per kernel step (power of two >= 16); ``None``: device
+            default.
+        num_warps: Triton warps per program; ``None`` picks the device default.
+        num_stages: Triton software-pipelining depth; ``None`` picks the device default.
 
     Raises:
         ValueError: a size is not a positive integer, ``top_k > num_experts``, an unknown
             ``routing``/``impl``/``dispatch`` name, ``capacity_factor <= 0``, or a bad tile.
         TypeError: ``dtype`` is not one of the supported float types.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
         >>> import tilax
         >>> config = tilax.MoEConfig(d_model=512, d_hidden=1024, num_experts=8, top_k=2)
@@ -179,7 +183,7 @@ def moe_init(key: jax.Array, config: MoEConfig) -> dict:
         key: a JAX PRNG key.
         config: the layer configuration.
 
-    Example:
+    Examples:
         >>> import jax
         >>> import tilax
         >>> config = tilax.MoEConfig(d_model=32, d_hidden=64, num_experts=4, top_k=2)
@@ -289,7 +293,7 @@ def default_tiles(dtype: Any) -> Tiles:
 
 
 def kernel_tiles(config: MoEConfig) -> Tiles:
-    """The tiles the Pallas path uses: :func:`default_tiles` overridden by the config's fields."""
+    """The tiles the Pallas path uses: ``default_tiles`` overridden by the config's fields."""
     tiles = default_tiles(config.dtype)
     overrides = {
         name: getattr(config, name)
@@ -429,7 +433,7 @@ def moe_apply(params: dict, x: jax.Array, config: MoEConfig) -> tuple[jax.Array,
     and ``x``; jit-compatible (``config`` is static).
 
     Args:
-        params: the pytree from :func:`moe_init` (leaves may be float32 masters: they are cast
+        params: the pytree from `moe_init` (leaves may be float32 masters: they are cast
             to ``config.dtype``, the router to float32).
         x: ``[T, d_model]`` or ``[..., d_model]`` tokens (any float dtype; cast to
             ``config.dtype`` for the experts).
@@ -438,8 +442,8 @@ def moe_apply(params: dict, x: jax.Array, config: MoEConfig) -> tuple[jax.Array,
     Returns:
         ``(y, aux)``: ``y`` with the shape of ``x`` in ``config.dtype``; ``aux`` a dict with
         ``expert_counts`` ([E] int32, copies per expert before any drop), ``max_expert_frac``,
-        ``empty_experts``, ``dropped_frac``, ``router_z_loss`` and ``load_balance_loss``
-        (float32 scalars; the two losses are differentiable).
+        ``empty_experts`` (int32 scalar), ``dropped_frac``, ``router_z_loss`` and
+        ``load_balance_loss`` (float32 scalars; the two losses are differentiable).
 
     Raises:
         ValueError: ``x``'s last dimension is not ``d_model``, ``x`` holds no token, a
@@ -448,7 +452,7 @@ def moe_apply(params: dict, x: jax.Array, config: MoEConfig) -> tuple[jax.Array,
         TypeError: ``x`` or a parameter is not a float array.
         NotImplementedError: ``impl="mosaic"`` on Hopper (no Mosaic GPU kernel yet).
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp
         >>> import tilax
         >>> config = tilax.MoEConfig(d_model=32, d_hidden=64, num_experts=4, top_k=2,
