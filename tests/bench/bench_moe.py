@@ -367,9 +367,9 @@ def make_inputs(case: MoECase) -> MoEInputs:
     """Parameters, tokens (skewed when asked) and the cotangent of one shape and dtype."""
     import jax
     import jax.numpy as jnp
-    from tilax.moe.router import expert_counts, route, skew_tokens
 
     import tilax
+    from tilax.moe.router import expert_counts, route, skew_tokens
 
     dtype = _jnp_dtype(case.dtype)
     key_params, key_x, key_dy = jax.random.split(jax.random.key(case.seed), 3)

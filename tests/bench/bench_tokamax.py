@@ -14,6 +14,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import tokamax
+from absl import flags
+
+# tokamax reads its options from absl flags and parses sys.argv the first time one is read;
+# under pytest that argv is pytest's, so use the flags' defaults instead.
+if not flags.FLAGS.is_parsed():
+    flags.FLAGS.mark_as_parsed()
 
 
 def make_apply(case, implementation: str = "mosaic"):

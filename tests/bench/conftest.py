@@ -176,6 +176,8 @@ def _device_bytes() -> int | None:
 def pytest_configure(config):
     config.addinivalue_line(
         "markers", "bench_suite(name): a tests/bench benchmark of the named suite")
+    config.addinivalue_line(
+        "markers", "bench_contract: checks a smoke run of the bench suite (smoke mode only)")
     mode = resolve_mode(config)
     values = dict(MODE_SETTINGS[mode])
     budget = config.getoption("bench_budget") or os.environ.get("TILAX_BENCH_BUDGET")
@@ -242,8 +244,11 @@ def pytest_collection_modifyitems(session, config, items):
     """Drop unselected suites; run bench rows by priority (ladders first, then the headline
     comparisons), keeping every other test where it was."""
     bench, other, dropped = [], [], []
+    mode = config.stash[STATE].settings.mode
     for item in items:
-        if item.get_closest_marker("bench_suite") is None:
+        if item.get_closest_marker("bench_contract") is not None and mode != "smoke":
+            dropped.append(item)  # a GPU run checks each of its own rows instead
+        elif item.get_closest_marker("bench_suite") is None:
             other.append(item)
             continue
         case = getattr(item, "callspec", None) and item.callspec.params.get("case")
