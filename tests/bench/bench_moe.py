@@ -36,7 +36,7 @@ import importlib.util
 import os
 from typing import Any
 
-from bench_harness import Unavailable
+from bench_harness import Unavailable, jax_device_memory
 
 MOE_IMPLS_WITH_DISPATCH = ("pallas", "triton", "mosaic", "blocked", "ragged_dot")
 PIECES = ("route", "sort_permute", "experts_grouped_swiglu", "unpermute_combine")
@@ -464,11 +464,8 @@ class JaxWorkload:
     def inspect(self, out) -> dict:
         return self._inspect(out) if self._inspect else {}
 
-    def peak_bytes(self) -> int | None:
-        import jax
-
-        stats = jax.local_devices()[0].memory_stats()
-        return None if not stats else stats.get("peak_bytes_in_use")
+    def memory(self) -> tuple[int | None, int | None]:
+        return jax_device_memory()
 
     def close(self) -> None:
         self.args = None

@@ -32,7 +32,7 @@ import sys
 from typing import Any
 
 import numpy as np
-from bench_harness import Unavailable, describe_error
+from bench_harness import Unavailable, describe_error, jax_device_memory
 
 NUMERICS_ROWS = 1024
 REFERENCE_CHUNK_ELEMENTS = 1 << 24
@@ -360,11 +360,8 @@ class JaxRbfWorkload:
     def inspect(self, out) -> dict:
         return self._inspect(out)
 
-    def peak_bytes(self) -> int | None:
-        import jax
-
-        stats = jax.local_devices()[0].memory_stats()
-        return None if not stats else stats.get("peak_bytes_in_use")
+    def memory(self) -> tuple[int | None, int | None]:
+        return jax_device_memory()
 
     def close(self) -> None:
         self.args = None
@@ -529,10 +526,11 @@ class TorchWorkload:
         return numerics_info(self.case, self.state, self.inputs, forward.cpu().numpy(),
                              masked_grads)
 
-    def peak_bytes(self) -> int | None:
+    def memory(self) -> tuple[int | None, int | None]:
         if self.device != "cuda":
-            return None
-        return int(self.torch.cuda.max_memory_allocated())
+            return None, None
+        total = self.torch.cuda.get_device_properties(0).total_memory
+        return int(self.torch.cuda.max_memory_allocated()), int(total)
 
     def close(self) -> None:
         self.tensors, self.g = [], None
