@@ -271,8 +271,10 @@ def decoder_cases(mode: str) -> list[MoECase]:
     if mode == "quick":
         return _layer_cases("decoder", (P_SORTED, RAGGED, TOKAMAX), [16384], ["bfloat16"],
                             BOTH_OPS, SEED_DECODER, 20)
-    return _layer_cases("decoder", DECODER_IMPLS, [16384, 131072, 1048576], ["bfloat16"],
-                        BOTH_OPS, SEED_DECODER, 20)
+    return (_layer_cases("decoder", DECODER_IMPLS, [16384, 131072], ["bfloat16"], BOTH_OPS,
+                         SEED_DECODER, 20)
+            + _layer_cases("decoder", DECODER_IMPLS, [1048576], ["bfloat16"], BOTH_OPS,
+                           SEED_DECODER, 25))
 
 
 def pieces_cases(mode: str) -> list[MoECase]:
@@ -284,7 +286,7 @@ def pieces_cases(mode: str) -> list[MoECase]:
     return [
         MoECase(suite="pieces", impl="pallas", dispatch="sorted", routing="dropless",
                 dtype=dtype, op="train_step", tokens=t, piece=piece, numerics=False,
-                priority=40, block_m=None, **shape)
+                priority=15 if (t, dtype) == (32768, "bfloat16") else 40, **shape)
         for t in tokens for dtype in dtypes for piece in PIECES
     ]
 
@@ -297,7 +299,8 @@ def blockm_cases(mode: str) -> list[MoECase]:
         dtypes, ops = ["bfloat16"], ["forward"]
     return [
         MoECase(suite="blockm", impl="pallas", dispatch="sorted", routing="dropless",
-                dtype=dtype, op=op, tokens=t, block_m=bm, priority=45,
+                dtype=dtype, op=op, tokens=t, block_m=bm,
+                priority=16 if dtype == "bfloat16" else 45,
                 numerics=wants_numerics(t, shape["experts"], shape["d_hidden"], "dropless"),
                 **shape)
         for t in tokens for dtype in dtypes for bm in sizes for op in ops
