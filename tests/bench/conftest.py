@@ -124,6 +124,7 @@ MODE_SETTINGS = {
 }
 STATE = pytest.StashKey[State]()
 ROWS = pytest.StashKey[Path | None]()
+FINISHED = pytest.StashKey[list]()
 
 
 def pytest_addoption(parser):
@@ -197,6 +198,7 @@ def pytest_configure(config):
         if name and not str(name).startswith("<"):
             rows = str(Path(name).with_suffix("")) + ".rows.jsonl"
     config.stash[ROWS] = Path(rows) if rows else None
+    config.stash[FINISHED] = []
 
 
 def pytest_benchmark_update_machine_info(config, machine_info):
@@ -273,8 +275,48 @@ def bench(benchmark, request):
     if benchmark.stats is None:
         return
     row = benchmark.stats.as_dict(include_data=False)
+    request.config.stash[FINISHED].append(row)
     rows = request.config.stash[ROWS]
     if rows is not None:
         append_row(rows, row)
     problems = check_extra_info(row["extra_info"])
     assert not problems, f"extra_info breaks the contract: {problems}"
+
+
+def _failure_kind(error: str) -> str:
+    if error.startswith("skipped: not attempted, the run's time budget"):
+        return "budget spent"
+    if error.startswith(("skipped:", "timeout (predicted")):
+        return "predicted (not attempted)"
+    if error.startswith(("unavailable:", "unsupported:")):
+        return "unavailable/unsupported"
+    if "RESOURCE_EXHAUSTED" in error or "out of memory" in error.lower():
+        return "out of memory"
+    if error.startswith("timeout"):
+        return "timeout"
+    return "other error"
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_terminal_summary(terminalreporter, config):
+    """A short account of the rows (the last lines of a long GPU log)."""
+    rows = config.stash.get(FINISHED, None)
+    if not rows:
+        return
+    settings = config.stash[STATE].settings
+    kinds: dict[str, int] = {}
+    for row in rows:
+        error = row["extra_info"].get("error")
+        kind = "measured" if error is None else _failure_kind(error)
+        kinds[kind] = kinds.get(kind, 0) + 1
+    write = terminalreporter.write_line
+    write(f"tilax bench: mode {settings.mode}, {len(rows)} rows in {settings.elapsed():.0f} s "
+          f"(budget {settings.budget_s:.0f} s): "
+          + ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items())))
+    other = [row for row in rows if _failure_kind(row["extra_info"].get("error") or "x")
+             in ("other error", "timeout") and "error" in row["extra_info"]]
+    for row in other[:15]:
+        write(f"  {row['name']}: {row['extra_info']['error'][:160]}")
+    side = config.stash.get(ROWS, None)
+    if side is not None:
+        write(f"tilax bench: rows also in {side}")
