@@ -261,13 +261,15 @@ def layer_cases(mode: str) -> list[MoECase]:
         + _layer_cases("layer", LAYER_CORE, [4096], BOTH_DTYPES, BOTH_OPS, SEED_LAYER, 30)
         + _layer_cases("layer", (P_SORTED, P_GSUM, BLOCKED, RAGGED, TOKAMAX, DENSE), [32768],
                        BOTH_DTYPES, BOTH_OPS, SEED_WIDE, 31)
-        + _layer_cases("layer", (P_SORTED, P_GSUM, CAPACITY, RAGGED, TOKAMAX), [32768],
+        + _layer_cases("layer", (P_SORTED, P_FUSED, P_GSUM, CAPACITY, RAGGED, TOKAMAX), [32768],
                        ["bfloat16"], BOTH_OPS, SEED_LAYER, 32, skew=0.9)
     )
 
 
 DECODER_IMPLS = (TRITON, ("triton", "fused_gsum", "dropless"), MOSAIC, P_SORTED, RAGGED, TOKAMAX,
                  DENSE)
+# the H100 seed's other Triton dispatches, after the rest
+DECODER_MORE = (("triton", "gather", "dropless"), ("triton", "fused", "dropless"))
 
 
 def decoder_cases(mode: str) -> list[MoECase]:
@@ -280,7 +282,9 @@ def decoder_cases(mode: str) -> list[MoECase]:
     return (_layer_cases("decoder", DECODER_IMPLS, [16384, 131072], ["bfloat16"], BOTH_OPS,
                          SEED_DECODER, 20)
             + _layer_cases("decoder", DECODER_IMPLS, [1048576], ["bfloat16"], BOTH_OPS,
-                           SEED_DECODER, 25))
+                           SEED_DECODER, 25)
+            + _layer_cases("decoder", DECODER_MORE, [16384, 131072, 1048576], ["bfloat16"],
+                           BOTH_OPS, SEED_DECODER, 26))
 
 
 def pieces_cases(mode: str) -> list[MoECase]:

@@ -51,12 +51,12 @@ suite            full grid (rows)                                           rows
 ===============  =========================================================  ====  =======
 maxtok           7 impls, bf16 train step, 256k..32M tokens; the ladder     ~21   ~3
                  jumps to the largest size predicted to fit, then one more
-layer            9 impls x 32k/131k x fp32/bf16 x fwd/train (first), then   134   ~4
+layer            9 impls x 32k/131k x fp32/bf16 x fwd/train (first), then   136   ~4
                  triton/mosaic bf16, 5 impls at 4k, E64 top4 h256, skew 0.9
-decoder          7 impls x 16k/131k/1M x fwd/train, bf16                    42    ~1.5
+decoder          9 impl x dispatch x 16k/131k/1M x fwd/train, bf16          54    ~2
 pieces           4 pieces x 4k/32k x fp32/bf16 (32k bf16 first)             16    ~0.3
 blockm           block_m 32/64/128 x 32k x fp32/bf16 x fwd/train            12    ~0.4
-moe              all five (``--bench-suite moe``)                           ~225  ~9
+moe              all five (``--bench-suite moe``)                           ~240  ~9.5
 kernel_mv_max_n  pallas/xla/dense fwd_bwd d8 o16, 64k..8M (jumping)         ~10   ~1.5
 kernel_mv_peak   pallas/xla/dense x 4k/64k x fwd/fwd_bwd, subprocess each   12    ~1.5
 kernel_mv        5 impls x n 1k..1M x (dim, out) x fwd/fwd_bwd; (8, 16) at  200   ~4
