@@ -235,6 +235,7 @@ def _record_success(runner, case, entry: dict) -> None:
     info["compile_s"] = entry["compile_s"]
     info["peak_mb"] = _mb(entry["peak_bytes"])
     info["wall_s"] = entry["wall_s"]
+    info["child_times_s"] = entry["times"]
     record_external_timings(runner.benchmark, entry["times"])
     info.update(json_safe(case.rates(statistics.median(entry["times"]))))
 

@@ -1,14 +1,38 @@
-"""The timing harness on fake cases (no JAX): skips, failures, rates and replayed timings.
-
-Marked ``bench_contract``: they run in smoke mode only, so their rows never enter a GPU run.
+"""The timing harness on fake cases and a fake ``benchmark`` (no JAX, no rows written): skips,
+failures, rates, and the ladder's jumps. The real pytest-benchmark fixture is exercised by the
+smoke rows themselves (see test_bench_contract.py). Smoke mode only (``bench_contract``).
 """
 
+import statistics
 import time
+from types import SimpleNamespace
 
 import pytest
-from bench_harness import Runner, Settings, State, record_external_timings
+from bench_harness import Runner, Settings, State
 
 pytestmark = pytest.mark.bench_contract
+
+
+class FakeBenchmark:
+    """``pedantic`` and ``extra_info`` as pytest-benchmark has them, without a results row."""
+
+    def __init__(self):
+        self.extra_info, self.stats = {}, None
+
+    def pedantic(self, target, rounds=1, iterations=1, warmup_rounds=0):
+        data = []
+        for _ in range(rounds):
+            start = time.perf_counter()
+            for _ in range(iterations):
+                target()
+            data.append((time.perf_counter() - start) / iterations)
+        self.stats = SimpleNamespace(stats=SimpleNamespace(
+            median=statistics.median(data), rounds=rounds, min=min(data)))
+
+
+@pytest.fixture
+def fake_benchmark():
+    return FakeBenchmark()
 
 
 class FakeWorkload:
@@ -62,59 +86,52 @@ def make_state(**overrides):
     return State(Settings(**values))
 
 
-def test_measured_row(benchmark):
+def test_measured_row(fake_benchmark):
     workload = FakeWorkload(seconds=0.002)
-    Runner(benchmark, make_state()).run(FakeCase(work=1e9, workload=workload))
-    info = benchmark.extra_info
+    Runner(fake_benchmark, make_state()).run(FakeCase(work=1e9, workload=workload))
+    info = fake_benchmark.extra_info
     assert "error" not in info
     assert info["compile_s"] >= 0.002 and info["first_output"] == 1
-    stats = benchmark.stats.stats
+    stats = fake_benchmark.stats.stats
     assert 3 <= stats.rounds <= 5 and stats.median >= 0.002
     assert info["tflops"] == pytest.approx(1e9 / stats.median / 1e12)
     assert workload.calls == 2 + stats.rounds  # compile call, warm-up call, timed rounds
 
 
-def test_budget_spent_makes_a_skipped_row(benchmark):
+def test_budget_spent_makes_a_skipped_row(fake_benchmark):
     case = FakeCase()
-    Runner(benchmark, make_state(budget_s=0.0)).run(case)
-    assert benchmark.extra_info["error"].startswith("skipped: not attempted, the run's time")
-    assert case.workload.calls == 0 and benchmark.extra_info["compile_s"] is None
+    Runner(fake_benchmark, make_state(budget_s=0.0)).run(case)
+    assert fake_benchmark.extra_info["error"].startswith("skipped: not attempted, the run's time")
+    assert case.workload.calls == 0 and fake_benchmark.extra_info["compile_s"] is None
 
 
-def test_time_predicted_from_the_previous_size_skips(benchmark):
+def test_time_predicted_from_the_previous_size_skips(fake_benchmark):
     state = make_state()
     state.last_call[("fake",)] = (1.0, 1.0)  # 1 s per call at work 1
-    Runner(benchmark, state).run(FakeCase(work=4.0))
-    assert "exceeds the 10 s per-row limit" in benchmark.extra_info["error"]
+    Runner(fake_benchmark, state).run(FakeCase(work=4.0))
+    assert "exceeds the 10 s per-row limit" in fake_benchmark.extra_info["error"]
 
 
-def test_a_smaller_size_out_of_memory_skips(benchmark):
+def test_a_smaller_size_out_of_memory_skips(fake_benchmark):
     state = make_state()
     state.failed[("fake",)] = (2.0, "work=2.0", "RESOURCE_EXHAUSTED: Out of memory")
-    Runner(benchmark, state).run(FakeCase(work=4.0))
-    assert "already failed with: RESOURCE_EXHAUSTED" in benchmark.extra_info["error"]
+    Runner(fake_benchmark, state).run(FakeCase(work=4.0))
+    assert "already failed with: RESOURCE_EXHAUSTED" in fake_benchmark.extra_info["error"]
 
 
-def test_case_precheck_reason_is_the_error(benchmark):
-    Runner(benchmark, make_state()).run(FakeCase(reason="unavailable: no such peer"))
-    assert benchmark.extra_info["error"] == "unavailable: no such peer"
+def test_case_precheck_reason_is_the_error(fake_benchmark):
+    Runner(fake_benchmark, make_state()).run(FakeCase(reason="unavailable: no such peer"))
+    assert fake_benchmark.extra_info["error"] == "unavailable: no such peer"
 
 
 @pytest.mark.parametrize("failing_call", [1, 2, 4])
-def test_exceptions_become_failure_rows(benchmark, failing_call):
+def test_exceptions_become_failure_rows(fake_benchmark, failing_call):
     state = make_state()
     oom = RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 9 GiB")
-    Runner(benchmark, state).run(FakeCase(workload=FakeWorkload(error=(failing_call, oom))))
-    assert benchmark.extra_info["error"].startswith("RuntimeError: RESOURCE_EXHAUSTED")
+    Runner(fake_benchmark, state).run(FakeCase(workload=FakeWorkload(error=(failing_call, oom))))
+    assert fake_benchmark.extra_info["error"].startswith("RuntimeError: RESOURCE_EXHAUSTED")
     assert ("fake",) in state.failed  # larger sizes of this config will not be attempted
-    assert (benchmark.extra_info["compile_s"] is None) == (failing_call == 1)
-
-
-def test_external_timings_are_the_rows_rounds(benchmark):
-    record_external_timings(benchmark, [0.5, 0.1, 0.3])
-    stats = benchmark.stats.stats
-    assert stats.rounds == 3
-    assert stats.median == pytest.approx(0.3) and stats.min == pytest.approx(0.1)
+    assert (fake_benchmark.extra_info["compile_s"] is None) == (failing_call == 1)
 
 
 def test_ladder_jumps_to_the_largest_size_predicted_to_fit():
