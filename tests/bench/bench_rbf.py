@@ -104,9 +104,10 @@ class RbfCase:
         return {"pairs_per_s": self.work() / median_s}
 
     def unavailable_reason(self) -> str | None:
-        module = {"torch_dense": "torch", "keops": "pykeops"}.get(self.impl)
-        if module and importlib.util.find_spec(module) is None:
-            return f"unavailable: {module} is not installed here"
+        needs = {"torch_dense": ("torch",), "keops": ("torch", "pykeops")}.get(self.impl, ())
+        for module in needs:
+            if importlib.util.find_spec(module) is None:
+                return f"unavailable: {module} is not installed here"
         return None
 
     def precheck(self, state) -> str | None:
