@@ -29,7 +29,9 @@ Options (each also read from the environment variable in brackets):
   ``layer decoder pieces blockm maxtok kernel_mv kde_density kernel_mv_tiles kernel_mv_peak
   kernel_mv_max_n``, short names ``kde tiles peak max_n``, groups ``moe rbf ladders all``.
 - ``--bench-mode smoke|quick|full|auto`` [``TILAX_BENCH_MODE``], or ``--bench-quick`` /
-  ``--bench-smoke``. ``auto`` (default): smoke on CPU, full on a GPU.
+  ``--bench-smoke``. ``auto`` (default): full on a GPU when the run asks for results
+  (``--benchmark-json``) or suites (``--bench-suite``), smoke otherwise (so a plain
+  ``pytest`` smoke-tests this code, on CPU or GPU).
 - ``--bench-budget SECONDS`` [``TILAX_BENCH_BUDGET``]: wall-clock budget of the session (full
   480 s, quick 240 s). Rows that would start after it are stored as failure rows
   (``skipped: not attempted, the run's time budget ... was spent``), so a GPU call never runs
@@ -145,11 +147,15 @@ def resolve_mode(config) -> str:
     if config.getoption("bench_quick"):
         return "quick"
     mode = config.getoption("bench_mode") or os.environ.get("TILAX_BENCH_MODE") or "auto"
-    if mode == "auto":
-        import jax
+    if mode != "auto":
+        return mode
+    import jax
 
-        return "smoke" if jax.default_backend() == "cpu" else "full"
-    return mode
+    # A plain `pytest` on a GPU host smoke-tests this code; a run that asks for results or
+    # suites is the real thing.
+    asked = (config.getoption("benchmark_json", None) is not None
+             or config.getoption("bench_suite") or os.environ.get("TILAX_BENCH_SUITES"))
+    return "full" if jax.default_backend() != "cpu" and asked else "smoke"
 
 
 def resolve_suites(config) -> frozenset[str]:
