@@ -70,6 +70,16 @@ def expert_capacity(
     return math.ceil(capacity_factor * num_tokens * top_k / num_experts)
 
 
+def expert_counts(expert_ids: jax.Array, num_experts: int) -> jax.Array:
+    """``[E]`` int32: how many entries of ``expert_ids`` (any shape) name each expert.
+
+    A compare-and-sum, which XLA fuses into one reduction; a scatter-add would serialise on
+    GPU atomics to only ``E`` addresses.
+    """
+    flat = expert_ids.reshape(-1, 1)
+    return jnp.sum(flat == jnp.arange(num_experts, dtype=flat.dtype), axis=0, dtype=jnp.int32)
+
+
 def sort_by_expert(
     expert_ids: jax.Array,
     num_experts: int,
@@ -93,7 +103,7 @@ def sort_by_expert(
     num_tokens, top_k = expert_ids.shape
     copies = num_tokens * top_k
     flat_expert = expert_ids.reshape(-1).astype(jnp.int32)
-    counts = jnp.zeros((num_experts,), jnp.int32).at[flat_expert].add(1)
+    counts = expert_counts(flat_expert, num_experts)
     order = jnp.argsort(flat_expert, stable=True).astype(jnp.int32)
     if capacity is None:
         kept = jnp.ones((copies,), bool)

@@ -15,6 +15,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from tilax.moe import dispatch
+
 # The router's matmul decides which experts run: keep it at full float32 precision on every
 # device (GPUs would otherwise use TF32 and may flip near-ties between implementations).
 ROUTER_PRECISION = jax.lax.Precision.HIGHEST
@@ -53,11 +55,6 @@ def route(x: jax.Array, router: jax.Array, top_k: int, renormalize: bool) -> Rou
     return RouterOutput(logits, probs, expert_ids.astype(jnp.int32), top_probs)
 
 
-def expert_counts(expert_ids: jax.Array, num_experts: int) -> jax.Array:
-    """``[E]`` int32: token copies routed to each expert (``expert_ids: [T, k]``)."""
-    return jnp.zeros((num_experts,), jnp.int32).at[expert_ids.reshape(-1)].add(1)
-
-
 def router_aux(
     routed: RouterOutput, num_experts: int, kept_copies: jax.Array | int | None = None
 ) -> dict[str, jax.Array]:
@@ -78,7 +75,7 @@ def router_aux(
     """
     num_tokens, top_k = routed.expert_ids.shape
     copies = num_tokens * top_k
-    counts = expert_counts(routed.expert_ids, num_experts)
+    counts = dispatch.expert_counts(routed.expert_ids, num_experts)
     fractions = counts.astype(jnp.float32) / copies
     mean_probs = jnp.mean(routed.probs, axis=0)
     z = jax.nn.logsumexp(routed.logits, axis=-1)

@@ -169,11 +169,11 @@ def kernel_matmul(
         num_stages=num_stages,
         grid=(num_p // block_p, num_o // block_o, batch),
         in_specs=[
-            pl.BlockSpec((None, block_p, dim), lambda i, o, b: (b, i, 0)),
-            pl.BlockSpec((None, num_l, dim), lambda i, o, b: (b, 0, 0)),
-            pl.BlockSpec((None, num_l, block_o), lambda i, o, b: (b, 0, o)),
+            pl.BlockSpec((pl.squeezed, block_p, dim), lambda i, o, b: (b, i, 0)),
+            pl.BlockSpec((pl.squeezed, num_l, dim), lambda i, o, b: (b, 0, 0)),
+            pl.BlockSpec((pl.squeezed, num_l, block_o), lambda i, o, b: (b, 0, o)),
         ],
-        out_specs=pl.BlockSpec((None, block_p, block_o), lambda i, o, b: (b, i, o)),
+        out_specs=pl.BlockSpec((pl.squeezed, block_p, block_o), lambda i, o, b: (b, i, o)),
         out_shape=jax.ShapeDtypeStruct((batch, num_p, num_o), jnp.float32),
         name="rbf_kernel_matmul",
     )(x, y, v)
@@ -257,10 +257,10 @@ def kernel_matmul_grad(
         coords=coords,
         backend=backend,
     )
-    out_specs = [pl.BlockSpec((None, block_p, dim), lambda i, b: (b, i, 0))]
+    out_specs = [pl.BlockSpec((pl.squeezed, block_p, dim), lambda i, b: (b, i, 0))]
     out_shape = [jax.ShapeDtypeStruct((batch, num_p, dim), jnp.float32)]
     if with_pw:
-        out_specs.append(pl.BlockSpec((None, block_p, num_o), lambda i, b: (b, i, 0)))
+        out_specs.append(pl.BlockSpec((pl.squeezed, block_p, num_o), lambda i, b: (b, i, 0)))
         out_shape.append(jax.ShapeDtypeStruct((batch, num_p, num_o), jnp.float32))
     out = pallas_call(
         kernel,
@@ -269,10 +269,10 @@ def kernel_matmul_grad(
         num_stages=num_stages,
         grid=(num_p // block_p, batch),
         in_specs=[
-            pl.BlockSpec((None, block_p, dim), lambda i, b: (b, i, 0)),
-            pl.BlockSpec((None, num_l, dim), lambda i, b: (b, 0, 0)),
-            pl.BlockSpec((None, block_p, num_o), lambda i, b: (b, i, 0)),
-            pl.BlockSpec((None, num_l, num_o), lambda i, b: (b, 0, 0)),
+            pl.BlockSpec((pl.squeezed, block_p, dim), lambda i, b: (b, i, 0)),
+            pl.BlockSpec((pl.squeezed, num_l, dim), lambda i, b: (b, 0, 0)),
+            pl.BlockSpec((pl.squeezed, block_p, num_o), lambda i, b: (b, i, 0)),
+            pl.BlockSpec((pl.squeezed, num_l, num_o), lambda i, b: (b, 0, 0)),
         ],
         out_specs=out_specs,
         out_shape=out_shape,
@@ -332,10 +332,10 @@ def kernel_logsumexp(
         num_stages=num_stages,
         grid=(num_p // block_p, batch),
         in_specs=[
-            pl.BlockSpec((None, block_p, dim), lambda i, b: (b, i, 0)),
-            pl.BlockSpec((None, num_l, dim), lambda i, b: (b, 0, 0)),
+            pl.BlockSpec((pl.squeezed, block_p, dim), lambda i, b: (b, i, 0)),
+            pl.BlockSpec((pl.squeezed, num_l, dim), lambda i, b: (b, 0, 0)),
         ],
-        out_specs=pl.BlockSpec((None, block_p), lambda i, b: (b, i)),
+        out_specs=pl.BlockSpec((pl.squeezed, block_p), lambda i, b: (b, i)),
         out_shape=jax.ShapeDtypeStruct((batch, num_p), jnp.float32),
         name="rbf_kernel_logsumexp",
     )(x, y)
