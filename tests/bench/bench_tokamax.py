@@ -40,7 +40,8 @@ def make_apply(case, implementation: str = "mosaic"):
         flat_expert = expert_ids.reshape(-1)
         order = jnp.argsort(flat_expert, stable=True)
         token_of_row = order // top_k
-        group_sizes = jnp.zeros((num_experts,), jnp.int32).at[flat_expert].add(1)
+        bounds = jnp.searchsorted(flat_expert[order], jnp.arange(num_experts + 1))
+        group_sizes = jnp.diff(bounds).astype(jnp.int32)
 
         rows = jnp.take(x, token_of_row, axis=0)
         gate = ragged(rows, params["w_gate"], group_sizes)

@@ -110,3 +110,11 @@ def test_smoke_run_writes_contract_rows(tmp_path):
     side = read_side_file(output.with_suffix("").with_suffix(".rows.jsonl"))
     assert [b["name"] for b in side["benchmarks"]] == [b["name"] for b in document["benchmarks"]]
     assert side["machine_info"]["platform"] == document["machine_info"]["platform"]
+
+
+def test_a_failed_ladder_summary_conforms():
+    summary = {"family": "moe", "suite": "maxtok_summary", "impl": "tokamax", "dtype": "bfloat16",
+               "op": "train_step", "compile_s": None, "routing": "dropless", "dispatch": None,
+               "tokens": 262144, "d_model": 512, "d_hidden": 1024, "experts": 8, "top_k": 2,
+               "shared_hidden": 0, "skew": 0.0, "error": "no size ran: unavailable: tokamax"}
+    assert check_extra_info(summary) == []
