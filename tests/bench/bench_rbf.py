@@ -460,11 +460,13 @@ print("keops probe ok")
 """
 
 
-def probe_keops(state, timeout: float = 300.0) -> None:
+def probe_keops(state) -> None:
     """Run a tiny KeOps reduction (forward + backward) in a fresh subprocess once per session:
-    KeOps compiles C++/CUDA at first use and has crashed the process doing so."""
+    KeOps compiles C++/CUDA at first use and has crashed the process doing so. Time limit: six
+    times the per-row limit (120 s full, 60 s quick), within what is left of the budget."""
     if "keops" not in state.probes:
-        timeout = min(timeout, max(30.0, state.settings.remaining()))
+        settings = state.settings
+        timeout = max(30.0, min(6 * settings.row_limit_s, settings.remaining()))
         try:
             proc = subprocess.run([sys.executable, "-c", KEOPS_PROBE], capture_output=True,
                                   text=True, timeout=timeout)
