@@ -66,13 +66,16 @@ class LadderStep:
     def id(self) -> str:
         if self.summary:
             return f"{self.ladder}-summary"
+        if len(self.sizes) == 1:
+            return self.ladder
         return f"{self.ladder}-{self.size_field}{getattr(self.case, self.size_field)}"
 
 
-def ladder_steps(template, sizes: list[int], size_field: str, summary: bool = True):
+def ladder_steps(template, sizes: list[int], size_field: str, summary: bool = True,
+                 name: str | None = None):
     """The steps of one ladder plus its summary row, in run order."""
     size = getattr(template, size_field)
-    name = template.id.replace(f"-T{size}-", "-").replace(f"-n{size}-", "-")
+    name = name or template.id.replace(f"-T{size}-", "-").replace(f"-n{size}-", "-")
     steps = []
     for size in sizes:
         steps.append(LadderStep(name, _sized(template, size_field, size), size_field,

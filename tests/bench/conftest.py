@@ -236,8 +236,8 @@ def suite_params(suite: str, mode: str) -> list:
         return [step for template, sizes in bench_rbf.max_n_ladders(mode)
                 for step in ladder_steps(template, sizes, "n")]
     if suite == "kernel_mv_peak":
-        return [step for case in bench_rbf.peak_cases(mode)
-                for step in ladder_steps(case, [case.n], "n", summary=False)]
+        return [step for case in bench_rbf.peak_cases(mode)  # one independent step each
+                for step in ladder_steps(case, [case.n], "n", summary=False, name=case.id)]
     if suite in MOE_SUITES:
         return bench_moe.suite_cases(suite, mode)
     return bench_rbf.suite_cases(suite, mode)
