@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import rel_err
+from moe_testing import rel_err
 
 import tilax
 from tilax.moe import reference, skew_tokens

@@ -39,10 +39,12 @@ from tilax.rbf import api  # noqa: E402
 
 N_MAIN, DIM, OUT = 65536, 8, 16
 N_PEAK = 1 << 20
-# (block_q, block_k, num_warps) and (bwd_block_q, bwd_block_k, num_warps, num_stages).
-FWD_SWEEP = [(q, k, w) for q in (64, 128) for k in (64, 128) for w in (4, 8)]
-BWD_SWEEP = [(q, k, w, 2) for q, k in ((32, 64), (64, 64), (64, 128), (128, 64)) for w in (4, 8)]
-BWD_SWEEP += [(64, 64, 4, 3), (64, 64, 8, 3)]
+# Forward (block_q, block_k, num_warps); backward (program tile, loop tile, warps, stages),
+# the same for the dq and dk kernels. Chosen from the spill-free Triton 3.6 sm_90 builds.
+FWD_SWEEP = [(64, 64, 4), (64, 128, 4), (128, 32, 4), (128, 64, 4), (128, 64, 8), (128, 128, 8),
+             (256, 64, 4), (256, 64, 8)]  # fmt: skip
+BWD_SWEEP = [(64, 64, 4, 2), (64, 64, 4, 3), (128, 32, 4, 2), (128, 64, 4, 2), (128, 64, 8, 2),
+             (128, 64, 8, 3), (128, 128, 8, 2), (256, 32, 8, 2)]  # fmt: skip
 # The targets at N = M = 65536, D = 8, O = 16 (float32) and N = M = 2**20.
 TARGET_SPEEDUP, TARGET_FWD_MS, TARGET_FWD_BWD_MS, TARGET_PEAK_MB = 8.0, 2.3, 12.0, 1e9 / 2**20
 
@@ -213,21 +215,21 @@ def sweep(n, rounds):
                 n=n, m=n, dim=DIM, out=OUT, batch=1, dtype="float32")  # fmt: skip
     # Forward: tiles x warps (stages stay at the default).
     for block_q, block_k, warps in FWD_SWEEP:
-        cfg = dataclasses.replace(base, block_q=block_q, block_k=block_k, num_warps=warps)
-        forward, _ = config_fns(cfg)
+        fwd = api.Launch(block_q, block_k, num_warps=warps, num_stages=base.fwd.num_stages)
+        forward, _ = config_fns(dataclasses.replace(base, fwd=fwd))
         label = f"fwd     block_q={block_q:<3} block_k={block_k:<3} warps={warps}"
         row = run_case(label, forward, inputs, rounds, op="fwd", block_q=block_q,
                        block_k=block_k, num_warps=warps, **info)  # fmt: skip
         if row is not None:
             emit(row)
-    # Backward (timed as fwd+bwd with the default forward): tiles x warps x stages.
-    for bwd_q, bwd_k, warps, stages in BWD_SWEEP:
-        cfg = dataclasses.replace(base, bwd_block_q=bwd_q, bwd_block_k=bwd_k,
-                                  bwd_num_warps=warps, bwd_num_stages=stages)  # fmt: skip
-        _, forward_backward = config_fns(cfg)
-        label = f"fwd_bwd bwd_q={bwd_q:<3} bwd_k={bwd_k:<3} warps={warps} stages={stages}"
+    # Backward (timed as fwd+bwd with the default forward): the same program x loop tiles,
+    # warps and stages for the dq kernel (programs over queries) and the dk kernel (over keys).
+    for block_p, block_l, warps, stages in BWD_SWEEP:
+        launch = api.Launch(block_p, block_l, num_warps=warps, num_stages=stages)
+        _, forward_backward = config_fns(dataclasses.replace(base, dq=launch, dk=launch))
+        label = f"fwd_bwd bwd program={block_p:<3} loop={block_l:<3} warps={warps} stages={stages}"
         row = run_case(label, forward_backward, inputs, rounds, op="fwd_bwd",
-                       bwd_block_q=bwd_q, bwd_block_k=bwd_k, num_warps=warps,
+                       bwd_block_program=block_p, bwd_block_loop=block_l, num_warps=warps,
                        num_stages=stages, **info)  # fmt: skip
         if row is not None:
             emit(row)

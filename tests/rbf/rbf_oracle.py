@@ -61,3 +61,16 @@ def rel_err(actual, expected) -> float:
     actual = np.asarray(actual, np.float64)
     expected = np.asarray(expected, np.float64)
     return float(np.linalg.norm(actual - expected) / max(np.linalg.norm(expected), 1e-300))
+
+
+def lengthscale_grad_scale(q, k, lengthscale, dq, dk):
+    """The size of the terms summed into d(lengthscale) = -sum (x - c) * dx / l (centred x).
+
+    The gradient itself can be orders of magnitude smaller than its terms (they cancel), so its
+    float32 error is judged against this scale, as float32 XLA's own result would be.
+    """
+    center = np.mean(k, axis=-2, keepdims=True)
+    terms = np.abs((q - center) * dq).reshape(-1, q.shape[-1]).sum(0)
+    terms += np.abs((k - center) * dk).reshape(-1, k.shape[-1]).sum(0)
+    terms = terms / np.asarray(lengthscale)
+    return terms if np.ndim(lengthscale) else terms.sum()

@@ -7,11 +7,12 @@ of the routed experts and owns the ``custom_vjp`` of the Pallas grouped-matmul p
   and combine in XLA), ``gather`` (the grouped matmuls read rows of ``x`` through the sort index),
   ``fused`` (gather, plus gate/up/SwiGLU in one kernel), ``fused_gsum`` (fused, plus the weighted
   combine in the down projection's epilogue, float32 atomics);
-- backward: ``dx`` by grouped matmuls against the transposed weights, the weight gradients by the
-  transposed grouped matmul (ragged contraction over each expert's rows), all Pallas. ``sorted``
-  keeps permuted copies and does the SwiGLU backward in XLA; the other dispatches gather rows in
-  the kernels, and ``fused``/``fused_gsum`` fuse the SwiGLU backward (and the combine weights'
-  gradient) into the down projection's backward kernel.
+- backward, shared by all dispatches: the down projection's input gradient with the SwiGLU
+  backward and the combine weights' gradient fused into its epilogue, ``dx`` by a grouped
+  matmul against the transposed gate/up weights, and the weight gradients by the transposed
+  grouped matmul (ragged contraction over each expert's rows), all Pallas. ``sorted`` feeds
+  the kernels permuted copies of ``x`` and ``dy``; the other dispatches gather rows through the
+  sort index inside the kernels.
 
 The router, the aux losses, the shared expert, feature padding and the casts stay in plain JAX
 and are differentiated by JAX around the custom-gradient expert path.
@@ -319,7 +320,8 @@ def _pallas_experts(plan, x, w_gate, w_up, w_down, weights, layout, schedule):
 
 
 def _experts_forward(plan, x, w_gate, w_up, w_down, weights, layout, schedule, save):
-    """The forward for ``plan.dispatch``; returns ``(y, dispatch-specific residuals)``."""
+    """The forward for ``plan.dispatch``; returns ``(y, residuals)`` (``None`` unless ``save``):
+    the permuted ``x`` (``sorted`` only) and the gate/up pre-activations."""
     kw = dict(tiles=plan.tiles, backend=plan.backend)
     tokens = layout.row_token
     if plan.dispatch in ("sorted", "gather"):
@@ -331,8 +333,7 @@ def _experts_forward(plan, x, w_gate, w_up, w_down, weights, layout, schedule, s
         up = gmm_triton.gmm(lhs, w_up, schedule, index=index, **kw)
         rows = gmm_triton.gmm(reference.swiglu_activation(gate, up), w_down, schedule, **kw)
         y = dispatch.combine(rows, weights, layout)
-        extra = (lhs if index is None else None, gate, up, rows)
-        return y, (extra if save else None)
+        return y, ((lhs if index is None else None, gate, up) if save else None)
     act, *pre = gmm_triton.gmm_swiglu(
         x, w_gate, w_up, schedule, index=tokens, save_preactivations=save, **kw
     )
@@ -343,62 +344,44 @@ def _experts_forward(plan, x, w_gate, w_up, w_down, weights, layout, schedule, s
         y = gmm_triton.gmm_combine(
             act, w_down, w_rows, layout.row_target, schedule, num_tokens=plan.num_tokens, **kw
         ).astype(x.dtype)
-    return y, (tuple(pre) if save else None)
+    return y, ((None, *pre) if save else None)
 
 
 def _pallas_experts_fwd(plan, x, w_gate, w_up, w_down, weights, layout, schedule):
-    y, extra = _experts_forward(
+    y, saved = _experts_forward(
         plan, x, w_gate, w_up, w_down, weights, layout, schedule, True
     )
-    return y, (x, w_gate, w_up, w_down, weights, layout, schedule, extra)
+    return y, (x, w_gate, w_up, w_down, weights, layout, schedule, saved)
 
 
 def _pallas_experts_bwd(plan, residuals, dy):
-    x, w_gate, w_up, w_down, weights, layout, schedule, extra = residuals
+    """Backward: the SwiGLU backward is fused into the down projection's input-gradient kernel
+    for every dispatch; ``sorted`` feeds the kernels permuted copies of ``x`` and ``dy``, the
+    others gather rows through the sort index inside the kernels."""
+    x, w_gate, w_up, w_down, weights, layout, schedule, (xs, gate, up) = residuals
     kw = dict(tiles=plan.tiles, backend=plan.backend)
-    offsets, tokens = layout.group_offsets, layout.row_token
-    w_rows = dispatch.row_weights(weights, layout)
-    if plan.dispatch in ("sorted", "gather"):
-        xs, gate, up, rows = extra
-        dy_rows = dispatch.permute(dy, layout)
-        dw_rows = jnp.sum(dy_rows.astype(jnp.float32) * rows.astype(jnp.float32), axis=-1)
-        act = reference.swiglu_activation(gate, up)
-        if plan.dispatch == "sorted":
-            # Permuted copies: dy_scaled = w * dy[token] feeds both the input and weight grads.
-            dy_scaled = (dy_rows.astype(jnp.float32) * w_rows[:, None]).astype(dy.dtype)
-            d_act = gmm_triton.gmm(dy_scaled, w_down, schedule, transpose_rhs=True, **kw)
-            (dw_down,) = gmm_triton.tgmm(act, dy_scaled, offsets, out_dtype=w_down.dtype, **kw)
-            lhs, lhs_index = xs, None
-        else:
-            d_act = gmm_triton.gmm(
-                dy, w_down, schedule, index=tokens, transpose_rhs=True, row_scale=w_rows, **kw
-            )
-            act_scaled = (act.astype(jnp.float32) * w_rows[:, None]).astype(act.dtype)
-            (dw_down,) = gmm_triton.tgmm(
-                act_scaled, dy, offsets, rhs_index=tokens, out_dtype=w_down.dtype, **kw
-            )
-            lhs, lhs_index = x, tokens
-        d_gate, d_up = reference.swiglu_activation_bwd(gate, up, d_act)
+    offsets = layout.group_offsets
+    if plan.dispatch == "sorted":
+        dy_src, x_src, index = dispatch.permute(dy, layout), xs, None
     else:
-        gate, up = extra
-        d_gate, d_up, act_scaled, dw_partial = gmm_triton.gmm_swiglu_bwd(
-            dy, w_down, gate, up, w_rows, schedule, index=tokens, **kw
-        )
-        dw_rows = jnp.sum(dw_partial, axis=0)
-        (dw_down,) = gmm_triton.tgmm(
-            act_scaled, dy, offsets, rhs_index=tokens, out_dtype=w_down.dtype, **kw
-        )
-        lhs, lhs_index = x, tokens
+        dy_src, x_src, index = dy, x, layout.row_token
+    w_rows = dispatch.row_weights(weights, layout)
+    d_gate, d_up, act_scaled, dw_partial = gmm_triton.gmm_swiglu_bwd(
+        dy_src, w_down, gate, up, w_rows, schedule, index=index, **kw
+    )
     dx_rows = gmm_triton.gmm(
         d_gate, w_gate, schedule, transpose_rhs=True, lhs2=d_up, rhs2=w_up,
         out_dtype=x.dtype, **kw,
     )
     dw_gate, dw_up = gmm_triton.tgmm(
-        lhs, d_gate, offsets, lhs_index=lhs_index, rhs2=d_up, out_dtype=w_gate.dtype, **kw
+        x_src, d_gate, offsets, lhs_index=index, rhs2=d_up, out_dtype=w_gate.dtype, **kw
+    )
+    (dw_down,) = gmm_triton.tgmm(
+        act_scaled, dy_src, offsets, rhs_index=index, out_dtype=w_down.dtype, **kw
     )
     dx = dispatch.sum_copies(dx_rows, layout)
-    d_weights = dispatch.copy_values(dw_rows, layout).astype(weights.dtype)
-    return dx, dw_gate, dw_up, dw_down, d_weights, None, None
+    d_weights = dispatch.copy_values(jnp.sum(dw_partial, axis=0), layout)
+    return dx, dw_gate, dw_up, dw_down, d_weights.astype(weights.dtype), None, None
 
 
 _pallas_experts.defvjp(_pallas_experts_fwd, _pallas_experts_bwd)

@@ -38,17 +38,6 @@ def swiglu_activation(gate: jax.Array, up: jax.Array) -> jax.Array:
     return (jax.nn.silu(gate32) * up.astype(F32)).astype(gate.dtype)
 
 
-def swiglu_activation_bwd(
-    gate: jax.Array, up: jax.Array, d_act: jax.Array
-) -> tuple[jax.Array, jax.Array]:
-    """Gradients of ``silu(gate) * up`` w.r.t. ``gate`` and ``up`` (float32 math)."""
-    gate32, up32, d32 = gate.astype(F32), up.astype(F32), d_act.astype(F32)
-    sig = jax.nn.sigmoid(gate32)
-    d_gate = d32 * up32 * sig * (1.0 + gate32 * (1.0 - sig))
-    d_up = d32 * gate32 * sig
-    return d_gate.astype(gate.dtype), d_up.astype(up.dtype)
-
-
 def shared_expert(x: jax.Array, shared: dict) -> jax.Array:
     """The shared expert: a dense SwiGLU ``[T, d] -> [T, d]`` in ``x.dtype``."""
     gate = _mm(x, shared["w_gate"], "td,ds->ts").astype(x.dtype)

@@ -89,25 +89,47 @@ PRECISION_MODES = {
 
 
 @dataclasses.dataclass(frozen=True)
-class PallasConfig:
-    """Static settings of one Pallas call: backend, dot modes, tiles and Triton launch knobs.
+class Launch:
+    """One kernel's tiles and Triton launch settings.
 
-    ``block_q``/``block_k`` tile queries/keys in the forward kernels, ``bwd_block_q``/
-    ``bwd_block_k`` in the backward ones (the dk kernel's program tile is ``bwd_block_k`` and its
-    loop tile ``bwd_block_q``); ``block_o`` tiles the value columns.
+    ``block_p``: rows of the point set one program owns (its grid axis); ``block_l``: rows of
+    the other point set per step of the in-kernel loop.
+    """
+
+    block_p: int
+    block_l: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class PallasConfig:
+    """Static settings of the Pallas path: backend, dot modes, value tile and three launches.
+
+    ``fwd`` is the forward kernel (programs over query tiles, loop over key tiles; the KDE's
+    log-sum-exp too), ``dq`` the query-gradient kernel (the same roles) and ``dk`` the key-
+    gradient kernel (programs over *key* tiles, loop over query tiles; also dv). ``block_o``
+    tiles the value columns.
     """
 
     backend: _pallas.Backend
     modes: DotModes
-    block_q: int
-    block_k: int
     block_o: int
-    bwd_block_q: int
-    bwd_block_k: int
-    num_warps: int = 4
-    num_stages: int = 2
-    bwd_num_warps: int = 4
-    bwd_num_stages: int = 2
+    fwd: Launch
+    dq: Launch
+    dk: Launch
+
+    def query_rows(self, n: int, *, backward: bool) -> int:
+        """``n`` padded to every query tile of the pass."""
+        if not backward:
+            return _pallas.round_up(n, self.fwd.block_p)
+        return _pallas.round_up(n, max(self.dq.block_p, self.dk.block_l))
+
+    def key_rows(self, m: int, *, backward: bool) -> int:
+        """``m`` padded to every key tile of the pass."""
+        if not backward:
+            return _pallas.round_up(m, self.fwd.block_l)
+        return _pallas.round_up(m, max(self.dq.block_l, self.dk.block_p))
 
 
 # ------------------------------------------------------------------------------------------
@@ -125,13 +147,20 @@ def _fit_tile(preferred: int, size: int) -> int:
     return max(16, min(preferred, _pallas.next_power_of_2(size)))
 
 
-def _occupancy_tile(preferred: int, size: int, other_programs: int) -> int:
-    """Largest tile <= ``preferred`` (down to 32) that still gives >= 2 programs per GPU SM."""
+def _occupancy_tile(preferred: int, size: int, other_programs: int, smallest: int) -> int:
+    """Largest tile <= ``preferred`` (down to ``smallest``) giving >= 2 programs per GPU SM."""
     tile = _fit_tile(preferred, size)
     target = 2 * _gpu_sm_count()
-    while tile > 32 and other_programs * (-(-size // tile)) < target:
+    while tile > smallest and other_programs * (-(-size // tile)) < target:
         tile //= 2
     return tile
+
+
+def _gpu_launch(block_p: int, block_l: int, *, backward: bool) -> Launch:
+    # A Hopper warpgroup (4 warps) owns 64 rows of a tensor-core dot: 128-row backward tiles
+    # take two, and keep the gradient kernels' accumulators out of local memory.
+    warps = 8 if backward and block_p >= 128 else 4
+    return Launch(block_p, block_l, num_warps=warps, num_stages=2)
 
 
 def default_config(
@@ -148,32 +177,46 @@ def default_config(
 ) -> PallasConfig:
     """The tiles ``rbf_kernel_mv``/``rbf_kde_density`` use unless told otherwise.
 
-    On GPUs (Triton): forward query tile 128 and key tile 64, backward 64 x 64, value tile
-    ``min(64, next_power_of_2(O))``, 4 warps and 2 pipeline stages. A query (key) tile shrinks,
-    down to 32, while the grid would have fewer than two programs per SM (small ``N`` or ``M``),
-    and no tile exceeds the next power of two of its dimension (minimum 16). In interpret mode
-    (CPU) every tile is ``min(128, next_power_of_2(size))``: fewer, larger tiles interpret faster.
-    Explicit ``block_q``/``block_k`` apply to the forward and backward kernels, ``block_o`` to the
-    value columns.
+    On GPUs (Triton), for large problems: forward 128 queries x 64 keys with 4 warps; dq 128
+    queries x 64 keys and dk 128 keys x 64 queries with 8 warps (two warpgroups); 2 pipeline
+    stages; value tile ``min(64, next_power_of_2(O))``. These have the fewest instructions per
+    pair without register spills in the Triton 3.6 sm_90 builds we inspected; the lead's
+    H200 sweep (``tests/rbf/gpu_timing.py``) is the final word. A program tile halves while the
+    grid would have fewer than two programs per SM (small ``N`` or ``M``), down to 32 rows
+    forward and 64 backward (below 64 rows the backward loses the Hopper tensor-core path and
+    costs ~3x per pair), and no tile exceeds the next power of two of its dimension (min 16).
+    In interpret mode (CPU) every tile is ``min(128, next_power_of_2(size))``: fewer, larger
+    tiles interpret faster. Explicit ``block_q``/``block_k`` set the query/key tiles of all
+    three kernels, ``block_o`` the value tile.
     """
     value_tile = block_o or _fit_tile(64, out)
     if backend == "interpret":
-        fwd_q = bwd_q = block_q or _fit_tile(128, n)
-        fwd_k = bwd_k = block_k or _fit_tile(128, m)
+        q_tile = block_q or _fit_tile(128, n)
+        k_tile = block_k or _fit_tile(128, m)
+        fwd = dq = Launch(q_tile, k_tile)
+        dk = Launch(k_tile, q_tile)
     else:
         o_tiles = -(-out // value_tile)
-        fwd_q = block_q or _occupancy_tile(128, n, batch * o_tiles)
-        fwd_k = block_k or _fit_tile(64, m)
-        bwd_q = block_q or _occupancy_tile(64, n, batch)
-        bwd_k = block_k or _occupancy_tile(64, m, batch)
+        fwd = _gpu_launch(
+            block_q or _occupancy_tile(128, n, batch * o_tiles, 32),
+            block_k or _fit_tile(64, m),
+            backward=False,
+        )
+        dq = _gpu_launch(
+            block_q or _occupancy_tile(128, n, batch, 64), block_k or _fit_tile(64, m),
+            backward=True,
+        )  # fmt: skip
+        dk = _gpu_launch(
+            block_k or _occupancy_tile(128, m, batch, 64), block_q or _fit_tile(64, n),
+            backward=True,
+        )  # fmt: skip
     return PallasConfig(
         backend=backend,
         modes=PRECISION_MODES[precision],
-        block_q=fwd_q,
-        block_k=fwd_k,
         block_o=value_tile,
-        bwd_block_q=bwd_q,
-        bwd_block_k=bwd_k,
+        fwd=fwd,
+        dq=dq,
+        dk=dk,
     )
 
 
@@ -324,24 +367,20 @@ def _first_order_only(name: str, fn):
     return wrapped
 
 
-def _kernels(name: str, cfg: PallasConfig, *, backward: bool):
-    """The three kernel launchers bound to ``cfg``'s static settings, guarded for 2nd order."""
-    launch = dict(
+def _launcher(name: str, kernel, cfg: PallasConfig, launch: Launch):
+    """``kernel`` bound to ``cfg``'s backend and ``launch``'s tiles, guarded for 2nd order."""
+    static = dict(
         backend=cfg.backend,
-        num_warps=cfg.bwd_num_warps if backward else cfg.num_warps,
-        num_stages=cfg.bwd_num_stages if backward else cfg.num_stages,
+        num_warps=launch.num_warps,
+        num_stages=launch.num_stages,
+        block_p=launch.block_p,
+        block_l=launch.block_l,
     )
-    matmul = functools.partial(pallas_triton.kernel_matmul, **launch)
-    grad = functools.partial(pallas_triton.kernel_matmul_grad, **launch)
-    logsumexp = functools.partial(pallas_triton.kernel_logsumexp, **launch)
 
-    def guarded(fn):
-        def call(*arrays, **static):
-            return _first_order_only(name, functools.partial(fn, **static))(*arrays)
+    def call(*arrays, **options):
+        return _first_order_only(name, functools.partial(kernel, **static, **options))(*arrays)
 
-        return call
-
-    return guarded(matmul), guarded(grad), guarded(logsumexp)
+    return call
 
 
 # ------------------------------------------------------------------------------------------
@@ -359,15 +398,13 @@ def _kernel_mv_pallas(qs, ks, v, cfg: PallasConfig):
 
 def _kernel_mv_pallas_fwd(qs, ks, v, cfg: PallasConfig):
     n, m, out_dim = qs.shape[1], ks.shape[1], v.shape[2]
-    matmul, _, _ = _kernels("rbf_kernel_mv", cfg, backward=False)
+    matmul = _launcher("rbf_kernel_mv", pallas_triton.kernel_matmul, cfg, cfg.fwd)
     parts, distance = _forward_distance(cfg.modes)
-    rows_k = _pallas.round_up(m, cfg.block_k)
+    rows_k = cfg.key_rows(m, backward=False)
     out = matmul(
-        _augment_queries(qs, _pallas.round_up(n, cfg.block_q), parts=parts),
+        _augment_queries(qs, cfg.query_rows(n, backward=False), parts=parts),
         _augment_keys(ks, rows_k, parts=parts),
         _pad_rows_cols(v, rows_k, _pallas.round_up(out_dim, cfg.block_o)),
-        block_p=cfg.block_q,
-        block_l=cfg.block_k,
         block_o=cfg.block_o,
         distance=distance,
         values=cfg.modes.values,
@@ -378,9 +415,7 @@ def _kernel_mv_pallas_fwd(qs, ks, v, cfg: PallasConfig):
 def _kernel_mv_pallas_bwd(cfg: PallasConfig, residuals, g):
     qs, ks, v = residuals
     (_, n, dim), m, out_dim = qs.shape, ks.shape[1], v.shape[2]
-    matmul, grad, _ = _kernels("rbf_kernel_mv", cfg, backward=True)
-    rows_q = _pallas.round_up(n, cfg.bwd_block_q)
-    rows_k = _pallas.round_up(m, cfg.bwd_block_k)
+    rows_q, rows_k = cfg.query_rows(n, backward=True), cfg.key_rows(m, backward=True)
     cols = _pallas.round_up(out_dim, cfg.block_o)
     x = _augment_queries(qs, rows_q)
     y = _augment_keys(ks, rows_k)
@@ -388,22 +423,18 @@ def _kernel_mv_pallas_bwd(cfg: PallasConfig, residuals, g):
     v_pad = _pad_rows_cols(v, rows_k, cols)
     modes = cfg.modes
     dots = dict(block_o=cfg.block_o, distance=modes.distance, values=modes.values)
-    r = grad(
-        x, y, g_pad, v_pad,
-        with_pw=False, block_p=cfg.bwd_block_q, block_l=cfg.bwd_block_k, coords=modes.coords,
-        **dots,
-    )  # fmt: skip
+    grad_q = _launcher("rbf_kernel_mv", pallas_triton.kernel_matmul_grad, cfg, cfg.dq)
+    grad_k = _launcher("rbf_kernel_mv", pallas_triton.kernel_matmul_grad, cfg, cfg.dk)
+    r = grad_q(x, y, g_pad, v_pad, with_pw=False, coords=modes.coords, **dots)
     # dv = K.T @ g rides along in the dk sweep while its accumulator fits in registers.
     fuse_dv = cols <= 64
-    c = grad(
-        y, x, v_pad, g_pad,
-        with_pw=fuse_dv, block_p=cfg.bwd_block_k, block_l=cfg.bwd_block_q, coords=modes.coords,
-        **dots,
-    )  # fmt: skip
+    c = grad_k(y, x, v_pad, g_pad, with_pw=fuse_dv, coords=modes.coords, **dots)
     if fuse_dv:
         c, dv = c
     else:
-        dv = matmul(y, x, g_pad, block_p=cfg.bwd_block_k, block_l=cfg.bwd_block_q, **dots)
+        dv = _launcher("rbf_kernel_mv", pallas_triton.kernel_matmul, cfg, cfg.dk)(
+            y, x, g_pad, **dots
+        )
     dqs = r[:, :n, :dim] / LOG2E - qs * r[:, :n, dim : dim + 1]
     dks = c[:, :m, :dim] - ks * c[:, :m, dim + 1 : dim + 2]
     return dqs, dks, dv[:, :m, :out_dim]
@@ -417,7 +448,8 @@ _kernel_mv_pallas.defvjp(_kernel_mv_pallas_fwd, _kernel_mv_pallas_bwd)
 
 
 def _log2_weights(w: jax.Array) -> jax.Array:
-    return jnp.where(w > 0, jnp.log2(jnp.where(w > 0, w, 1.0)), PAD_EXPONENT)
+    """``log2 w``, with zero weights at the padding exponent (they contribute exactly 0)."""
+    return jnp.where(w == 0, PAD_EXPONENT, jnp.log2(jnp.where(w == 0, 1.0, w)))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -428,15 +460,12 @@ def _kde_log_sum_pallas(xq, xd, w, cfg: PallasConfig):
 
 def _kde_log_sum_pallas_fwd(xq, xd, w, cfg: PallasConfig):
     n, m = xq.shape[1], xd.shape[1]
-    _, _, logsumexp = _kernels("rbf_kde_density", cfg, backward=False)
+    logsumexp = _launcher("rbf_kde_density", pallas_triton.kernel_logsumexp, cfg, cfg.fwd)
     parts, distance = _forward_distance(cfg.modes)
+    rows_q, rows_d = cfg.query_rows(n, backward=False), cfg.key_rows(m, backward=False)
     log2_sum = logsumexp(
-        _augment_queries(xq, _pallas.round_up(n, cfg.block_q), parts=parts),
-        _augment_keys(
-            xd, _pallas.round_up(m, cfg.block_k), log2_weights=_log2_weights(w), parts=parts
-        ),
-        block_p=cfg.block_q,
-        block_l=cfg.block_k,
+        _augment_queries(xq, rows_q, parts=parts),
+        _augment_keys(xd, rows_d, log2_weights=_log2_weights(w), parts=parts),
         distance=distance,
     )[:, :n]
     return log2_sum * LN2, (xq, xd, w, log2_sum)
@@ -451,27 +480,26 @@ def _kde_log_sum_pallas_bwd(cfg: PallasConfig, residuals, g):
     """
     xq, xd, w, log2_sum = residuals
     (_, n, dim), m = xq.shape, xd.shape[1]
-    matmul, _, _ = _kernels("rbf_kde_density", cfg, backward=True)
-    rows_q = _pallas.round_up(n, cfg.bwd_block_q)
-    rows_d = _pallas.round_up(m, cfg.bwd_block_k)
+    rows_q, rows_d = cfg.query_rows(n, backward=True), cfg.key_rows(m, backward=True)
     value_tile = _fit_tile(64, dim + 1)
     cols = _pallas.round_up(dim + 1, value_tile)
     dots = dict(block_o=value_tile, distance=cfg.modes.distance, values=cfg.modes.coords)
+    by_query = _launcher("rbf_kde_density", pallas_triton.kernel_matmul, cfg, cfg.dq)
+    by_point = _launcher("rbf_kde_density", pallas_triton.kernel_matmul, cfg, cfg.dk)
     x = _augment_queries(xq, rows_q, shift=log2_sum)
     g = g.astype(jnp.float32)
 
     def with_ones(points):
         return jnp.concatenate([points, jnp.ones_like(points[..., :1])], axis=-1)
 
-    weighted = matmul(
+    weighted = by_query(
         x, _augment_keys(xd, rows_d, log2_weights=_log2_weights(w)),
-        _pad_rows_cols(with_ones(xd), rows_d, cols),
-        block_p=cfg.bwd_block_q, block_l=cfg.bwd_block_k, **dots,
+        _pad_rows_cols(with_ones(xd), rows_d, cols), **dots,
     )[:, :n]  # fmt: skip
     dxq = g[..., None] * (weighted[..., :dim] - xq * weighted[..., dim : dim + 1])
-    by_data = matmul(
+    by_data = by_point(
         _augment_keys(xd, rows_d), x, _pad_rows_cols(g[..., None] * with_ones(xq), rows_q, cols),
-        block_p=cfg.bwd_block_k, block_l=cfg.bwd_block_q, **dots,
+        **dots,
     )[:, :m]  # fmt: skip
     dw = by_data[..., dim]
     dxd = jnp.where(w[..., None] > 0, w[..., None] * (by_data[..., :dim] - xd * dw[..., None]), 0.0)
@@ -532,8 +560,9 @@ def rbf_kernel_mv(
         value. ``impl="xla"``/``"dense"`` use ``HIGHEST`` dots for distances, and for the
         value product ``HIGHEST`` with ``"highest"``, else XLA's default (TF32 on recent GPUs).
       block_q, block_k, block_o: tile sizes of queries, keys and value columns (powers of two
-        >= 16) for ``impl="pallas"``; ``None`` picks them per problem and device (see
-        ``default_config``: on GPUs 128 x 64 forward, 64 x 64 backward, value tile
+        >= 16) for ``impl="pallas"``, in the forward and both backward kernels; ``None`` picks
+        them per problem and device (see ``default_config``; on GPUs, for large problems,
+        128 queries x 64 keys forward, 128 x 64 in each backward kernel, value tile
         ``min(64, O)``).
 
     Returns:

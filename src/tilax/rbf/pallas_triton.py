@@ -297,8 +297,9 @@ def _kernel_logsumexp_kernel(x_ref, y_ref, out_ref, *, block_l, distance, backen
         rescaled = running_sum * jnp.exp2(running_max - new_max)
         return new_max, rescaled + jnp.sum(jnp.exp2(t - new_max[:, None]), axis=1)
 
-    # Every tile holds at least one real point (padding is shorter than a tile), so the running
-    # max is finite after the first tile and exp2(-inf - finite) = 0 clears the initial sum.
+    # exp2(-inf - finite) = 0 clears the initial sum at the first tile. Padded (and zero-weight)
+    # points have exponents near -1e30: a tile of only those adds its count at a -1e30 max, which
+    # the first real point's exp2(-1e30 - max) = 0 rescale clears again (one real point exists).
     init = (jnp.full(out_ref.shape, -jnp.inf, jnp.float32), jnp.zeros(out_ref.shape, jnp.float32))
     running_max, running_sum = lax.fori_loop(0, num_tiles, body, init)
     out_ref[...] = running_max + jnp.log2(running_sum)

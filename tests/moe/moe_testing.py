@@ -1,7 +1,6 @@
-"""Shared helpers for the MoE tests (CPU: Pallas interpret mode; keep shapes tiny)."""
+"""Helpers shared by the MoE tests (a plain module: test folders share no conftest names)."""
 
 import numpy as np
-import pytest
 
 
 def rel_err(actual, expected) -> float:
@@ -9,8 +8,3 @@ def rel_err(actual, expected) -> float:
     actual = np.asarray(actual, np.float64)
     expected = np.asarray(expected, np.float64)
     return float(np.max(np.abs(actual - expected)) / max(np.max(np.abs(expected)), 1e-30))
-
-
-@pytest.fixture
-def rng():
-    return np.random.default_rng(0)

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import rel_err
+from moe_testing import rel_err
 
 from tilax.moe import dispatch, gmm_triton
 from tilax.moe.gmm_triton import Tiles
@@ -14,6 +14,11 @@ TILES = Tiles(block_m=16, block_n=16, block_k=16, num_warps=4, num_stages=2)
 GROUP_SIZES = np.array([7, 0, 37, 5, 0, 9])
 NUM_ROWS = int(GROUP_SIZES.sum())  # 58: not a multiple of the row tile
 PADDED_ROWS = 64
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(0)
 
 
 def _offsets():
