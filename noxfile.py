@@ -92,11 +92,14 @@ def bench(session: nox.Session) -> None:
     out_dir = Path(os.environ.get("TILAX_BENCH_OUT", "data/results"))
     out_dir.mkdir(parents=True, exist_ok=True)
     output = _bench_naming().result_path(out_dir, _bench_tag(session.posargs))
-    session.log(f"results: {output} (rows as they finish: {output.with_suffix('')}.rows.jsonl)")
+    # The side file of finished rows stays out of data/: the site reads every file there.
+    rows = Path(".benchmarks") / f"{output.stem}.rows.jsonl"
+    rows.parent.mkdir(exist_ok=True)
+    session.log(f"results: {output} (rows as they finish: {rows})")
     pythonpath = os.pathsep.join(p for p in ("src", os.environ.get("PYTHONPATH")) if p)
     session.run(
         "python", "-m", "pytest", "tests/bench", "-p", "no:cacheprovider", "-q",
-        f"--benchmark-json={output}", *session.posargs,
+        f"--benchmark-json={output}", f"--bench-rows={rows}", *session.posargs,
         env={"PYTHONPATH": pythonpath},
     )
 
