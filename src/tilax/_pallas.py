@@ -46,7 +46,9 @@ def mosaic_unavailable_reason() -> str | None:
         return f"Mosaic GPU kernels need an NVIDIA GPU; the default JAX platform is {platform()!r}"
     capability = gpu_compute_capability()
     if capability is None or capability < (9, 0):
-        return f"Mosaic GPU kernels need compute capability 9.0+ (Hopper); this GPU has {capability}"
+        return (
+            f"Mosaic GPU kernels need compute capability 9.0+ (Hopper); this GPU has {capability}"
+        )
     return None
 
 

@@ -1,0 +1,202 @@
+"""Token dispatch in plain XLA: sort copies by expert, permute, unpermute and combine.
+
+Every token has ``k`` *copies*, one per chosen expert; copy ``c = t * k + j`` is token ``t``'s
+``j``-th choice. The grouped matmuls work in the *row space*: the copies sorted by expert (a
+stable sort, so within an expert the copies are in token order), padded at the end to a multiple
+of the kernels' row tile. One ``argsort`` of ``T * k`` ints builds the whole layout; moving data
+between token space and row space is always a gather (no scatter of activations).
+
+Capacity routing keeps at most ``C`` copies per expert, the earliest tokens first; the dropped
+copies are sorted behind all kept ones, so the first ``sum(group_sizes)`` rows are exactly the
+kept copies, grouped by expert.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from tilax._pallas import round_up
+
+
+class RowLayout(NamedTuple):
+    """Where every token copy sits in the row space (``R_pad`` rows; all int32 unless noted).
+
+    Attributes:
+        row_copy: ``[R_pad]`` the copy held by each row (0 on padding rows).
+        row_token: ``[R_pad]`` the token of each row's copy (0 on padding rows).
+        row_valid: ``[R_pad]`` bool, the row holds a kept copy (not padding, not dropped).
+        row_target: ``[R_pad]`` ``row_token`` on kept rows, ``T`` (a scratch row) elsewhere:
+            where a fused combine may accumulate the row's output.
+        copy_row: ``[T, k]`` the row of each copy (clamped into range for dropped copies).
+        copy_kept: ``[T, k]`` bool, the copy was kept (always true without capacity).
+        group_sizes: ``[E]`` kept copies per expert.
+        group_offsets: ``[E + 1]`` exclusive prefix sum of ``group_sizes``: expert ``e`` owns
+            rows ``[group_offsets[e], group_offsets[e + 1])``.
+    """
+
+    row_copy: jax.Array
+    row_token: jax.Array
+    row_valid: jax.Array
+    row_target: jax.Array
+    copy_row: jax.Array
+    copy_kept: jax.Array
+    group_sizes: jax.Array
+    group_offsets: jax.Array
+
+
+class GmmSchedule(NamedTuple):
+    """Work items of a grouped matmul over the row space (arrays of ``W`` int32).
+
+    Item ``w`` multiplies row tile ``tile[w]`` (rows ``tile * block_m`` onwards) by expert
+    ``expert[w]``'s weights and keeps the tile-local rows ``[lo[w], hi[w])``. A tile that
+    straddles an expert boundary appears once per expert; unused items have ``lo == hi``.
+    ``W = R_pad / block_m + E - 1`` bounds the count, so the grid is static.
+    """
+
+    expert: jax.Array
+    tile: jax.Array
+    lo: jax.Array
+    hi: jax.Array
+
+
+def expert_capacity(
+    num_tokens: int, top_k: int, num_experts: int, capacity_factor: float
+) -> int:
+    """``C = ceil(capacity_factor * T * top_k / E)``: the most copies one expert keeps."""
+    return math.ceil(capacity_factor * num_tokens * top_k / num_experts)
+
+
+def sort_by_expert(
+    expert_ids: jax.Array,
+    num_experts: int,
+    *,
+    capacity: int | None = None,
+    row_multiple: int = 1,
+) -> RowLayout:
+    """Build the row layout for ``expert_ids: [T, k]`` (int32).
+
+    Args:
+        expert_ids: each token's chosen experts (distinct within a token).
+        num_experts: ``E``.
+        capacity: keep at most this many copies per expert, earliest tokens first
+            (``None``: dropless, keep all).
+        row_multiple: pad the row count up to a multiple of this (the kernels' row tile).
+
+    Returns:
+        The :class:`RowLayout`, with ``R_pad = round_up(R, row_multiple)`` rows where
+        ``R = T * k`` (dropless) or ``min(T * k, E * capacity)`` (capacity).
+    """
+    num_tokens, top_k = expert_ids.shape
+    copies = num_tokens * top_k
+    flat_expert = expert_ids.reshape(-1).astype(jnp.int32)
+    counts = jnp.zeros((num_experts,), jnp.int32).at[flat_expert].add(1)
+    order = jnp.argsort(flat_expert, stable=True).astype(jnp.int32)
+    if capacity is None:
+        kept = jnp.ones((copies,), bool)
+        group_sizes = counts
+        num_rows = copies
+    else:
+        starts = jnp.cumsum(counts) - counts
+        rank = jnp.zeros((copies,), jnp.int32).at[order].set(
+            jnp.arange(copies, dtype=jnp.int32) - starts[flat_expert[order]]
+        )
+        kept = rank < capacity
+        # Dropped copies get the key E: one more stable sort puts them behind every kept row.
+        order = jnp.argsort(
+            jnp.where(kept, flat_expert, num_experts), stable=True
+        ).astype(jnp.int32)
+        group_sizes = jnp.minimum(counts, capacity)
+        num_rows = min(copies, num_experts * capacity)
+    padded_rows = round_up(max(num_rows, 1), row_multiple)
+    group_offsets = jnp.concatenate(
+        [jnp.zeros((1,), jnp.int32), jnp.cumsum(group_sizes).astype(jnp.int32)]
+    )
+    row_copy = jnp.zeros((padded_rows,), jnp.int32).at[:num_rows].set(order[:num_rows])
+    row_token = row_copy // top_k
+    row_valid = jnp.arange(padded_rows, dtype=jnp.int32) < group_offsets[-1]
+    row_target = jnp.where(row_valid, row_token, num_tokens)
+    copy_row = jnp.zeros((copies,), jnp.int32).at[order].set(
+        jnp.arange(copies, dtype=jnp.int32)
+    )
+    copy_row = jnp.minimum(copy_row, padded_rows - 1)
+    return RowLayout(
+        row_copy=row_copy,
+        row_token=row_token,
+        row_valid=row_valid,
+        row_target=row_target,
+        copy_row=copy_row.reshape(num_tokens, top_k),
+        copy_kept=kept.reshape(num_tokens, top_k),
+        group_sizes=group_sizes,
+        group_offsets=group_offsets,
+    )
+
+
+def gmm_schedule(group_offsets: jax.Array, num_rows: int, block_m: int) -> GmmSchedule:
+    """Work items for a grouped matmul over ``num_rows`` rows (a multiple of ``block_m``).
+
+    The last expert's group is stretched to ``num_rows`` so that every row, padding and dropped
+    rows included, is computed by exactly one item: the outputs are fully defined and finite.
+    """
+    if num_rows % block_m:
+        raise ValueError(f"num_rows ({num_rows}) must be a multiple of block_m ({block_m})")
+    num_experts = group_offsets.shape[0] - 1
+    num_tiles = num_rows // block_m
+    num_items = num_tiles + num_experts - 1
+    starts = group_offsets[:-1]
+    ends = group_offsets[1:].at[-1].set(num_rows)
+    first_tile = starts // block_m
+    tiles_per_expert = jnp.where(ends > starts, -(-ends // block_m) - first_tile, 0)
+    item_end = jnp.cumsum(tiles_per_expert)
+    item_start = item_end - tiles_per_expert
+    items = jnp.arange(num_items, dtype=jnp.int32)
+    expert = jnp.minimum(
+        jnp.searchsorted(item_end, items, side="right"), num_experts - 1
+    ).astype(jnp.int32)
+    used = items < item_end[-1]
+    tile = jnp.where(used, first_tile[expert] + items - item_start[expert], 0)
+    tile_start = tile * block_m
+    lo = jnp.clip(starts[expert] - tile_start, 0, block_m)
+    hi = jnp.clip(ends[expert] - tile_start, 0, block_m)
+    return GmmSchedule(
+        expert=expert,
+        tile=tile.astype(jnp.int32),
+        lo=jnp.where(used, lo, 0).astype(jnp.int32),
+        hi=jnp.where(used, hi, 0).astype(jnp.int32),
+    )
+
+
+def permute(x: jax.Array, layout: RowLayout) -> jax.Array:
+    """Token space to row space: ``x[row_token]``, ``[R_pad, d]`` (a gather)."""
+    return jnp.take(x, layout.row_token, axis=0)
+
+
+def row_weights(weights: jax.Array, layout: RowLayout) -> jax.Array:
+    """``[R_pad]`` float32 combine weight of each row (0 on padding and dropped rows)."""
+    flat = weights.reshape(-1).astype(jnp.float32)
+    return jnp.where(layout.row_valid, jnp.take(flat, layout.row_copy), 0.0)
+
+
+def copy_values(row_values: jax.Array, layout: RowLayout) -> jax.Array:
+    """Row space to copies: ``[T, k, ...]`` values of each copy's row, zero for dropped copies."""
+    values = jnp.take(row_values, layout.copy_row, axis=0)
+    kept = layout.copy_kept.reshape(layout.copy_kept.shape + (1,) * (values.ndim - 2))
+    return jnp.where(kept, values, jnp.zeros((), values.dtype))
+
+
+def combine(rows: jax.Array, weights: jax.Array, layout: RowLayout) -> jax.Array:
+    """Unpermute and combine: ``y[t] = sum_j w[t, j] * rows[copy_row[t, j]]`` (float32 sum).
+
+    Dropped copies contribute zero. Returns ``[T, d]`` in ``rows.dtype``.
+    """
+    values = copy_values(rows, layout).astype(jnp.float32)
+    weights = jnp.where(layout.copy_kept, weights.astype(jnp.float32), 0.0)
+    return jnp.sum(values * weights[:, :, None], axis=1).astype(rows.dtype)
+
+
+def sum_copies(rows: jax.Array, layout: RowLayout) -> jax.Array:
+    """``out[t] = sum_j rows[copy_row[t, j]]`` over kept copies (float32 sum), ``[T, d]``."""
+    return jnp.sum(copy_values(rows, layout).astype(jnp.float32), axis=1).astype(rows.dtype)

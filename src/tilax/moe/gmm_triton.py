@@ -1,0 +1,638 @@
+"""Grouped matmul kernels for the MoE experts: Pallas, Triton backend (interpret mode on CPU).
+
+The row space is the token copies sorted by expert (``dispatch.sort_by_expert``), padded to a
+multiple of the row tile. Forward-type kernels run one program per ``[block_m, block_n]`` output
+tile of one work item of a ``dispatch.GmmSchedule`` (a row tile and the expert whose rows it
+keeps), with the K loop inside the kernel and bfloat16/float32 operands fed to ``tl.dot`` with a
+float32 accumulator. A tile that straddles an expert boundary is computed once per expert and
+each pass stores only its own rows (a masked store), so every row is written by exactly one
+program: exact, deterministic, and with no padded per-expert copy of any activation.
+
+Kernels (each wrapper below builds one ``pallas_call``):
+
+- :func:`gmm`: ``out[r] = lhs[r] @ rhs[e(r)]`` with optional row gather through an index
+  (``lhs[index[r]]``), transposed weights (``rhs[e].T``, for input gradients), a second summed
+  product (``+ lhs2[r] @ rhs2[e(r)]``) and a per-row scale.
+- :func:`gmm_swiglu`: gate and up projections and the SwiGLU in one pass over the rows.
+- :func:`gmm_swiglu_bwd`: the down projection's input gradient fused with the SwiGLU backward.
+- :func:`gmm_combine`: the down projection with the weighted combine in its epilogue, summed
+  into the tokens' float32 outputs with atomic adds.
+- :func:`tgmm`: the "transposed" grouped matmul ``lhs[rows_e].T @ rhs[rows_e]`` for weight
+  gradients (ragged contraction over each expert's rows), one program per output tile.
+
+All feature dimensions must be multiples of 16 (the layer pads them); tiles are shrunk to the
+largest power of two dividing each dimension.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from tilax import _pallas
+from tilax.moe.dispatch import GmmSchedule
+
+# tl.dot needs every block dimension >= 16.
+MIN_BLOCK = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    """Kernel tiles and Triton launch parameters.
+
+    ``block_m``: rows of the sorted token copies per tile (forward-type kernels) and the output
+    tile's first dimension (``tgmm``); ``block_n``: output columns per tile; ``block_k``:
+    contraction step (features for forward-type kernels, rows for ``tgmm``). Powers of two
+    >= 16. ``num_warps``/``num_stages`` go to the Triton compiler (ignored in interpret mode).
+    """
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+    @property
+    def row_multiple(self) -> int:
+        """Row-space arrays must have a multiple of this many rows."""
+        return max(self.block_m, self.block_k)
+
+
+def fit_block(block: int, dim: int) -> int:
+    """The largest power of two <= ``block`` that divides ``dim`` (at least 16)."""
+    fitted = min(block, _pallas.next_power_of_2(dim))
+    while dim % fitted:
+        fitted //= 2
+    if fitted < MIN_BLOCK:
+        raise ValueError(f"dimension {dim} needs a multiple of {MIN_BLOCK} for the kernels")
+    return fitted
+
+
+def _epilogue_block_n(tiles: Tiles) -> int:
+    """Column tile for epilogues that keep three tile-sized float32 values live (the SwiGLU
+    backward): at most 32 accumulator elements per thread, else the registers spill."""
+    return max(MIN_BLOCK, 32 * 32 * tiles.num_warps // tiles.block_m)
+
+
+def _call(kernel, *, tiles: Tiles, backend: str, **kwargs):
+    return _pallas.pallas_call(
+        kernel,
+        backend=backend,
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
+        **kwargs,
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# In-kernel helpers (traced inside the kernels).
+
+
+def _iota(shape: tuple[int, ...], dim: int) -> jax.Array:
+    return lax.broadcasted_iota(jnp.int32, shape, dim)
+
+
+def _item_rows_mask(lo, hi, block_m: int) -> jax.Array:
+    """``[block_m, 1]`` bool: tile-local rows ``[lo, hi)``."""
+    local = _iota((block_m, 1), 0)
+    return (local >= lo) & (local < hi)
+
+
+def _load_rows(ref, row_start, src_rows, col_start, num_rows: int, num_cols: int, mask=None):
+    """A ``[num_rows, num_cols]`` tile of a 2-D ref: contiguous rows, or gathered ``src_rows``."""
+    if src_rows is None:
+        view = ref.at[pl.ds(row_start, num_rows), pl.ds(col_start, num_cols)]
+    else:
+        view = ref.at[src_rows[:, None], col_start + _iota((1, num_cols), 1)]
+    if mask is None:
+        return plt.load(view)
+    return plt.load(view, mask=mask, other=jnp.zeros((), ref.dtype))
+
+
+def _weight_tile(w_ref, expert, k_start, n_start, block_k: int, block_n: int, transpose: bool):
+    """Expert ``expert``'s ``[block_k, block_n]`` weight tile, or ``[block_n, block_k]`` of the
+    ``[E, N, K]`` layout when ``transpose`` (the product then contracts its last dimension)."""
+    if transpose:
+        return w_ref[expert, pl.ds(n_start, block_n), pl.ds(k_start, block_k)]
+    return w_ref[expert, pl.ds(k_start, block_k), pl.ds(n_start, block_n)]
+
+
+def _dot(a, b, *, contract_a: int = 1, contract_b: int = 0) -> jax.Array:
+    dims = (((contract_a,), (contract_b,)), ((), ()))
+    return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
+
+
+def _swiglu_parts(gate, up):
+    """float32 ``sigmoid(gate)``, ``silu(gate)`` and ``silu(gate) * up``."""
+    sig = jax.nn.sigmoid(gate)
+    silu = gate * sig
+    return sig, silu, silu * up
+
+
+# ----------------------------------------------------------------------------------------------
+# gmm: out[r] = lhs[r | index[r]] @ rhs[e(r)] (+ lhs2[r] @ rhs2[e(r)]) (* scale[r])
+
+
+def _gmm_kernel(
+    expert_ref, tile_ref, lo_ref, hi_ref, *refs,
+    block_m, block_n, block_k, num_k, gather, transpose_rhs, dual, scaled,
+):
+    refs = list(refs)
+    index_ref = refs.pop(0) if gather else None
+    lhs_ref, rhs_ref = refs.pop(0), refs.pop(0)
+    lhs2_ref, rhs2_ref = (refs.pop(0), refs.pop(0)) if dual else (None, None)
+    scale_ref = refs.pop(0) if scaled else None
+    (out_ref,) = refs
+    n_tile, item = pl.program_id(0), pl.program_id(1)
+    lo, hi = lo_ref[item], hi_ref[item]
+
+    @pl.when(lo < hi)
+    def _compute():
+        expert = expert_ref[item]
+        row_start = pl.multiple_of(tile_ref[item] * block_m, block_m)
+        n_start = pl.multiple_of(n_tile * block_n, block_n)
+        src_rows = index_ref[pl.ds(row_start, block_m)] if gather else None
+        contract_b = 1 if transpose_rhs else 0
+
+        def body(k, acc):
+            k_start = pl.multiple_of(k * block_k, block_k)
+            a = _load_rows(lhs_ref, row_start, src_rows, k_start, block_m, block_k)
+            b = _weight_tile(rhs_ref, expert, k_start, n_start, block_k, block_n, transpose_rhs)
+            acc += _dot(a, b, contract_b=contract_b)
+            if dual:
+                a2 = _load_rows(lhs2_ref, row_start, None, k_start, block_m, block_k)
+                b2 = _weight_tile(
+                    rhs2_ref, expert, k_start, n_start, block_k, block_n, transpose_rhs
+                )
+                acc += _dot(a2, b2, contract_b=contract_b)
+            return acc
+
+        acc = lax.fori_loop(0, num_k, body, jnp.zeros((block_m, block_n), jnp.float32))
+        if scaled:
+            acc = acc * scale_ref[pl.ds(row_start, block_m)][:, None]
+        plt.store(
+            out_ref.at[pl.ds(row_start, block_m), pl.ds(n_start, block_n)],
+            acc.astype(out_ref.dtype),
+            mask=_item_rows_mask(lo, hi, block_m),
+        )
+
+
+def gmm(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    schedule: GmmSchedule,
+    *,
+    tiles: Tiles,
+    backend: str,
+    index: jax.Array | None = None,
+    transpose_rhs: bool = False,
+    lhs2: jax.Array | None = None,
+    rhs2: jax.Array | None = None,
+    row_scale: jax.Array | None = None,
+    out_dtype=None,
+) -> jax.Array:
+    """Grouped matmul over the row space.
+
+    Args:
+        lhs: ``[R_pad, K]`` rows, or any ``[S, K]`` source gathered through ``index``.
+        rhs: ``[E, K, N]`` expert weights, or ``[E, N, K]`` with ``transpose_rhs``.
+        schedule: work items from ``dispatch.gmm_schedule(offsets, R_pad, tiles.block_m)``.
+        tiles, backend: kernel tiles; ``"triton"`` or ``"interpret"``.
+        index: ``[R_pad]`` int32 rows of ``lhs`` to read (the in-kernel gather).
+        transpose_rhs: multiply by ``rhs[e].T`` (``rhs`` stored ``[E, N, K]``).
+        lhs2, rhs2: a second product ``lhs2[r] @ rhs2[e(r)]`` added in the same K loop
+            (``lhs2`` in row space, same shapes and transposition as ``lhs``/``rhs``).
+        row_scale: ``[R_pad]`` float32 factors applied to the float32 result rows.
+        out_dtype: result dtype (default ``lhs.dtype``).
+
+    Returns:
+        ``[R_pad, N]``.
+    """
+    num_rows = lhs.shape[0] if index is None else index.shape[0]
+    k_dim = lhs.shape[1]
+    n_dim = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    block_m = tiles.block_m
+    block_n, block_k = fit_block(tiles.block_n, n_dim), fit_block(tiles.block_k, k_dim)
+    if num_rows % block_m:
+        raise ValueError(f"row count {num_rows} is not a multiple of block_m {block_m}")
+    args = [*schedule]
+    if index is not None:
+        args.append(index)
+    args += [lhs, rhs]
+    if lhs2 is not None:
+        args += [lhs2, rhs2]
+    if row_scale is not None:
+        args.append(row_scale)
+    kernel = functools.partial(
+        _gmm_kernel,
+        block_m=block_m,
+        block_n=block_n,
+        block_k=block_k,
+        num_k=k_dim // block_k,
+        gather=index is not None,
+        transpose_rhs=transpose_rhs,
+        dual=lhs2 is not None,
+        scaled=row_scale is not None,
+    )
+    return _call(
+        kernel,
+        tiles=tiles,
+        backend=backend,
+        grid=(n_dim // block_n, schedule.expert.shape[0]),
+        out_shape=jax.ShapeDtypeStruct((num_rows, n_dim), out_dtype or lhs.dtype),
+        name="moe_gmm",
+    )(*args)
+
+
+# ----------------------------------------------------------------------------------------------
+# gmm_swiglu: a = silu(x_r @ w_gate[e]) * (x_r @ w_up[e])
+
+
+def _swiglu_kernel(
+    expert_ref, tile_ref, lo_ref, hi_ref, *refs,
+    block_m, block_n, block_k, num_k, gather, save_preactivations,
+):
+    refs = list(refs)
+    index_ref = refs.pop(0) if gather else None
+    x_ref, wg_ref, wu_ref, a_ref = refs[:4]
+    n_tile, item = pl.program_id(0), pl.program_id(1)
+    lo, hi = lo_ref[item], hi_ref[item]
+
+    @pl.when(lo < hi)
+    def _compute():
+        expert = expert_ref[item]
+        row_start = pl.multiple_of(tile_ref[item] * block_m, block_m)
+        n_start = pl.multiple_of(n_tile * block_n, block_n)
+        src_rows = index_ref[pl.ds(row_start, block_m)] if gather else None
+
+        def body(k, accs):
+            acc_g, acc_u = accs
+            k_start = pl.multiple_of(k * block_k, block_k)
+            a = _load_rows(x_ref, row_start, src_rows, k_start, block_m, block_k)
+            wg = _weight_tile(wg_ref, expert, k_start, n_start, block_k, block_n, False)
+            wu = _weight_tile(wu_ref, expert, k_start, n_start, block_k, block_n, False)
+            return acc_g + _dot(a, wg), acc_u + _dot(a, wu)
+
+        zeros = jnp.zeros((block_m, block_n), jnp.float32)
+        gate, up = lax.fori_loop(0, num_k, body, (zeros, zeros))
+        mask = _item_rows_mask(lo, hi, block_m)
+        tile = (pl.ds(row_start, block_m), pl.ds(n_start, block_n))
+        outputs = [(a_ref, _swiglu_parts(gate, up)[2])]
+        if save_preactivations:
+            outputs += [(refs[4], gate), (refs[5], up)]
+        for ref, value in outputs:
+            plt.store(ref.at[tile], value.astype(ref.dtype), mask=mask)
+
+
+def gmm_swiglu(
+    x: jax.Array,
+    w_gate: jax.Array,
+    w_up: jax.Array,
+    schedule: GmmSchedule,
+    *,
+    tiles: Tiles,
+    backend: str,
+    index: jax.Array | None = None,
+    save_preactivations: bool = False,
+) -> tuple[jax.Array, ...]:
+    """Fused gate/up projections and SwiGLU: ``a = silu(x_r @ w_gate[e]) * (x_r @ w_up[e])``.
+
+    Args:
+        x: ``[R_pad, d]`` rows, or ``[T, d]`` tokens gathered through ``index``.
+        w_gate, w_up: ``[E, d, h]``.
+        schedule, tiles, backend, index: as for :func:`gmm`.
+        save_preactivations: also return the gate and up pre-activations (for the backward).
+
+    Returns:
+        ``(a,)`` or ``(a, gate, up)``, each ``[R_pad, h]`` in ``x.dtype``.
+    """
+    num_rows = x.shape[0] if index is None else index.shape[0]
+    d_dim, h_dim = w_gate.shape[1], w_gate.shape[2]
+    block_n, block_k = fit_block(tiles.block_n, h_dim), fit_block(tiles.block_k, d_dim)
+    kernel = functools.partial(
+        _swiglu_kernel,
+        block_m=tiles.block_m,
+        block_n=block_n,
+        block_k=block_k,
+        num_k=d_dim // block_k,
+        gather=index is not None,
+        save_preactivations=save_preactivations,
+    )
+    args = [*schedule] + ([index] if index is not None else []) + [x, w_gate, w_up]
+    out = jax.ShapeDtypeStruct((num_rows, h_dim), x.dtype)
+    return tuple(
+        _call(
+            kernel,
+            tiles=tiles,
+            backend=backend,
+            grid=(h_dim // block_n, schedule.expert.shape[0]),
+            out_shape=[out] * (3 if save_preactivations else 1),
+            name="moe_gmm_swiglu",
+        )(*args)
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# gmm_swiglu_bwd: dz = dy_r @ w_down[e].T, then the SwiGLU backward in the epilogue
+
+
+def _swiglu_bwd_kernel(
+    expert_ref, tile_ref, lo_ref, hi_ref, *refs,
+    block_m, block_n, block_k, num_k, gather,
+):
+    refs = list(refs)
+    index_ref = refs.pop(0) if gather else None
+    dy_ref, w_ref, g_ref, u_ref, scale_ref, dg_ref, du_ref, aw_ref, dwp_ref = refs
+    n_tile, item = pl.program_id(0), pl.program_id(1)
+    lo, hi = lo_ref[item], hi_ref[item]
+
+    @pl.when(lo < hi)
+    def _compute():
+        expert = expert_ref[item]
+        row_start = pl.multiple_of(tile_ref[item] * block_m, block_m)
+        n_start = pl.multiple_of(n_tile * block_n, block_n)
+        src_rows = index_ref[pl.ds(row_start, block_m)] if gather else None
+
+        def body(k, acc):
+            k_start = pl.multiple_of(k * block_k, block_k)
+            a = _load_rows(dy_ref, row_start, src_rows, k_start, block_m, block_k)
+            b = _weight_tile(w_ref, expert, k_start, n_start, block_k, block_n, True)
+            return acc + _dot(a, b, contract_b=1)
+
+        dz = lax.fori_loop(0, num_k, body, jnp.zeros((block_m, block_n), jnp.float32))
+        # Epilogue ordered so each output is stored as soon as it exists (register pressure).
+        tile = (pl.ds(row_start, block_m), pl.ds(n_start, block_n))
+        mask = _item_rows_mask(lo, hi, block_m)
+        weight = scale_ref[pl.ds(row_start, block_m)][:, None]
+        gate = g_ref[tile].astype(jnp.float32)
+        up = u_ref[tile].astype(jnp.float32)
+        sig, silu, act = _swiglu_parts(gate, up)
+        plt.store(
+            dwp_ref.at[n_tile, pl.ds(row_start, block_m)],
+            jnp.sum(dz * act, axis=1),
+            mask=mask[:, 0],
+        )
+        plt.store(aw_ref.at[tile], (act * weight).astype(aw_ref.dtype), mask=mask)
+        d_act = dz * weight
+        plt.store(du_ref.at[tile], (d_act * silu).astype(du_ref.dtype), mask=mask)
+        d_gate = d_act * up * (sig * (1.0 + gate * (1.0 - sig)))
+        plt.store(dg_ref.at[tile], d_gate.astype(dg_ref.dtype), mask=mask)
+
+
+def gmm_swiglu_bwd(
+    dy: jax.Array,
+    w_down: jax.Array,
+    gate: jax.Array,
+    up: jax.Array,
+    row_scale: jax.Array,
+    schedule: GmmSchedule,
+    *,
+    tiles: Tiles,
+    backend: str,
+    index: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Backward of ``y_r = w_r * (silu(gate_r) * up_r) @ w_down[e]`` for every row.
+
+    With ``dz = dy_r @ w_down[e].T`` (float32) and ``a = silu(gate) * up``: ``d_gate``,
+    ``d_up`` (the SwiGLU backward of ``w_r * dz``), ``a * w_r`` (the left operand of the
+    ``w_down`` gradient) and the partial sums of ``dz . a`` per column tile (summed over tiles,
+    the gradient of the row's combine weight).
+
+    Args:
+        dy: ``[R_pad, d]`` rows, or ``[T, d]`` output gradients gathered through ``index``.
+        w_down: ``[E, h, d]``.
+        gate, up: ``[R_pad, h]`` pre-activations saved by the forward.
+        row_scale: ``[R_pad]`` float32 combine weights ``w_r`` (0 on padding/dropped rows).
+        schedule, tiles, backend, index: as for :func:`gmm`.
+
+    Returns:
+        ``d_gate, d_up, a_scaled`` (``[R_pad, h]``, ``gate.dtype``) and ``dw_partial``
+        (``[h / block_n, R_pad]`` float32).
+    """
+    num_rows, h_dim = gate.shape
+    d_dim = w_down.shape[2]
+    block_n = fit_block(min(tiles.block_n, _epilogue_block_n(tiles)), h_dim)
+    block_k = fit_block(tiles.block_k, d_dim)
+    n_tiles = h_dim // block_n
+    kernel = functools.partial(
+        _swiglu_bwd_kernel,
+        block_m=tiles.block_m,
+        block_n=block_n,
+        block_k=block_k,
+        num_k=d_dim // block_k,
+        gather=index is not None,
+    )
+    args = [*schedule] + ([index] if index is not None else []) + [dy, w_down, gate, up]
+    rows = jax.ShapeDtypeStruct((num_rows, h_dim), gate.dtype)
+    return tuple(
+        _call(
+            kernel,
+            tiles=tiles,
+            backend=backend,
+            grid=(n_tiles, schedule.expert.shape[0]),
+            out_shape=[rows, rows, rows, jax.ShapeDtypeStruct((n_tiles, num_rows), jnp.float32)],
+            name="moe_gmm_swiglu_bwd",
+        )(*args, row_scale)
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# gmm_combine: y[token(r)] += w_r * (a_r @ w_down[e]) with float32 atomics
+
+
+def _combine_kernel(
+    expert_ref, tile_ref, lo_ref, hi_ref, a_ref, w_ref, scale_ref, target_ref, _init_ref, y_ref,
+    *, block_m, block_n, block_k, num_k, num_tokens, masked_atomics,
+):
+    n_tile, item = pl.program_id(0), pl.program_id(1)
+    lo, hi = lo_ref[item], hi_ref[item]
+
+    @pl.when(lo < hi)
+    def _compute():
+        expert = expert_ref[item]
+        row_start = pl.multiple_of(tile_ref[item] * block_m, block_m)
+        n_start = pl.multiple_of(n_tile * block_n, block_n)
+
+        def body(k, acc):
+            k_start = pl.multiple_of(k * block_k, block_k)
+            a = _load_rows(a_ref, row_start, None, k_start, block_m, block_k)
+            b = _weight_tile(w_ref, expert, k_start, n_start, block_k, block_n, False)
+            return acc + _dot(a, b)
+
+        acc = lax.fori_loop(0, num_k, body, jnp.zeros((block_m, block_n), jnp.float32))
+        acc = acc * scale_ref[pl.ds(row_start, block_m)][:, None]
+        target = target_ref[pl.ds(row_start, block_m)][:, None]
+        keep = _item_rows_mask(lo, hi, block_m) & (target < num_tokens)
+        cols = n_start + _iota((1, block_n), 1)
+        if masked_atomics:
+            mask = jnp.broadcast_to(keep, (block_m, block_n))
+            plt.atomic_add(y_ref, (target, cols), acc, mask=mask)
+        else:
+            # Interpret mode has no masked atomics: rows this item does not own add into the
+            # scratch row ``num_tokens`` instead (their tokens may repeat; kept rows never do).
+            plt.atomic_add(y_ref, (jnp.where(keep, target, num_tokens), cols), acc)
+
+
+def gmm_combine(
+    hidden: jax.Array,
+    w_down: jax.Array,
+    row_scale: jax.Array,
+    row_target: jax.Array,
+    schedule: GmmSchedule,
+    *,
+    num_tokens: int,
+    tiles: Tiles,
+    backend: str,
+) -> jax.Array:
+    """Down projection with the weighted combine fused into the epilogue.
+
+    ``y[t] = sum over rows r with row_target[r] == t of row_scale[r] * hidden[r] @ w_down[e(r)]``,
+    accumulated with float32 atomic adds straight into the token outputs: no per-copy output
+    buffer. Exact up to float32 rounding; with at most two copies per token (top_k <= 2) the
+    result is bitwise deterministic (``0 + a + b == 0 + b + a``), with more copies the float32
+    summation order may vary between runs (differences at float32 rounding level).
+
+    Args:
+        hidden: ``[R_pad, h]`` SwiGLU activations in row space.
+        w_down: ``[E, h, d]``.
+        row_scale: ``[R_pad]`` float32 combine weights.
+        row_target: ``[R_pad]`` int32 token of each row; ``num_tokens`` for rows to skip.
+        schedule, tiles, backend: as for :func:`gmm`.
+        num_tokens: ``T``.
+
+    Returns:
+        ``[T, d]`` float32.
+    """
+    num_rows, h_dim = hidden.shape
+    d_dim = w_down.shape[2]
+    block_n, block_k = fit_block(tiles.block_n, d_dim), fit_block(tiles.block_k, h_dim)
+    kernel = functools.partial(
+        _combine_kernel,
+        block_m=tiles.block_m,
+        block_n=block_n,
+        block_k=block_k,
+        num_k=h_dim // block_k,
+        num_tokens=num_tokens,
+        masked_atomics=backend == "triton",
+    )
+    init = jnp.zeros((num_tokens + 1, d_dim), jnp.float32)
+    args = [*schedule, hidden, w_down, row_scale, row_target, init]
+    out = _call(
+        kernel,
+        tiles=tiles,
+        backend=backend,
+        grid=(d_dim // block_n, schedule.expert.shape[0]),
+        out_shape=jax.ShapeDtypeStruct(init.shape, jnp.float32),
+        input_output_aliases={len(args) - 1: 0},
+        name="moe_gmm_combine",
+    )(*args)
+    return out[:num_tokens]
+
+
+# ----------------------------------------------------------------------------------------------
+# tgmm: out[e] = lhs[rows of e].T @ rhs[rows of e]  (ragged contraction over rows)
+
+
+def _tgmm_kernel(
+    offsets_ref, *refs,
+    block_m, block_n, block_k, lhs_gather, rhs_gather, dual,
+):
+    refs = list(refs)
+    lhs_index_ref = refs.pop(0) if lhs_gather else None
+    rhs_index_ref = refs.pop(0) if rhs_gather else None
+    lhs_ref, rhs_ref = refs.pop(0), refs.pop(0)
+    rhs2_ref = refs.pop(0) if dual else None
+    out_refs = refs
+    n_tile, m_tile, expert = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    lo, hi = offsets_ref[expert], offsets_ref[expert + 1]
+    m_start = pl.multiple_of(m_tile * block_m, block_m)
+    n_start = pl.multiple_of(n_tile * block_n, block_n)
+
+    def body(chunk, accs):
+        row_start = pl.multiple_of(chunk * block_k, block_k)
+        rows = row_start + _iota((block_k, 1), 0)
+        mask = (rows >= lo) & (rows < hi)
+        lhs_rows = lhs_index_ref[pl.ds(row_start, block_k)] if lhs_gather else None
+        rhs_rows = rhs_index_ref[pl.ds(row_start, block_k)] if rhs_gather else None
+        a = _load_rows(lhs_ref, row_start, lhs_rows, m_start, block_k, block_m, mask)
+        updated = []
+        for acc, ref in zip(accs, (rhs_ref, rhs2_ref)[: len(accs)], strict=True):
+            b = _load_rows(ref, row_start, rhs_rows, n_start, block_k, block_n, mask)
+            updated.append(acc + _dot(a, b, contract_a=0))
+        return tuple(updated)
+
+    zeros = jnp.zeros((block_m, block_n), jnp.float32)
+    accs = lax.fori_loop(
+        lo // block_k, (hi + block_k - 1) // block_k, body, (zeros,) * (2 if dual else 1)
+    )
+    for ref, acc in zip(out_refs, accs, strict=True):
+        ref[expert, pl.ds(m_start, block_m), pl.ds(n_start, block_n)] = acc.astype(ref.dtype)
+
+
+def tgmm(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    group_offsets: jax.Array,
+    *,
+    tiles: Tiles,
+    backend: str,
+    lhs_index: jax.Array | None = None,
+    rhs_index: jax.Array | None = None,
+    rhs2: jax.Array | None = None,
+    out_dtype=None,
+) -> tuple[jax.Array, ...]:
+    """Per-expert ``lhs_rows.T @ rhs_rows`` over each expert's rows: weight gradients.
+
+    ``out[e] = sum over r in [group_offsets[e], group_offsets[e+1]) of outer(lhs_r, rhs_r)``,
+    with ``lhs_r = lhs[lhs_index[r]]`` when gathered (likewise ``rhs``). Rows outside every
+    group (padding, dropped copies) are masked out of the loads; experts without rows get
+    zeros.
+
+    Args:
+        lhs: ``[R_pad, K]`` rows, or a ``[S, K]`` source gathered through ``lhs_index``.
+        rhs: ``[R_pad, N]`` rows, or a ``[S, N]`` source gathered through ``rhs_index``.
+        group_offsets: ``[E + 1]`` int32 row boundaries of the experts.
+        tiles, backend: as for :func:`gmm` (``block_k`` is the row step).
+        lhs_index, rhs_index: ``[R_pad]`` int32 gathers.
+        rhs2: a second right operand (same rows as ``rhs``) sharing the loads of ``lhs``.
+        out_dtype: result dtype (default ``lhs.dtype``).
+
+    Returns:
+        ``(out,)`` or ``(out, out2)``, each ``[E, K, N]``.
+    """
+    num_rows = lhs.shape[0] if lhs_index is None else lhs_index.shape[0]
+    k_dim, n_dim = lhs.shape[1], rhs.shape[1]
+    num_experts = group_offsets.shape[0] - 1
+    block_m, block_n = fit_block(tiles.block_m, k_dim), fit_block(tiles.block_n, n_dim)
+    block_k = tiles.block_k
+    if num_rows % block_k:
+        raise ValueError(f"row count {num_rows} is not a multiple of block_k {block_k}")
+    kernel = functools.partial(
+        _tgmm_kernel,
+        block_m=block_m,
+        block_n=block_n,
+        block_k=block_k,
+        lhs_gather=lhs_index is not None,
+        rhs_gather=rhs_index is not None,
+        dual=rhs2 is not None,
+    )
+    args = [group_offsets]
+    args += [i for i in (lhs_index, rhs_index) if i is not None]
+    args += [lhs, rhs] + ([rhs2] if rhs2 is not None else [])
+    out = jax.ShapeDtypeStruct((num_experts, k_dim, n_dim), out_dtype or lhs.dtype)
+    return tuple(
+        _call(
+            kernel,
+            tiles=tiles,
+            backend=backend,
+            grid=(n_dim // block_n, k_dim // block_m, num_experts),
+            out_shape=[out] * (2 if rhs2 is not None else 1),
+            name="moe_tgmm",
+        )(*args)
+    )

@@ -1,0 +1,187 @@
+"""Plain-XLA MoE implementations: the benchmark baselines and the tests' oracle.
+
+The baselines compute the same math as the Pallas layer from the same router decisions and row
+layout (``dispatch.py``):
+
+- :func:`experts_blocked`: padded expert blocks, ``[E, B, d]`` with ``B = T`` (dropless: one
+  expert may receive every token) or ``min(T, C)`` under capacity routing; batched matmuls.
+- :func:`experts_ragged_dot`: the sorted rows through ``jax.lax.ragged_dot``.
+- :func:`experts_dense`: dense routing, every expert on every token, weighted by the combine
+  weights (zero for experts a token did not choose).
+
+:func:`moe_oracle` is written straight from the layer's definition in float32 at the highest
+matmul precision, sharing no code with the implementations: the tests compare everything to it.
+All baselines take bfloat16 or float32 operands and accumulate in float32; intermediate
+activations are rounded to the operand dtype, as the kernels do.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from tilax.moe import dispatch
+from tilax.moe.dispatch import RowLayout
+
+F32 = jnp.float32
+
+
+def _mm(a: jax.Array, b: jax.Array, spec: str) -> jax.Array:
+    return jnp.einsum(spec, a, b, preferred_element_type=F32)
+
+
+def swiglu_activation(gate: jax.Array, up: jax.Array) -> jax.Array:
+    """``silu(gate) * up`` computed in float32, returned in ``gate.dtype``."""
+    gate32 = gate.astype(F32)
+    return (jax.nn.silu(gate32) * up.astype(F32)).astype(gate.dtype)
+
+
+def swiglu_activation_bwd(
+    gate: jax.Array, up: jax.Array, d_act: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """Gradients of ``silu(gate) * up`` w.r.t. ``gate`` and ``up`` (float32 math)."""
+    gate32, up32, d32 = gate.astype(F32), up.astype(F32), d_act.astype(F32)
+    sig = jax.nn.sigmoid(gate32)
+    d_gate = d32 * up32 * sig * (1.0 + gate32 * (1.0 - sig))
+    d_up = d32 * gate32 * sig
+    return d_gate.astype(gate.dtype), d_up.astype(up.dtype)
+
+
+def shared_expert(x: jax.Array, shared: dict) -> jax.Array:
+    """The shared expert: a dense SwiGLU ``[T, d] -> [T, d]`` in ``x.dtype``."""
+    gate = _mm(x, shared["w_gate"], "td,ds->ts").astype(x.dtype)
+    up = _mm(x, shared["w_up"], "td,ds->ts").astype(x.dtype)
+    return _mm(swiglu_activation(gate, up), shared["w_down"], "ts,sd->td").astype(x.dtype)
+
+
+def _expert_swiglu_batched(x_blocks, w_gate, w_up, w_down):
+    """Every expert on its own block of rows: ``[E, B, d] -> [E, B, d]``."""
+    gate = _mm(x_blocks, w_gate, "ebd,edh->ebh").astype(x_blocks.dtype)
+    up = _mm(x_blocks, w_up, "ebd,edh->ebh").astype(x_blocks.dtype)
+    act = swiglu_activation(gate, up)
+    return _mm(act, w_down, "ebh,ehd->ebd").astype(x_blocks.dtype)
+
+
+def experts_dense(
+    x: jax.Array,
+    w_gate: jax.Array,
+    w_up: jax.Array,
+    w_down: jax.Array,
+    expert_ids: jax.Array,
+    weights: jax.Array,
+) -> jax.Array:
+    """Dense routing: ``y[t] = sum_e c[t, e] * expert_e(x[t])`` with every expert on every token.
+
+    ``c[t, e]`` is the combine weight of expert ``e`` for token ``t`` (zero unless chosen).
+    Memory ``E * T * d_hidden``; no sort, no gather.
+    """
+    num_experts = w_gate.shape[0]
+    one_hot = jax.nn.one_hot(expert_ids, num_experts, dtype=F32)
+    coefficients = jnp.einsum("tk,tke->te", weights.astype(F32), one_hot)
+    x_blocks = jnp.broadcast_to(x, (num_experts,) + x.shape)
+    outputs = _expert_swiglu_batched(x_blocks, w_gate, w_up, w_down)
+    return jnp.einsum("etd,te->td", outputs.astype(F32), coefficients).astype(x.dtype)
+
+
+def _row_experts(layout: RowLayout, num_rows: int) -> jax.Array:
+    """``[num_rows]`` expert owning each row (the last expert for rows past every group)."""
+    rows = jnp.arange(num_rows, dtype=jnp.int32)
+    num_experts = layout.group_sizes.shape[0]
+    owner = jnp.searchsorted(layout.group_offsets[1:], rows, side="right")
+    return jnp.minimum(owner, num_experts - 1).astype(jnp.int32)
+
+
+def experts_blocked(
+    x: jax.Array,
+    w_gate: jax.Array,
+    w_up: jax.Array,
+    w_down: jax.Array,
+    weights: jax.Array,
+    layout: RowLayout,
+    block_rows: int,
+) -> jax.Array:
+    """Padded expert blocks in plain XLA.
+
+    Expert ``e``'s rows are copied into slot block ``[e, :group_sizes[e]]`` of an
+    ``[E, block_rows, d]`` buffer (the rest zero), the experts run as batched matmuls and each
+    copy reads its output back from its slot. ``block_rows`` must bound every group size
+    (``T`` for dropless routing, ``min(T, C)`` with capacity ``C``).
+    """
+    num_experts = w_gate.shape[0]
+    slots = jnp.arange(block_rows, dtype=jnp.int32)
+    slot_rows = layout.group_offsets[:-1, None] + slots[None, :]
+    slot_used = slots[None, :] < layout.group_sizes[:, None]
+    slot_rows = jnp.where(slot_used, slot_rows, 0)
+    tokens = jnp.take(layout.row_token, slot_rows)
+    x_blocks = jnp.where(slot_used[..., None], jnp.take(x, tokens, axis=0), 0).astype(x.dtype)
+    out_blocks = _expert_swiglu_batched(x_blocks, w_gate, w_up, w_down)
+    num_rows = layout.row_token.shape[0]
+    row_expert = _row_experts(layout, num_rows)
+    row_slot = jnp.arange(num_rows, dtype=jnp.int32) - layout.group_offsets[row_expert]
+    row_slot = jnp.clip(row_slot, 0, block_rows - 1)
+    rows = out_blocks.reshape(num_experts * block_rows, -1)[row_expert * block_rows + row_slot]
+    return dispatch.combine(rows, weights, layout)
+
+
+def experts_ragged_dot(
+    x: jax.Array,
+    w_gate: jax.Array,
+    w_up: jax.Array,
+    w_down: jax.Array,
+    weights: jax.Array,
+    layout: RowLayout,
+) -> jax.Array:
+    """Sorted rows through ``jax.lax.ragged_dot`` for the three projections.
+
+    Rows past ``sum(group_sizes)`` (dropped copies) belong to no group: ``ragged_dot`` leaves
+    them zero, and the combine skips them.
+    """
+    xs = dispatch.permute(x, layout)
+    sizes = layout.group_sizes
+
+    def ragged(lhs, rhs):
+        return jax.lax.ragged_dot(lhs, rhs, sizes, preferred_element_type=F32).astype(x.dtype)
+
+    act = swiglu_activation(ragged(xs, w_gate), ragged(xs, w_up))
+    return dispatch.combine(ragged(act, w_down), weights, layout)
+
+
+def moe_oracle(params: dict, x: jax.Array, config) -> jax.Array:
+    """float32 reference of ``moe_apply``'s output, straight from the math.
+
+    Every expert runs on every token at ``Precision.HIGHEST``; capacity routing keeps copy
+    ``(t, j)`` when fewer than ``C`` earlier tokens chose the same expert. Returns float32 with
+    the shape of ``x``.
+    """
+    highest = jax.lax.Precision.HIGHEST
+    d_model, num_experts, top_k = config.d_model, config.num_experts, config.top_k
+    x32 = x.reshape(-1, d_model).astype(F32)
+    num_tokens = x32.shape[0]
+
+    def mm(spec, a, b):
+        return jnp.einsum(spec, a.astype(F32), b.astype(F32), precision=highest)
+
+    logits = mm("td,de->te", x32, params["router"])
+    probs = jax.nn.softmax(logits, axis=-1)
+    top_probs, expert_ids = jax.lax.top_k(probs, top_k)
+    if config.renormalize:
+        top_probs = top_probs / jnp.sum(top_probs, axis=-1, keepdims=True)
+    gate = mm("td,edh->teh", x32, params["w_gate"])
+    up = mm("td,edh->teh", x32, params["w_up"])
+    every_expert = mm("teh,ehd->ted", jax.nn.silu(gate) * up, params["w_down"])
+    chosen = jnp.take_along_axis(every_expert, expert_ids[:, :, None], axis=1)
+    keep = jnp.ones(expert_ids.shape, bool)
+    if config.routing == "capacity":
+        capacity = math.ceil(config.capacity_factor * num_tokens * top_k / num_experts)
+        picks = jax.nn.one_hot(expert_ids, num_experts, dtype=jnp.int32).sum(axis=1)
+        earlier = jnp.cumsum(picks, axis=0) - picks
+        keep = jnp.take_along_axis(earlier, expert_ids, axis=1) < capacity
+    y = jnp.sum(jnp.where(keep, top_probs, 0.0)[:, :, None] * chosen, axis=1)
+    shared = params.get("shared")
+    if config.shared_hidden and shared is not None:
+        s_gate = mm("td,ds->ts", x32, shared["w_gate"])
+        s_up = mm("td,ds->ts", x32, shared["w_up"])
+        y = y + mm("ts,sd->td", jax.nn.silu(s_gate) * s_up, shared["w_down"])
+    return y.reshape(x.shape)
