@@ -4,11 +4,13 @@ A block is runnable when the line right before its opening fence is the HTML com
 ``<!-- runnable -->`` and the fence is a ```` ```python ```` fence (see docs/contributing.md).
 The runnable blocks of one page run in page order in one namespace, like a notebook; each page
 gets a fresh namespace. Pages read the environment variable ``TILAX_DOCS_SMALL`` to pick sizes
-that run in seconds on a CPU; this test sets it.
+that run in seconds on a CPU; this test sets it to 1 unless it is already set, so
+``TILAX_DOCS_SMALL=0 pytest tests/docs`` runs the pages at their full (GPU) sizes.
 """
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -98,7 +100,7 @@ def pages_with_runnable_blocks() -> list[Path]:
 @pytest.mark.parametrize("page", pages_with_runnable_blocks(), ids=display_name)
 def test_runnable_blocks_of_page(page: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     blocks = runnable_blocks(page)
-    monkeypatch.setenv("TILAX_DOCS_SMALL", "1")
+    monkeypatch.setenv("TILAX_DOCS_SMALL", os.environ.get("TILAX_DOCS_SMALL", "1"))
     namespace: dict[str, object] = {"__name__": f"docs_{page.stem.replace('-', '_')}"}
     for block in blocks:
         # Pad with newlines so that tracebacks name the page's own line numbers.
