@@ -1,0 +1,10 @@
+"""mkdocs-gen-files script: the report page built by tilax_report.pages.nn_suites."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from tilax_report import site  # noqa: E402
+
+site.write_page("nn_suites")

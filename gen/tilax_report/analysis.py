@@ -1,0 +1,226 @@
+"""Derived tables the report pages share: labels, within-run comparisons, growth fits.
+
+Speed is only ever compared within one run (one file's run id on one device): every ratio here
+is computed inside a group keyed by (source_file, run, ...case). Comparing runs on different GPUs
+is done separately and labelled as such (`across_devices`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import pandas as pd
+
+from .render import fmt_int, fmt_ms, short_error
+
+RUN_KEYS = ["source_file", "run", "device"]
+MOE_CONFIG = ["d_model", "d_hidden", "experts", "top_k", "shared_hidden", "skew"]
+MOE_CASE = [*MOE_CONFIG, "dtype", "op", "tokens"]
+RBF_CONFIG = ["dim", "out", "batch"]
+RBF_CASE = ["suite", *RBF_CONFIG, "op", "n", "m"]
+# Codes in order of preference when one run has to stand for a device in a headline.
+CODE_RANK = {"final": 0, "intermediate": 1, "sweep": 2, "before": 3}
+
+
+def with_labels(table: pd.DataFrame) -> pd.DataFrame:
+    """Add display columns: ``label`` (impl as compared), ``config``, ``gpu`` and
+    ``error_short``."""
+    frame = table.copy()
+    frame["label"] = [_impl_label(r) for r in frame.itertuples(index=False)]
+    frame["config"] = [_config_label(r) for r in frame.itertuples(index=False)]
+    frame["gpu"] = frame["device"].map(short_gpu)
+    frame["error_short"] = frame["error"].map(short_error)
+    return frame
+
+
+def short_gpu(name: object) -> str:
+    """'NVIDIA GeForce RTX 3090' -> 'RTX 3090': enough to tell the stored GPUs apart."""
+    if not isinstance(name, str) or not name:
+        return "unknown GPU"
+    for prefix in ("NVIDIA ", "GeForce "):
+        name = name.removeprefix(prefix)
+    return name
+
+
+def _impl_label(row) -> str:
+    impl = row.impl if isinstance(row.impl, str) else ""
+    if row.family != "moe":
+        return impl or row.suite
+    if row.routing == "dense":
+        return "dense routing" if impl in ("", "auto", "dense") else f"dense routing ({impl})"
+    name = f"{impl}/{row.dispatch}" if isinstance(row.dispatch, str) else impl
+    if row.routing == "capacity":
+        return f"capacity ({name})"
+    return name or "?"
+
+
+def _config_label(row) -> str:
+    if row.family == "moe":
+        parts = []
+        if not pd.isna(row.experts):
+            parts.append(f"E{row.experts} top-{row.top_k}")
+        if not pd.isna(row.d_model):
+            parts.append(f"d{row.d_model} h{row.d_hidden}")
+        if not pd.isna(row.shared_hidden) and row.shared_hidden:
+            parts.append(f"shared {row.shared_hidden}")
+        if not pd.isna(row.skew):
+            parts.append(f"skew {row.skew:g}")
+        return " ".join(parts)
+    if row.family == "rbf":
+        parts = []
+        if not pd.isna(row.dim):
+            parts.append(f"dim {row.dim}")
+        if not pd.isna(row.out):
+            parts.append(f"out {row.out}")
+        if not pd.isna(row.batch) and row.batch != 1:
+            parts.append(f"batch {row.batch}")
+        return ", ".join(parts)
+    return ""
+
+
+def config_order(frame: pd.DataFrame) -> list[str]:
+    """The config labels of ``frame`` in numeric order (dim 2 before dim 32; E8 before E64)."""
+    keys = [k for k in [*MOE_CONFIG, *RBF_CONFIG] if k in frame.columns]
+    ordered = frame.sort_values(keys, na_position="first")["config"]
+    return list(dict.fromkeys(ordered))
+
+
+def failure_kind(message: object) -> str:
+    """'out of memory', 'timeout' or 'error', for short table cells."""
+    if not isinstance(message, str) or not message:
+        return ""
+    text = message.lower()
+    if "timeout" in text:
+        return "timeout"
+    if "out of memory" in text or "resource_exhausted" in text:
+        return "out of memory"
+    return "error"
+
+
+def timed(frame: pd.DataFrame) -> pd.DataFrame:
+    """Rows with a usable time: status ok and a median."""
+    return frame[(frame["status"] == "ok") & frame["median_ms"].notna()]
+
+
+def failures(frame: pd.DataFrame) -> pd.DataFrame:
+    return frame[frame["status"] != "ok"]
+
+
+def _group(frame: pd.DataFrame, keys: Sequence[str]):
+    return frame.groupby(list(keys), dropna=False, sort=False)
+
+
+def rank_within_run(frame: pd.DataFrame, case: Sequence[str]) -> pd.DataFrame:
+    """One row per (run, case) measured with at least two labels: the fastest label, the
+    runner-up and their ratio. Failed labels of the case are counted, not ranked."""
+    keys = [*RUN_KEYS, *case]
+    out = []
+    for key, rows in _group(frame, keys):
+        good = timed(rows).sort_values("median_ms")
+        if good["label"].nunique() < 2:
+            continue
+        best, second, worst = good.iloc[0], good.iloc[1], good.iloc[-1]
+        out.append({
+            **dict(zip(keys, key, strict=True)),
+            "code": best["code"], "config": best["config"],
+            "fastest": best["label"], "fastest_ms": best["median_ms"],
+            "fastest_q1": best["q1_ms"], "fastest_q3": best["q3_ms"],
+            "runner_up": second["label"], "runner_up_ms": second["median_ms"],
+            "ratio": second["median_ms"] / best["median_ms"],
+            "slowest": worst["label"], "slowest_ratio": worst["median_ms"] / best["median_ms"],
+            "labels": good["label"].nunique(),
+            "failed": int((rows["status"] != "ok").sum()),
+        })
+    if not out:
+        return pd.DataFrame(columns=[*keys, "code", "config", "fastest", "fastest_ms", "labels"])
+    return pd.DataFrame(out).astype({k: frame[k].dtype for k in keys})
+
+
+def speedups(frame: pd.DataFrame, case: Sequence[str], baseline: str) -> pd.DataFrame:
+    """Every timed row with ``speedup`` = baseline median / its median, the baseline being the
+    row labelled ``baseline`` in the same run and case; ``speedup_lo``/``_hi`` bound it with the
+    quartiles (baseline q1 / row q3, baseline q3 / row q1). Cases without a timed baseline are
+    left out."""
+    keys = [*RUN_KEYS, *case]
+    good = timed(frame)
+    base = good[good["label"] == baseline][[*keys, "median_ms", "q1_ms", "q3_ms"]]
+    base = base.drop_duplicates(subset=keys)
+    merged = good.merge(base, on=keys, how="inner", suffixes=("", "_base"))
+    merged["speedup"] = merged["median_ms_base"] / merged["median_ms"]
+    merged["speedup_lo"] = merged["q1_ms_base"] / merged["q3_ms"]
+    merged["speedup_hi"] = merged["q3_ms_base"] / merged["q1_ms"]
+    merged["baseline"] = baseline
+    return merged
+
+
+def primary_runs(ranked: pd.DataFrame) -> pd.DataFrame:
+    """Per device, the ranked case that best stands for it: latest code, most labels."""
+    if ranked.empty:
+        return ranked
+    order = ranked.assign(
+        _code=ranked["code"].map(CODE_RANK).fillna(0), _labels=-ranked["labels"]
+    ).sort_values(["_code", "_labels", "source_file", "run"])
+    return order.drop_duplicates(subset=["device"]).drop(columns=["_code", "_labels"])
+
+
+def growth_exponent(n: pd.Series, value: pd.Series) -> float:
+    """Least-squares slope of log(value) against log(n): value ~ n**slope."""
+    mask = n.notna() & value.notna() & (value > 0)
+    x = np.log(n[mask].astype(float).to_numpy())
+    y = np.log(value[mask].astype(float).to_numpy())
+    if len(np.unique(x)) < 2:
+        return math.nan
+    return float(np.polyfit(x, y, 1)[0])
+
+
+def memory_growth(frame: pd.DataFrame) -> pd.DataFrame:
+    """Per run x suite x impl x op x config of the RBF memory suites: how peak memory grows with
+    n (fit exponent over the steps that ran), the range measured and the first failure."""
+    keys = [*RUN_KEYS, "suite", "op", "config", "label"]
+    rows = frame[frame["suite"].isin(["kernel_mv_peak", "kernel_mv_max_n"])
+                 & frame["max_n"].isna()]
+    out = []
+    for key, group in _group(rows, keys):
+        group = group.sort_values("n")
+        ran = group[(group["status"] == "ok") & group["peak_mb"].notna()]
+        failed = group[group["status"] != "ok"]
+        first_fail = failed.iloc[0] if not failed.empty else None
+        record = dict(zip(keys, key, strict=True))
+        record.update(
+            n_min=ran["n"].min() if not ran.empty else pd.NA,
+            n_max=ran["n"].max() if not ran.empty else pd.NA,
+            peak_min=ran["peak_mb"].iloc[0] if not ran.empty else math.nan,
+            peak_max=ran["peak_mb"].iloc[-1] if not ran.empty else math.nan,
+            exponent=growth_exponent(ran["n"], ran["peak_mb"]),
+            failed_at=first_fail["n"] if first_fail is not None else pd.NA,
+            failure=first_fail["error_short"] if first_fail is not None else "",
+            steps=len(group),
+        )
+        out.append(record)
+    return pd.DataFrame(out)
+
+
+def across_devices(frame: pd.DataFrame, case: Sequence[str]) -> pd.DataFrame:
+    """Timed rows whose (label, case) was measured on two or more devices."""
+    good = timed(frame)
+    keys = ["label", *case]
+    counts = good.groupby(keys, dropna=False)["device"].transform("nunique")
+    return good[counts >= 2]
+
+
+def describe_case(row: pd.Series, fields: Sequence[str]) -> str:
+    parts = []
+    for field in fields:
+        value = row.get(field)
+        if value is None or pd.isna(value) or value == "":
+            continue
+        parts.append(fmt_int(value) if field in ("tokens", "n") else str(value))
+    return " ".join(parts)
+
+
+def ms_with_spread(row: pd.Series, prefix: str = "") -> str:
+    return fmt_ms(row[f"{prefix}median_ms"], row.get(f"{prefix}q1_ms"),
+                  row.get(f"{prefix}q3_ms"))
+

@@ -1,0 +1,277 @@
+"""Altair chart builders shared by the report pages.
+
+All charts are interactive the same way: hover for a tooltip with the stored values, click a
+legend entry to highlight that series (shift-click for several). Times are medians with a q1–q3
+rule where the file stored quartiles.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import altair as alt
+import pandas as pd
+
+# Ratio heatmaps saturate their colours at this factor either way (the cell text is exact).
+MAX_COLOUR_RATIO = 4.0
+FONT = "system-ui, -apple-system, 'Segoe UI', Roboto, sans-serif"
+
+
+def tooltip(fields: Sequence[str | alt.Tooltip]) -> list[alt.Tooltip]:
+    """Tooltips for the named columns, formatting the common numeric ones."""
+    formats = {
+        "median_ms": ".4~f", "q1_ms": ".4~f", "q3_ms": ".4~f", "peak_mb": ",.1f",
+        "xla_temp_mb": ",.1f", "ratio": ".3~f", "speedup": ".3~f", "pairs_per_s": ".3~s",
+        "rel_err": ".2e", "value": ".3~g", "share": ".1%",
+    }
+    tips = []
+    for field in fields:
+        if isinstance(field, alt.Tooltip):
+            tips.append(field)
+        elif field in formats:
+            tips.append(alt.Tooltip(field, format=formats[field]))
+        else:
+            tips.append(alt.Tooltip(field))
+    return tips
+
+
+def finish(chart: alt.TopLevelMixin, title: str | None = None) -> alt.TopLevelMixin:
+    """Site-wide look: system font (no web font), quiet grid, legend on the right."""
+    if title:
+        chart = chart.properties(title=title)
+    return (
+        chart.configure(font=FONT)
+        .configure_axis(labelFontSize=11, titleFontSize=12, gridOpacity=0.5)
+        .configure_legend(labelFontSize=11, titleFontSize=12, labelLimit=260)
+        .configure_header(labelFontSize=12, titleFontSize=12)
+        .configure_title(fontSize=14, anchor="start")
+    )
+
+
+def _scale(log: bool, **kwargs) -> alt.Scale:
+    # nice=False: log axes would otherwise round out to whole decades and squeeze the data.
+    # padding keeps the end points off the frame.
+    return (alt.Scale(type="log", nice=False, padding=10, **kwargs) if log
+            else alt.Scale(zero=False, padding=10, **kwargs))
+
+
+def _facet(chart, data, row, column, columns=None):
+    if row is None and column is None:
+        return chart
+    kwargs = {}
+    if row is not None:
+        kwargs["row"] = row if isinstance(row, alt.Row) else alt.Row(row, title=None)
+    if column is not None:
+        kwargs["column"] = column if isinstance(column, alt.Column) else alt.Column(column,
+                                                                                   title=None)
+    return chart.facet(data=data, **kwargs)
+
+
+def lines(
+    data: pd.DataFrame,
+    *,
+    x: str,
+    x_title: str,
+    color: str,
+    color_title: str,
+    y: str = "median_ms",
+    y_title: str = "median time (ms)",
+    log_x: bool = True,
+    log_y: bool = True,
+    spread: bool = True,
+    row: str | alt.Row | None = None,
+    column: str | alt.Column | None = None,
+    tips: Sequence[str | alt.Tooltip] = (),
+    x_format: str | None = "~s",
+    width: int = 240,
+    height: int = 170,
+    detail: str | None = None,
+    title: str | None = None,
+) -> alt.TopLevelMixin:
+    """Median vs a size, one line per ``color`` value, q1–q3 rules, log axes by default."""
+    select = alt.selection_point(fields=[color], bind="legend")
+    x_enc = alt.X(f"{x}:Q", title=x_title, scale=_scale(log_x),
+                  axis=alt.Axis(format=x_format) if x_format else alt.Axis())
+    y_enc = alt.Y(f"{y}:Q", title=y_title, scale=_scale(log_y))
+    color_enc = alt.Color(f"{color}:N", title=color_title)
+    opacity = alt.condition(select, alt.value(1.0), alt.value(0.12))
+    base = alt.Chart().encode(x=x_enc, color=color_enc, opacity=opacity)
+    detail_enc = [alt.Detail(f"{detail}:N")] if detail else []
+    line = base.mark_line(strokeWidth=1.6).encode(y_enc, *detail_enc)
+    points = base.mark_point(filled=True, size=40).encode(
+        y_enc, tooltip=tooltip([color, x, y, *tips])
+    ).add_params(select)
+    layers = [line, points]
+    if spread and {"q1_ms", "q3_ms"} <= set(data.columns) and data["q1_ms"].notna().any():
+        layers.append(base.mark_rule(strokeWidth=2).encode(
+            alt.Y("q1_ms:Q", scale=_scale(log_y)), alt.Y2("q3_ms:Q")))
+    chart = alt.layer(*layers).properties(width=width, height=height)
+    if row is None and column is None:
+        chart = alt.layer(*layers, data=data).properties(width=width, height=height)
+    else:
+        chart = _facet(chart, data, row, column)
+    return finish(chart, title)
+
+
+def bars(
+    data: pd.DataFrame,
+    *,
+    category: str,
+    category_title: str,
+    value: str = "median_ms",
+    value_title: str = "median time (ms)",
+    color: str | None = None,
+    color_title: str | None = None,
+    log: bool = False,
+    spread: bool = True,
+    row: str | alt.Row | None = None,
+    column: str | alt.Column | None = None,
+    tips: Sequence[str | alt.Tooltip] = (),
+    width: int = 260,
+    bar_height: int = 16,
+    reference: float | None = None,
+    sort_by_value: bool = True,
+    title: str | None = None,
+) -> alt.TopLevelMixin:
+    """Horizontal bars of ``value`` per ``category`` (q1–q3 rules on times); an optional
+    vertical reference rule (e.g. ratio 1)."""
+    legend = color is not None and color != category
+    color = color or category
+    # With one colour per bar the bars are their own legend: click a bar to highlight it.
+    select = alt.selection_point(fields=[color], **({"bind": "legend"} if legend else {}))
+    # An explicit order (fastest first) rather than a sort transform, which Vega-Lite would
+    # compute from a separate data source in every facet.
+    sort = (list(data.groupby(category)[value].min().sort_values().index) if sort_by_value
+            else None)
+    y_enc = alt.Y(f"{category}:N", title=category_title, sort=sort)
+    x_scale = alt.Scale(type="log") if log else alt.Scale(zero=True)
+    x_axis = alt.Axis(format="~g", tickCount=6)
+    base = alt.Chart().encode(y=y_enc)
+    # On a log axis a bar has no zero to start from: start it at the plot's left edge.
+    start = [alt.X2Value(0)] if log else []
+    bar = base.mark_bar(height=bar_height * 0.8).encode(
+        alt.X(f"{value}:Q", title=value_title, scale=x_scale, stack=None, axis=x_axis), *start,
+        alt.Color(f"{color}:N", title=color_title or category_title,
+                  legend=alt.Legend() if legend else None),
+        opacity=alt.condition(select, alt.value(1.0), alt.value(0.25)),
+        tooltip=tooltip([category, value, *tips]),
+    ).add_params(select)
+    layers = [bar]
+    if spread and value == "median_ms" and "q1_ms" in data and data["q1_ms"].notna().any():
+        layers.append(base.mark_rule(color="black", strokeWidth=1.5).encode(
+            alt.X("q1_ms:Q", scale=x_scale), alt.X2("q3_ms:Q")))
+    if reference is not None:
+        layers.append(alt.Chart().mark_rule(color="#555", strokeDash=[4, 3]).encode(
+            x=alt.datum(reference)))
+    step = alt.Step(bar_height)
+    if row is None and column is None:
+        chart = alt.layer(*layers, data=data).properties(width=width, height=step)
+    else:
+        chart = _facet(alt.layer(*layers).properties(width=width, height=step), data, row,
+                       column).resolve_scale(x="independent")
+    return finish(chart, title)
+
+
+def heatmap(
+    data: pd.DataFrame,
+    *,
+    x: str,
+    x_title: str,
+    y: str,
+    y_title: str,
+    value: str,
+    value_title: str,
+    text: str,
+    scheme: str = "blueorange",
+    domain_mid: float | None = None,
+    log: bool = False,
+    row: str | alt.Row | None = None,
+    column: str | alt.Column | None = None,
+    tips: Sequence[str | alt.Tooltip] = (),
+    cell: int = 44,
+    x_sort: Sequence | None = None,
+    y_sort: Sequence | None = None,
+    reverse: bool = False,
+    title: str | None = None,
+) -> alt.TopLevelMixin:
+    """Cells coloured by ``value`` with the formatted ``text`` written in them."""
+    scale_kwargs = {"scheme": scheme, "reverse": reverse}
+    if log:
+        scale_kwargs["type"] = "log"
+    if domain_mid is not None:
+        scale_kwargs["domainMid"] = domain_mid
+        values = data[value].dropna()
+        if log and not values.empty:
+            # Symmetric around the midpoint on the log scale: 2x faster and 2x slower get
+            # equally strong colours.
+            reach = max((values / domain_mid).max(), (domain_mid / values).max(), 1.05)
+            reach = min(reach, MAX_COLOUR_RATIO)
+            scale_kwargs["domain"] = [domain_mid / reach, domain_mid * reach]
+            scale_kwargs["clamp"] = True
+    base = alt.Chart().encode(
+        alt.X(f"{x}:O", title=x_title, sort=list(x_sort) if x_sort is not None else "ascending",
+              axis=alt.Axis(labelAngle=0, orient="top", labelLimit=cell)),
+        alt.Y(f"{y}:O", title=y_title, sort=list(y_sort) if y_sort is not None else "ascending"),
+    )
+    rect = base.mark_rect().encode(
+        alt.Color(f"{value}:Q", title=value_title, scale=alt.Scale(**scale_kwargs),
+                  legend=alt.Legend(format=".3~g")),
+        tooltip=tooltip([x, y, value, *tips]),
+    )
+    label = base.mark_text(fontSize=10).encode(text=f"{text}:N")
+    size = {"width": alt.Step(cell), "height": alt.Step(22)}
+    if row is None and column is None:
+        chart = alt.layer(rect, label, data=data).properties(**size)
+    else:
+        chart = _facet(alt.layer(rect, label).properties(**size), data, row, column)
+    return finish(chart, title)
+
+
+def ladder(
+    data: pd.DataFrame,
+    *,
+    x: str,
+    x_title: str,
+    color: str,
+    color_title: str,
+    y: str = "peak_mb",
+    y_title: str = "peak memory (MiB)",
+    column: str | alt.Column | None = None,
+    tips: Sequence[str | alt.Tooltip] = (),
+    width: int = 300,
+    height: int = 200,
+    title: str | None = None,
+) -> alt.TopLevelMixin:
+    """A size ladder: ``y`` vs ``x`` on log axes per series; a failed step (OOM, timeout) is a
+    cross in the series' colour along the top edge (hover it for the error)."""
+    data = data.copy()
+    ok = data["status"] == "ok"
+    top = data.loc[ok, y].max() if data.loc[ok, y].notna().any() else 1.0
+    data["failed_at"] = top * 1.6
+    select = alt.selection_point(fields=[color], bind="legend")
+    x_enc = alt.X(f"{x}:Q", title=x_title, scale=_scale(True),
+                  axis=alt.Axis(format="~s"))
+    y_scale = _scale(True)
+    color_enc = alt.Color(f"{color}:N", title=color_title)
+    opacity = alt.condition(select, alt.value(1.0), alt.value(0.12))
+    good = alt.Chart().transform_filter("datum.status == 'ok'").encode(
+        x_enc, alt.Y(f"{y}:Q", title=y_title, scale=y_scale), color_enc, opacity=opacity)
+    layers = [
+        good.mark_line(strokeWidth=1.6),
+        good.mark_point(filled=True, size=45).encode(
+            tooltip=tooltip([color, x, y, *tips])).add_params(select),
+    ]
+    if not ok.all():
+        layers.append(
+            alt.Chart().transform_filter("datum.status != 'ok'").mark_point(
+                shape="cross", size=130, filled=True, strokeWidth=1).encode(
+                x_enc, alt.Y("failed_at:Q", scale=y_scale), color_enc, opacity=opacity,
+                tooltip=tooltip([color, x, "status", "error_short"]),
+            )
+        )
+    chart = alt.layer(*layers).properties(width=width, height=height)
+    if column is None:
+        chart = alt.layer(*layers, data=data).properties(width=width, height=height)
+    else:
+        chart = _facet(chart, data, None, column)
+    return finish(chart, title)

@@ -1,0 +1,1 @@
+"""One loader module per stored-file format: NAME, matches(doc), load(doc)."""

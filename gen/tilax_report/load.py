@@ -1,0 +1,153 @@
+"""Find the stored result files, detect each one's format, and read them into the tidy table.
+
+Format detection is explicit: each loader module has a ``matches(doc)`` test on the document's
+top-level shape, and exactly one must match. A file that is not UTF-8 JSON, matches no format or
+more than one, or has a row its loader cannot read raises `UnreadableResultFile` naming the file
+and the reason; the site build turns that into a failed build.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+
+from . import schema
+from .formats import (
+    h100_decoder_seed,
+    moe_layer_seed,
+    nn_suites_seed,
+    pytest_benchmark,
+    rbf_seed,
+)
+from .formats._common import FormatError
+
+DATA_DIR_ENV = "TILAX_DATA_DIR"
+REPO_ROOT = Path(__file__).resolve().parents[2]
+FORMATS = (moe_layer_seed, nn_suites_seed, h100_decoder_seed, rbf_seed, pytest_benchmark)
+
+
+class UnreadableResultFile(Exception):
+    """A stored result file cannot be read; ``str()`` names the file and the reason."""
+
+    def __init__(self, path: Path, reason: str):
+        super().__init__(f"cannot read stored result file {path}: {reason}")
+        self.path = path
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class StoredResults:
+    """Everything the report pages need: the tidy table and the list of stored files."""
+
+    data_dir: Path
+    table: pd.DataFrame  # schema.COLUMNS
+    files: pd.DataFrame  # one row per file: see `_describe_file`
+    listed_runs: dict[str, list[str]]  # file -> runs its config lists (MoE seed only)
+
+
+def data_dir() -> Path:
+    """``$TILAX_DATA_DIR`` when set (tests point it at a temporary copy), else the repo's data/."""
+    override = os.environ.get(DATA_DIR_ENV)
+    return Path(override).resolve() if override else REPO_ROOT / "data"
+
+
+def result_files(directory: Path) -> list[Path]:
+    """Every stored file in ``directory/results`` (hidden files aside), sorted by name."""
+    results = directory / "results"
+    if not results.is_dir():
+        raise UnreadableResultFile(results, "the results folder does not exist")
+    files = sorted(p for p in results.iterdir() if not p.name.startswith("."))
+    if not files:
+        raise UnreadableResultFile(results, "the results folder holds no stored files")
+    for path in files:
+        if not path.is_file():
+            raise UnreadableResultFile(path, "not a regular file")
+    return files
+
+
+def detect_format(doc: object) -> str:
+    """The name of the one format whose ``matches`` accepts ``doc``; FormatError otherwise."""
+    if not isinstance(doc, dict):
+        raise FormatError(f"unknown format: the top level is a JSON {type(doc).__name__}, "
+                          "every known format is a JSON object")
+    found = [fmt.NAME for fmt in FORMATS if fmt.matches(doc)]
+    if not found:
+        keys = ", ".join(sorted(doc)[:12]) or "none"
+        known = ", ".join(fmt.NAME for fmt in FORMATS)
+        raise FormatError(f"unknown format: top-level keys ({keys}) match none of {known}")
+    if len(found) > 1:
+        raise FormatError(f"ambiguous format: matches {', '.join(found)}")
+    return found[0]
+
+
+def read_result_file(path: Path) -> tuple[str, dict, pd.DataFrame]:
+    """Parse one stored file: its format name, the parsed document and its tidy rows."""
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UnreadableResultFile(
+            path, f"not UTF-8 text ({exc.reason} at byte {exc.start})"
+        ) from None
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise UnreadableResultFile(
+            path, f"malformed JSON at line {exc.lineno} column {exc.colno}: {exc.msg}"
+        ) from None
+    try:
+        name = detect_format(doc)
+        if name == pytest_benchmark.NAME:
+            rows = pytest_benchmark.load(doc, run=path.stem)
+        else:
+            rows = {fmt.NAME: fmt for fmt in FORMATS}[name].load(doc)
+        frame = pd.DataFrame.from_records(rows) if rows else pd.DataFrame()
+        frame["source_file"] = path.name
+        frame["source_format"] = name
+        frame = schema.conform(frame)
+    except (FormatError, ValueError, KeyError, TypeError) as exc:
+        raise UnreadableResultFile(path, str(exc)) from None
+    return name, doc, frame
+
+
+def load_results(directory: Path | None = None) -> StoredResults:
+    """Read every stored file under ``directory`` (default: `data_dir()`)."""
+    directory = (directory or data_dir()).resolve()
+    key = tuple((p.name, p.stat().st_mtime_ns, p.stat().st_size) for p in result_files(directory))
+    cached = _CACHE.get(directory)
+    if cached and cached[0] == key:
+        return cached[1]
+    frames, files, listed = [], [], {}
+    for path in result_files(directory):
+        name, doc, frame = read_result_file(path)
+        frames.append(frame)
+        files.append(_describe_file(path, name, doc, frame))
+        if name == moe_layer_seed.NAME:
+            listed[path.name] = moe_layer_seed.listed_runs(doc)
+    table = pd.concat(frames, ignore_index=True) if frames else schema.empty_table()
+    results = StoredResults(directory, schema.conform(table), pd.DataFrame(files), listed)
+    _CACHE[directory] = (key, results)
+    return results
+
+
+_CACHE: dict[Path, tuple[tuple, StoredResults]] = {}
+
+
+def _describe_file(path: Path, fmt: str, doc: dict, frame: pd.DataFrame) -> dict:
+    stored_rows = doc.get("benchmarks", doc.get("results", []))
+    failed = frame.loc[frame["status"] != "ok", "source_row"].nunique()
+    return {
+        "source_file": path.name,
+        "source_format": fmt,
+        "bytes": path.stat().st_size,
+        "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
+        "stored_rows": len(stored_rows),
+        "table_rows": len(frame),
+        "failed_rows": int(failed),
+        "runs": frame["run"].nunique(),
+        "devices": ", ".join(sorted(frame["device"].dropna().unique())),
+    }

@@ -1,0 +1,106 @@
+"""MoE decoder layer (64 experts, top-8, width 128, shared expert 1024): impl x dispatch per
+token count, speedups, numerics, failures. The stored H100 run, and any later run of the
+`decoder` suite."""
+
+from __future__ import annotations
+
+import altair as alt
+import pandas as pd
+
+from .. import analysis, charts, headlines
+from ..load import StoredResults
+from ..render import Page, case_label, fmt_int, fmt_ms, fmt_num, fmt_ratio, fmt_size
+
+SLUG = "moe-decoder"
+TITLE = "MoE decoder"
+REFERENCE = "triton/sorted"
+
+
+def build(results: StoredResults) -> str:
+    table = analysis.with_labels(results.table)
+    decoder = table[(table["family"] == "moe") & (table["suite"] == "decoder")]
+    page = Page(SLUG, TITLE)
+    page.md(
+        "A decoder-sized MoE layer: d_model 512, 64 experts of width 128, top-8 routing and a "
+        "shared expert of width 1024, dropless, bfloat16; forward and train step "
+        "(value and grad with respect to parameters and input). Each run is its own section; "
+        "ratios are within the run."
+    )
+    if decoder.empty:
+        page.md("No stored run has the decoder suite.")
+        return page.render()
+    findings = headlines.decoder_fastest(table)
+    page.md("\n".join(f"- {s}" for s in findings))
+    for (_source, _run), rows in decoder.groupby(["source_file", "run"], sort=False):
+        _run_section(page, rows)
+    return page.render()
+
+
+def _run_section(page: Page, rows: pd.DataFrame) -> None:
+    device, run = rows["device"].iloc[0], rows["run"].iloc[0]
+    page.md(f"## {device}, run `{run}`\n")
+    if isinstance(rows["run_note"].iloc[0], str):
+        page.md(f"*{rows['run_note'].iloc[0]}*")
+    spread = rows["q1_ms"].notna().any()
+    if not spread:
+        page.md("This file stored one time per case (no quartiles).")
+    cell = [
+        fmt_ms(r.median_ms, r.q1_ms, r.q3_ms) if r.status == "ok" else f"failed ({r.status})"
+        for r in rows.itertuples()
+    ]
+    grid = rows.assign(cell=cell, column=rows["op"] + " · " + rows["tokens"].map(fmt_int))
+    order = [f"{op} · {fmt_int(t)}" for op in ("forward", "train_step")
+             for t in sorted(rows["tokens"].dropna().unique())]
+    display = grid.pivot_table(index="label", columns="column", values="cell", aggfunc="first")
+    display = display.reindex(columns=[c for c in order if c in display.columns]).reset_index()
+    page.table(display.rename(columns={"label": "impl/dispatch"}).fillna(""), rows,
+               "Milliseconds per call, by op and tokens.", name=f"decoder-grid-{run}")
+    good = analysis.timed(rows)
+    good = good.assign(tokens_label=good["tokens"].map(fmt_size))
+    chart = charts.bars(
+        good, category="label", category_title=None, log=True,
+        row=alt.Row("tokens_label:N", title="tokens", sort=list(dict.fromkeys(
+            good.sort_values("tokens")["tokens_label"]))),
+        column=alt.Column("op:N", title=None), tips=["run", "tokens", "q1_ms", "q3_ms"],
+        width=240, title=f"{device}: decoder time per impl/dispatch",
+    )
+    page.chart(chart, rows, "Log scale; failed cases are not drawn (see below).")
+    speed = analysis.speedups(rows, ["config", "dtype", "op", "tokens"], REFERENCE)
+    if not speed.empty:
+        speed = speed.sort_values(["op", "tokens"])
+        speed = speed.assign(text=speed["speedup"].map(fmt_ratio),
+                             case=[case_label(None, r.op, r.tokens) for r in speed.itertuples()])
+        chart = charts.heatmap(
+            speed, x="case", x_title=None, x_sort=list(dict.fromkeys(speed["case"])),
+            y="label", y_title=None, value="speedup",
+            value_title=f"× vs {REFERENCE}", text="text", log=True, domain_mid=1,
+            scheme="redblue", cell=70, tips=["run", "median_ms"],
+            title=f"Speedup vs {REFERENCE} (within the run)",
+        )
+        page.chart(chart, rows, "Blue: faster than triton/sorted; red: slower (colours "
+                                "saturate at 4×).")
+    _numerics(page, rows)
+    failed = analysis.failures(rows).drop_duplicates("source_row")
+    if not failed.empty:
+        page.md("**Failures**")
+        page.table(pd.DataFrame({
+            "impl/dispatch": failed["label"], "tokens": failed["tokens"].map(fmt_int),
+            "error": failed["error_short"],
+        }), failed, "The stored row has no time for either op.", name=f"decoder-failures-{run}")
+
+
+def _numerics(page: Page, rows: pd.DataFrame) -> None:
+    metrics = {"rel_err_out": "output", "rel_err_grad_x": "grad x",
+               "rel_err_grad_params": "grad params"}
+    rows = rows[rows[list(metrics)].notna().any(axis=1)].drop_duplicates(
+        ["source_row", "label", "tokens"])
+    if rows.empty:
+        return
+    reference = ", ".join(sorted(rows["rel_err_ref"].dropna().unique()))
+    display = rows[["label", "tokens", *metrics]].rename(columns=metrics)
+    display["tokens"] = display["tokens"].map(fmt_int)
+    for name in metrics.values():
+        display[name] = display[name].map(lambda v: fmt_num(v, 3))
+    page.table(display.rename(columns={"label": "impl/dispatch"}), rows,
+               f"Relative errors vs {reference}.",
+               collapsed=f"Numerics: relative errors vs {reference} ({len(display)} cases)")

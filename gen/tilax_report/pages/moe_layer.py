@@ -1,0 +1,302 @@
+"""MoE layer: time vs tokens per implementation, speedups, XLA memory, numerics, other configs,
+GPU vs GPU, failures."""
+
+from __future__ import annotations
+
+import altair as alt
+import pandas as pd
+
+from .. import analysis, charts, headlines
+from ..load import StoredResults
+from ..render import Page, case_label, fmt_int, fmt_ms, fmt_num, fmt_ratio, join_names, plural
+
+SLUG = "moe-layer"
+TITLE = "MoE layer"
+# Timing sections use layer cases of at least this many tokens; the 1 000-token numerics
+# sweep (d_model 128) is shown in the numerics section.
+MIN_TIMED_TOKENS = 4096
+CASE_LABEL = ["dtype", "op", "tokens"]
+
+
+def build(results: StoredResults) -> str:
+    table = analysis.with_labels(results.table)
+    layer = headlines.moe_layer_rows(table)
+    page = Page(SLUG, TITLE)
+    page.md(
+        "The MoE layer (router, top-k dispatch, SwiGLU experts, combine) per implementation. "
+        "Labels read `impl/dispatch` for dropless routing; `capacity (…)` drops the token "
+        "copies over each expert's capacity and so computes a different function; "
+        "`dense routing` runs every expert on every token. Times are medians (q1–q3); speed "
+        "ratios are computed within one run on one GPU."
+    )
+    if layer.empty:
+        page.md("No stored run has MoE layer rows.")
+        return page.render()
+    finding = headlines.moe_train_32k(table)
+    if finding.sentences:
+        page.md("## 32k-token bf16 train step\n")
+        page.md("\n".join(f"- {s}" for s in finding.sentences))
+    timed_layer = layer[layer["tokens"].fillna(0) >= MIN_TIMED_TOKENS]
+    main = _main_configs(timed_layer)
+    _fastest_table(page, timed_layer)
+    _time_vs_tokens(page, timed_layer, main)
+    _speedups(page, timed_layer)
+    _xla_memory(page, timed_layer, main)
+    _other_configs(page, timed_layer, main)
+    _numerics(page, layer)
+    _across_gpus(page, table)
+    _failures(page, layer)
+    return page.render()
+
+
+def _main_configs(layer: pd.DataFrame) -> dict[tuple[str, str], str]:
+    """Per (file, device): the config with the most timed rows: the one the charts follow."""
+    counts = layer.groupby(["source_file", "device", "config"]).size().reset_index(name="rows")
+    counts = counts.sort_values("rows", ascending=False).drop_duplicates(["source_file",
+                                                                          "device"])
+    return {(r.source_file, r.device): r.config for r in counts.itertuples()}
+
+
+def _comparison_runs(rows: pd.DataFrame) -> pd.DataFrame:
+    """Rows of runs that measured at least two implementations (A/B and sweep runs of one
+    implementation are on the MoE internals page)."""
+    labels = rows.groupby(["source_file", "run"])["label"].transform("nunique")
+    return rows[labels >= 2]
+
+
+def _groups(rows: pd.DataFrame):
+    """(file, device, code) groups: one chart each, so runs of different code never share a
+    line."""
+    keyed = rows.assign(_code=rows["code"].fillna(""))
+    for (source, device, code), group in keyed.groupby(["source_file", "device", "_code"],
+                                                       sort=False):
+        yield source, device, code, group.drop(columns="_code")
+
+
+def _fastest_table(page: Page, layer: pd.DataFrame) -> None:
+    ranked = headlines.rank_exact_moe(layer, ["config", *CASE_LABEL])
+    page.md("## Fastest implementation per case\n")
+    if ranked.empty:
+        page.md("No run measured two implementations of the same case.")
+        return
+    page.md(
+        "Every run and case with at least two exact implementations measured, ranked within "
+        "the run (capacity routing drops tokens, so its time is shown but not ranked). "
+        "*Slower by*: the other implementation's median over the fastest one's."
+    )
+    runs = layer[layer["run"].isin(set(ranked["run"]))]
+    page.table(headlines.ranked_display(ranked, tuple(CASE_LABEL)), runs,
+               name="moe-layer-fastest",
+               collapsed=f"All {len(ranked)} cases" if len(ranked) > 30 else None)
+
+
+def _time_vs_tokens(page: Page, layer: pd.DataFrame, main: dict) -> None:
+    page.md("## Time vs tokens\n")
+    page.md(
+        "One chart per GPU and code version, for the configuration most rows measured; lines "
+        "join the token counts of one implementation (the runs are named under each chart). "
+        "Click legend entries to highlight."
+    )
+    for source, device, code, group in _groups(_comparison_runs(layer)):
+        rows = group[group["config"] == main.get((source, device))]
+        good = analysis.timed(rows)
+        if good.empty:
+            continue
+        title = f"{device}{f', {code} code' if code else ''}: {rows['config'].iloc[0]}"
+        tips = ["run", "routing", "q1_ms", "q3_ms", "inner", "rounds"]
+        if good["tokens"].nunique() >= 2:
+            chart = charts.lines(
+                good, x="tokens", x_title="tokens", color="label",
+                color_title="implementation", row=alt.Row("dtype:N", title=None),
+                column=alt.Column("op:N", title=None), tips=tips, title=title,
+            )
+        else:
+            chart = charts.bars(
+                good, category="label", category_title="implementation", log=True,
+                row=alt.Row("dtype:N", title=None), column=alt.Column("op:N", title=None),
+                tips=[*tips, "tokens"], width=220,
+                title=f"{title}, {fmt_int(good['tokens'].iloc[0])} tokens",
+            )
+        page.chart(chart, rows, "Median with q1–q3 rules; log axes.")
+
+
+def _speedups(page: Page, layer: pd.DataFrame) -> None:
+    page.md("## Speedup vs ragged_dot and vs dense routing\n")
+    page.md(
+        "Baseline median / implementation median, within each run and case (above 1: faster "
+        "than the baseline). Cases whose baseline failed or was not measured have no cell."
+    )
+    shown = False
+    for baseline in ("ragged_dot/sorted", "dense routing"):
+        speed = analysis.speedups(layer, ["config", *CASE_LABEL], baseline)
+        speed = speed[speed["label"] != baseline]
+        for (source, run), rows in speed.groupby(["source_file", "run"], sort=False):
+            shown = True
+            rows = rows.sort_values(["dtype", "op", "tokens"])
+            rows = rows.assign(
+                case=[case_label(r.dtype, r.op, r.tokens) for r in rows.itertuples()],
+                text=rows["speedup"].map(fmt_ratio),
+            )
+            chart = charts.heatmap(
+                rows, x="case", x_title=None, x_sort=list(dict.fromkeys(rows["case"])),
+                y="label", y_title=None, value="speedup",
+                value_title=f"× vs {baseline}", text="text", log=True, domain_mid=1,
+                scheme="redblue", tips=["run", "config", "speedup_lo", "speedup_hi"],
+                cell=64, title=f"{rows['device'].iloc[0]}, run {run} ({rows['config'].iloc[0]}): "
+                               f"speedup vs {baseline}",
+            )
+            page.chart(chart, layer[(layer["source_file"] == source) & (layer["run"] == run)],
+                       "Blue: faster than the baseline; red: slower (colours saturate at 4×). "
+                       "Tooltip: the speedup's range from the quartiles.")
+    if not shown:
+        page.md("No run measured ragged_dot or dense routing next to another implementation.")
+
+
+def _xla_memory(page: Page, layer: pd.DataFrame, main: dict) -> None:
+    rows = _comparison_runs(layer[layer["xla_temp_mb"].notna()])
+    if rows.empty:
+        return
+    page.md("## XLA temporary memory\n")
+    page.md(
+        "XLA's temp buffer size for the compiled call (`xla_temp_mb`, from the executable's "
+        "memory analysis, not a measured peak)."
+    )
+    for source, device, code, group in _groups(rows):
+        group = group[group["config"] == main.get((source, device))]
+        if group["tokens"].nunique() < 2:
+            continue
+        chart = charts.lines(
+            group, x="tokens", x_title="tokens", color="label", color_title="implementation",
+            y="xla_temp_mb", y_title="XLA temp (MiB)", spread=False,
+            row=alt.Row("dtype:N", title=None), column=alt.Column("op:N", title=None),
+            tips=["run", "xla_arg_mb", "xla_out_mb"],
+            title=f"{device}{f', {code} code' if code else ''}: {group['config'].iloc[0]}",
+        )
+        page.chart(chart, group)
+
+
+def _other_configs(page: Page, layer: pd.DataFrame, main: dict) -> None:
+    rows = _comparison_runs(layer)
+    rows = rows[[main.get((s, d)) != c for s, d, c in
+                 zip(rows["source_file"], rows["device"], rows["config"], strict=True)]]
+    if rows.empty:
+        return
+    page.md("## Other configurations\n")
+    configs = sorted(rows["config"].unique())
+    page.md(f"Configurations besides the main one: {join_names(configs)}.")
+    for (_source, run, config), group in rows.groupby(["source_file", "run", "config"],
+                                                     sort=False):
+        good = analysis.timed(group)
+        if good.empty:
+            continue
+        case = ", ".join(f"{fmt_int(t)} tokens" for t in sorted(good["tokens"].unique()))
+        chart = charts.bars(
+            good, category="label", category_title="implementation", log=True,
+            row=alt.Row("dtype:N", title=None), column=alt.Column("op:N", title=None),
+            tips=["run", "tokens", "q1_ms", "q3_ms", "max_expert_frac"], width=220,
+            title=f"{group['device'].iloc[0]}, run {run}: {config}, {case}",
+        )
+        page.chart(chart, group, _failed_note(group))
+
+
+def _failed_note(rows: pd.DataFrame) -> str:
+    failed = analysis.failures(rows)
+    if failed.empty:
+        return ""
+    cases = sorted({f"{r.label} {r.op}" for r in failed.itertuples()})
+    return f"Failed (not drawn): {join_names(cases)}; see Failures."
+
+
+def _numerics(page: Page, layer: pd.DataFrame) -> None:
+    metrics = {"rel_err_out": "output", "rel_err_grad_x": "grad x",
+               "rel_err_grad_params": "grad params"}
+    rows = layer[layer[list(metrics)].notna().any(axis=1)]
+    if rows.empty:
+        return
+    page.md("## Numerics\n")
+    refs = join_names(sorted(rows["rel_err_ref"].dropna().unique()))
+    page.md(
+        f"Relative errors against {refs}, per implementation and dtype, over every "
+        "configuration measured (the 1 000-token sweep covers E8/E64, top-1/top-4, skew 0/0.9)."
+    )
+    long = rows.melt(
+        id_vars=["source_file", "run", "device", "label", "dtype", "op", "config", "tokens"],
+        value_vars=list(metrics), var_name="metric", value_name="value",
+    ).dropna(subset=["value"])
+    long["metric"] = long["metric"].map(metrics)
+    long = long[long["value"] > 0]
+    select = alt.selection_point(fields=["dtype"], bind="legend")
+    chart = (
+        alt.Chart(long)
+        .mark_tick(thickness=2, size=14)
+        .encode(
+            alt.Y("label:N", title=None),
+            alt.X("value:Q", title="relative error", scale=alt.Scale(type="log")),
+            alt.Color("dtype:N"),
+            opacity=alt.condition(select, alt.value(0.8), alt.value(0.08)),
+            tooltip=charts.tooltip(["label", "dtype", "metric", alt.Tooltip("value",
+                                    format=".2e"), "config", "tokens", "op", "run"]),
+        )
+        .add_params(select)
+        .properties(width=230, height=alt.Step(16))
+        .facet(column=alt.Column("metric:N", title=None, sort=list(metrics.values())))
+    )
+    page.chart(charts.finish(chart, "Relative error per implementation (every case)"), rows,
+               "One tick per measured case; log scale.")
+    worst = long.groupby(["label", "dtype", "metric"])["value"].max().unstack("metric")
+    worst = worst.reindex(columns=[m for m in metrics.values() if m in worst.columns])
+    display = worst.map(lambda v: fmt_num(v, 3)).reset_index()
+    display.columns = [c if c in ("label", "dtype") else f"max {c}" for c in display.columns]
+    page.table(display.rename(columns={"label": "implementation"}), rows,
+               "Largest relative error over every case measured.")
+
+
+def _across_gpus(page: Page, table: pd.DataFrame) -> None:
+    page.md("## Same implementation on different GPUs\n")
+    page.md(
+        "!!! warning \"Different machines\"\n"
+        "    These rows come from different runs on different machines (GPU, driver, software "
+        "and load all differ). They show what each GPU measured; they are not a controlled "
+        "comparison, and no ratio is computed across them.\n"
+    )
+    moe = table[(table["family"] == "moe") & table["suite"].isin(["layer", "decoder"])]
+    rows = analysis.across_devices(moe, ["suite", "config", *CASE_LABEL])
+    if rows.empty:
+        devices = sorted(moe["device"].dropna().unique())
+        page.md(
+            f"No MoE layer case was measured on more than one GPU yet (GPUs with MoE layer "
+            f"rows: {join_names(devices) or 'none'}). A run on another GPU with the same suite "
+            "and configuration will appear here."
+        )
+        return
+    rows = rows.assign(case=rows["suite"] + " · " + rows["config"] + " · " + rows["dtype"]
+                       + " " + rows["op"] + " " + rows["tokens"].map(fmt_int))
+    chart = charts.bars(
+        rows, category="gpu", category_title=None, color="gpu", color_title="GPU (run)",
+        log=True, row=alt.Row("case:N", title=None, header=alt.Header(labelAngle=0,
+                                                                      labelAlign="left")),
+        column=alt.Column("label:N", title=None), tips=["run", "q1_ms", "q3_ms"], width=160,
+        title="Same case, different GPUs (different machines and runs)",
+    )
+    page.chart(chart, rows, "Each bar is one run on one machine.")
+    display = rows[["case", "label", "gpu", "run"]].assign(
+        median=[fmt_ms(r.median_ms, r.q1_ms, r.q3_ms) for r in rows.itertuples()])
+    page.table(display.rename(columns={"median": "median ms (q1–q3)", "label": "impl",
+                                       "gpu": "GPU"}), rows)
+
+
+def _failures(page: Page, layer: pd.DataFrame) -> None:
+    failed = analysis.failures(layer)
+    page.md("## Failures\n")
+    if failed.empty:
+        page.md("No MoE layer case failed.")
+        return
+    page.md(f"{plural(len(failed), 'MoE layer case')} failed; kept here, not dropped.")
+    display = pd.DataFrame({
+        "GPU": failed["gpu"], "run": failed["run"], "impl": failed["label"],
+        "config": failed["config"], "dtype": failed["dtype"], "op": failed["op"],
+        "tokens": failed["tokens"].map(fmt_int), "status": failed["status"],
+        "error": failed["error_short"],
+    })
+    page.table(display, failed, "Errors shortened to their first line; the stored file has "
+                                "the full message.", name="moe-layer-failures")

@@ -1,0 +1,357 @@
+"""RBF kernels: kernel_mv time vs n, speedups, KDE, tile sweep, crossover repeats, peak memory,
+max-n ladder, numerics, GPU vs GPU, failures."""
+
+from __future__ import annotations
+
+import altair as alt
+import pandas as pd
+
+from .. import analysis, charts, headlines
+from ..load import StoredResults
+from ..render import Page, fmt_int, fmt_ms, fmt_num, fmt_ratio, join_names, plural
+
+SLUG = "rbf"
+TITLE = "RBF kernels"
+CASE = ["config", "op", "n"]
+
+
+def build(results: StoredResults) -> str:
+    table = analysis.with_labels(results.table)
+    rbf = table[table["family"] == "rbf"]
+    page = Page(SLUG, TITLE)
+    page.md(
+        "`rbf_kernel_mv` (out = K(q, k) v with a Gaussian kernel) and `rbf_kde_density` per "
+        "implementation: `dense` materialises the n × m kernel matrix, `xla` is chunked plain "
+        "XLA, `pallas` the fused tiled kernel, `torch_dense` a PyTorch dense baseline; "
+        "`default@gpu-benchmarks` is the public default before the change. `fwd` is one "
+        "forward call, `fwd_bwd` forward plus gradients in q, k, v and the lengthscale. n = m "
+        "throughout. Times are medians (q1–q3); ratios are within one run."
+    )
+    if rbf.empty:
+        page.md("No stored run has RBF rows.")
+        return page.render()
+    _headlines(page, table)
+    _kernel_mv(page, rbf[rbf["suite"] == "kernel_mv"])
+    _speedups(page, rbf[rbf["suite"] == "kernel_mv"])
+    _kde(page, rbf[rbf["suite"] == "kde_density"])
+    _tiles(page, rbf[rbf["suite"] == "kernel_mv_tiles"])
+    _crossover(page, rbf[rbf["suite"] == "kernel_mv_crossover"])
+    _memory(page, table)
+    _max_n(page, rbf[rbf["suite"] == "kernel_mv_max_n"])
+    _numerics(page, rbf)
+    _across_gpus(page, rbf)
+    _failures(page, rbf)
+    return page.render()
+
+
+def _headlines(page: Page, table: pd.DataFrame) -> None:
+    memory = headlines.rbf_memory(table)
+    sentences = memory.sentences + headlines.rbf_fastest_at_largest_n(table)
+    if sentences:
+        page.md("## Findings\n")
+        page.md("\n".join(f"- {s}" for s in sentences))
+
+
+def _per_device(rows: pd.DataFrame):
+    for (source, device), group in rows.groupby(["source_file", "device"], sort=False):
+        yield source, device, group
+
+
+def _kernel_mv(page: Page, rows: pd.DataFrame) -> None:
+    page.md("## kernel_mv: time vs n\n")
+    if rows.empty:
+        page.md("No stored run has the `kernel_mv` suite.")
+        return
+    page.md(
+        "One panel per input dimension / value columns (rows) and mode (columns). Points of "
+        "different sizes can come from different runs of the same file on the same GPU (named "
+        "under the chart); failed sizes (out of memory) are listed under Failures."
+    )
+    for _, device, group in _per_device(rows):
+        good = analysis.timed(group)
+        chart = charts.lines(
+            good, x="n", x_title="n (= m)", color="label", color_title="implementation",
+            row=alt.Row("config:N", title=None, sort=analysis.config_order(good)),
+            column=alt.Column("op:N", title=None),
+            tips=["run", "q1_ms", "q3_ms", "pairs_per_s"], width=260, height=150,
+            title=f"{device}: kernel_mv median time vs n",
+        )
+        page.chart(chart, group, "Log–log; rules: q1–q3.")
+
+
+def _speedups(page: Page, rows: pd.DataFrame) -> None:
+    if rows.empty:
+        return
+    page.md("## Speedup vs xla and vs dense\n")
+    page.md("Baseline median / implementation median within each run and case; a missing cell "
+            "means the baseline (or the implementation) failed or was not measured there.")
+    for baseline in ("xla", "dense"):
+        speed = analysis.speedups(rows, CASE, baseline)
+        speed = speed[speed["label"] != baseline]
+        for device, group in speed.groupby("device", sort=False):
+            group = group.assign(text=group["speedup"].map(fmt_ratio))
+            chart = charts.heatmap(
+                group, x="n", x_title="n", y="config", y_title=None, value="speedup",
+                y_sort=analysis.config_order(group),
+                value_title=f"× vs {baseline}", text="text", log=True, domain_mid=1,
+                scheme="redblue", row=alt.Row("label:N", title=None),
+                column=alt.Column("op:N", title=None),
+                tips=["run", "speedup_lo", "speedup_hi"], cell=56,
+                title=f"{device}: speedup vs {baseline}",
+            )
+            page.chart(chart, rows[rows["device"] == device],
+                       "Blue: faster than the baseline; red: slower (colours saturate at 4×); "
+                       "tooltip: the range from the quartiles.")
+
+
+def _kde(page: Page, rows: pd.DataFrame) -> None:
+    page.md("## KDE density\n")
+    if rows.empty:
+        page.md("No stored run has the `kde_density` suite.")
+        return
+    for _, device, group in _per_device(rows):
+        chart = charts.lines(
+            analysis.timed(group), x="n", x_title="n (= m)", color="label",
+            color_title="implementation",
+            row=alt.Row("config:N", title=None, sort=analysis.config_order(group)),
+            column=alt.Column("op:N", title=None), tips=["run", "q1_ms", "q3_ms"],
+            width=260, height=150, title=f"{device}: rbf_kde_density median time vs n",
+        )
+        page.chart(chart, group, _failed_note(group))
+
+
+def _tiles(page: Page, rows: pd.DataFrame) -> None:
+    page.md("## Tile sweep\n")
+    if rows.empty:
+        page.md("No stored run has the `kernel_mv_tiles` suite.")
+        return
+    page.md(
+        "The pallas kernel's tiles `block_q × block_k × block_o`. Colour: time relative to the "
+        "best tile of the same case (1.00× is the best); the cell text is the median in ms."
+    )
+    good = analysis.timed(rows)
+    good = good.assign(
+        tile=[f"{r.block_q}×{r.block_k}×{r.block_o}" for r in good.itertuples()],
+        case=good["op"] + " · n " + good["n"].map(fmt_int) + " · " + good["config"],
+    )
+    keys = ["source_file", "run", "case"]
+    good["relative"] = good["median_ms"] / good.groupby(keys)["median_ms"].transform("min")
+    good["text"] = good["median_ms"].map(fmt_ms)
+    for device, group in good.groupby("device", sort=False):
+        chart = charts.heatmap(
+            group, x="tile", x_title="block_q × block_k × block_o", y="case", y_title=None,
+            value="relative", value_title="× best tile", text="text", scheme="oranges",
+            tips=["run", "median_ms", "q1_ms", "q3_ms"], cell=78,
+            title=f"{device}: tile sweep",
+        )
+        page.chart(chart, rows[rows["device"] == device])
+
+
+def _crossover(page: Page, rows: pd.DataFrame) -> None:
+    page.md("## Crossover repeats\n")
+    if rows.empty:
+        page.md("No stored run has the `kernel_mv_crossover` suite.")
+        return
+    page.md(
+        "Small sizes, where pallas and xla cross over, measured in repeated rounds. Each point "
+        "is xla / pallas within one repeat (above 1×: pallas faster); the line joins the "
+        "median over repeats."
+    )
+    keys = ["source_file", "run", "device", "config", "op", "n", "repeat"]
+    good = analysis.timed(rows)
+    pallas = good[good["label"] == "pallas"][[*keys, "median_ms"]]
+    xla = good[good["label"] == "xla"][[*keys, "median_ms"]]
+    pairs = pallas.merge(xla, on=keys, suffixes=("_pallas", "_xla"))
+    pairs["speedup"] = pairs["median_ms_xla"] / pairs["median_ms_pallas"]
+    pairs["repeat"] = pairs["repeat"].astype("Int64")
+    if pairs.empty:
+        page.md("No repeat measured both pallas and xla.")
+        return
+    select = alt.selection_point(fields=["config"], bind="legend")
+    base = alt.Chart().encode(
+        alt.X("n:Q", title="n (= m)", scale=alt.Scale(type="log", base=2),
+              axis=alt.Axis(format="~s")),
+        alt.Color("config:N", title="config"),
+        opacity=alt.condition(select, alt.value(1), alt.value(0.12)),
+    )
+    chart = alt.layer(
+        base.mark_point(size=35).encode(
+            alt.Y("speedup:Q", title="xla / pallas", scale=alt.Scale(type="log")),
+            tooltip=charts.tooltip(["config", "op", "n", "repeat", "speedup", "median_ms_xla",
+                                    "median_ms_pallas"]),
+        ).add_params(select),
+        base.mark_line().encode(alt.Y("median(speedup):Q")),
+        alt.Chart().mark_rule(strokeDash=[4, 3], color="#555").encode(y=alt.datum(1)),
+    ).properties(width=260, height=190).facet(
+        data=pairs, column=alt.Column("op:N", title=None)
+    )
+    page.chart(charts.finish(chart, "Crossover: pallas vs xla per repeat"), rows,
+               "Batch 4 cases appear as their own config.")
+    summary = pairs.groupby(["config", "op", "n"]).agg(
+        repeats=("speedup", "size"), lo=("speedup", "min"), hi=("speedup", "max"),
+        median=("speedup", "median")).reset_index()
+    display = pd.DataFrame({
+        "config": summary["config"], "op": summary["op"], "n": summary["n"].map(fmt_int),
+        "repeats": summary["repeats"], "median xla / pallas": summary["median"].map(fmt_ratio),
+        "range over repeats": [f"{fmt_ratio(lo)} – {fmt_ratio(hi)}" for lo, hi in
+                               zip(summary["lo"], summary["hi"], strict=True)],
+    })
+    page.table(display, rows, collapsed=f"Crossover summary ({len(display)} cases)")
+
+
+def _memory(page: Page, table: pd.DataFrame) -> None:
+    page.md("## Peak memory vs n\n")
+    finding = headlines.rbf_memory(table)
+    peak = finding.rows[finding.rows["suite"] == "kernel_mv_peak"]
+    if peak.empty:
+        page.md("No stored run has the `kernel_mv_peak` suite.")
+        return
+    page.md("Peak device memory of one call, each size in a fresh process.")
+    for _, device, group in _per_device(peak):
+        chart = charts.ladder(
+            group, x="n", x_title="n (= m)", color="label", color_title="implementation",
+            column=alt.Column("op:N", title=None), tips=["run", "config", "run_s"],
+            title=f"{device}: peak memory vs n",
+        )
+        page.chart(chart, group, "Log–log; a cross on the top edge marks a failed size.")
+    page.table(finding.table, finding.rows, name="rbf-memory-growth")
+
+
+def _max_n(page: Page, rows: pd.DataFrame) -> None:
+    page.md("## Largest n (max-n ladder)\n")
+    if rows.empty:
+        page.md("No stored run has the `kernel_mv_max_n` suite.")
+        return
+    page.md(
+        "n doubled until the call failed or ran past the time limit, each size in a fresh "
+        "process; peak memory of the sizes that ran, and the subprocess wall time."
+    )
+    ladder = rows[rows["max_n"].isna()]
+    for _, device, group in _per_device(ladder):
+        chart = charts.ladder(
+            group, x="n", x_title="n (= m)", color="label", color_title="implementation",
+            column=alt.Column("op:N", title=None), tips=["run", "config", "run_s"],
+            width=380, height=220, title=f"{device}: max-n ladder",
+        )
+        page.chart(chart, group, "A cross marks the size that failed or timed out.")
+    keys = ["source_file", "run", "device", "label", "op", "config"]
+    out = []
+    for key, group in ladder.groupby(keys, sort=False):
+        ran = group[group["status"] == "ok"].sort_values("n")
+        failed = group[group["status"] != "ok"].sort_values("n")
+        record = dict(zip(keys, key, strict=True))
+        record.update(
+            largest=ran["n"].max() if not ran.empty else pd.NA,
+            peak=ran["peak_mb"].iloc[-1] if not ran.empty else None,
+            run_s=ran["run_s"].iloc[-1] if not ran.empty else None,
+            failed_at=failed["n"].iloc[0] if not failed.empty else pd.NA,
+            failure=failed["error_short"].iloc[0] if not failed.empty else "",
+        )
+        out.append(record)
+    summary = pd.DataFrame(out)
+    stated = rows[rows["max_n"].notna()]
+    display = pd.DataFrame({
+        "GPU": summary["device"].map(analysis.short_gpu), "run": summary["run"],
+        "impl": summary["label"],
+        "op": summary["op"], "config": summary["config"],
+        "largest n that ran": summary["largest"].map(fmt_int),
+        "peak MiB there": summary["peak"].map(fmt_num),
+        "wall s there": summary["run_s"].map(fmt_num),
+        "first failure at n": summary["failed_at"].map(fmt_int),
+        "failure": summary["failure"],
+    })
+    page.table(display, ladder, name="rbf-max-n")
+    if not stated.empty:
+        page.table(pd.DataFrame({
+            "GPU": stated["gpu"], "run": stated["run"], "impl": stated["label"],
+            "op": stated["op"], "config": stated["config"],
+            "max_n (stated by the run)": stated["max_n"].map(fmt_int),
+        }), stated, "Summary rows the benchmark wrote itself.")
+
+
+def _numerics(page: Page, rbf: pd.DataFrame) -> None:
+    metrics = {"rel_err": "out (fwd)", "rel_err_dq": "dq", "rel_err_dk": "dk",
+               "rel_err_dv": "dv", "rel_err_dlengthscale": "dlengthscale"}
+    rows = rbf[rbf[list(metrics)].notna().any(axis=1)]
+    page.md("## Numerics\n")
+    if rows.empty:
+        page.md("No stored row has RBF relative errors.")
+        return
+    refs = sorted(rows["rel_err_ref"].dropna().unique())
+    page.md(
+        "Relative errors of the output (fwd) and of the gradients dq, dk, dv and dlengthscale "
+        f"(fwd_bwd){' against ' + join_names(refs) if refs else ''}. "
+        + ("The seed file does not say what its errors are relative to. " if
+           rows["rel_err_ref"].isna().any() else "")
+        + "torch_dense has no lengthscale gradient."
+    )
+    long = rows.melt(id_vars=["source_file", "run", "device", "label", "config", "op", "n"],
+                     value_vars=list(metrics), var_name="metric", value_name="value")
+    long = long.dropna(subset=["value"])
+    long["metric"] = long["metric"].map(metrics)
+    long = long[long["value"] > 0]
+    chart = charts.lines(
+        long, x="n", x_title="n (= m)", y="value", y_title="relative error", color="label",
+        color_title="implementation", spread=False, detail="config",
+        column=alt.Column("metric:N", title=None, sort=list(metrics.values())),
+        tips=["config", "op", "run", alt.Tooltip("value", format=".2e")], width=150,
+        height=170, title="Relative error vs n (one line per implementation and config)",
+    )
+    page.chart(chart, rows, "Log–log. Exact zeros (torch_dense fwd) are not drawn on the log "
+                            "scale.")
+    worst = long.groupby(["device", "label", "metric"])["value"].max().unstack("metric")
+    worst = worst.reindex(columns=[m for m in metrics.values() if m in worst.columns])
+    display = worst.map(lambda v: fmt_num(v, 3)).reset_index().rename(
+        columns={"device": "GPU", "label": "implementation"})
+    page.table(display.fillna(""), rows, "Largest relative error over every case measured.",
+               name="rbf-numerics")
+
+
+def _across_gpus(page: Page, rbf: pd.DataFrame) -> None:
+    page.md("## Same implementation on different GPUs\n")
+    page.md(
+        "!!! warning \"Different machines\"\n"
+        "    These rows come from different runs on different machines. They show what each "
+        "GPU measured; they are not a controlled comparison, and no ratio is computed across "
+        "them.\n"
+    )
+    rows = analysis.across_devices(rbf, ["suite", *CASE])
+    if rows.empty:
+        devices = sorted(rbf["device"].dropna().unique())
+        page.md(f"No RBF case was measured on more than one GPU yet (GPUs with RBF rows: "
+                f"{join_names(devices)}).")
+        return
+    rows = rows.assign(case=rows["suite"] + " · " + rows["config"] + " · " + rows["op"]
+                       + " · n " + rows["n"].map(fmt_int))
+    chart = charts.bars(
+        rows, category="gpu", category_title=None, color="gpu", color_title="GPU (run)",
+        log=True, row=alt.Row("case:N", title=None, header=alt.Header(labelAngle=0,
+                                                                      labelAlign="left")),
+        column=alt.Column("label:N", title=None), tips=["run", "q1_ms", "q3_ms"], width=160,
+        title="Same case, different GPUs (different machines and runs)",
+    )
+    page.chart(chart, rows, "Each bar is one run on one machine.")
+
+
+def _failed_note(rows: pd.DataFrame) -> str:
+    failed = analysis.failures(rows)
+    if failed.empty:
+        return ""
+    return f"{plural(len(failed), 'failed case')} not drawn; see Failures."
+
+
+def _failures(page: Page, rbf: pd.DataFrame) -> None:
+    failed = analysis.failures(rbf)
+    page.md("## Failures\n")
+    if failed.empty:
+        page.md("No RBF case failed.")
+        return
+    page.md(f"{plural(len(failed), 'RBF case')} failed (out of memory, timeouts); kept here, "
+            "not dropped.")
+    display = pd.DataFrame({
+        "GPU": failed["gpu"], "run": failed["run"], "suite": failed["suite"],
+        "impl": failed["label"], "op": failed["op"], "config": failed["config"],
+        "n": failed["n"].map(fmt_int), "status": failed["status"],
+        "error": failed["error_short"],
+    })
+    page.table(display, failed, "Errors shortened to their first line.", name="rbf-failures")

@@ -1,0 +1,137 @@
+"""The tidy results table: one row per measured (or failed) benchmark case.
+
+Every loader returns a frame with exactly these columns, in this order, with these dtypes.
+docs/reports/schema.md documents them for readers; tests/gen/test_schema.py keeps the two in step.
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+
+# name -> (pandas dtype, one-line meaning). Missing values mean "not recorded / not measured".
+COLUMNS: dict[str, tuple[str, str]] = {
+    # Where the row comes from.
+    "source_file": ("str", "file name under data/results/"),
+    "source_format": ("str", "loader that read it: moe_layer_seed, nn_suites_seed, "
+                             "h100_decoder_seed, rbf_seed or pytest_benchmark"),
+    "source_row": ("Int64", "index of the row in the file's results[] or benchmarks[] list"),
+    "run": ("str", "run id: one benchmark invocation on one machine"),
+    "code": ("str", "which code a run measured, where the file says: before, final, sweep, "
+                    "intermediate"),
+    "run_note": ("str", "the file's note about the run"),
+    "device": ("str", "GPU name"),
+    "gpu_memory_gb": ("float64", "GPU memory in GB"),
+    "jax": ("str", "jax version"),
+    "date": ("str", "date of the run (YYYY-MM-DD) where the file records it"),
+    "commit": ("str", "tilax commit measured (pytest-benchmark runs)"),
+    # What was measured.
+    "family": ("str", "moe, rbf or nn"),
+    "suite": ("str", "benchmark suite (MoE: layer, decoder, pieces, blockm, maxtok, "
+                     "maxtok_summary; RBF: kernel_mv, kde_density, kernel_mv_tiles, "
+                     "kernel_mv_crossover, kernel_mv_peak, kernel_mv_max_n; NN: transformer, "
+                     "diffusion, moe, ssm, unet)"),
+    "impl": ("str", "implementation (NN suites: attention variant or SSM cell)"),
+    "dispatch": ("str", "MoE token dispatch: sorted, gather, fused, fused_gsum"),
+    "routing": ("str", "MoE routing: dropless, capacity, dense"),
+    "dtype": ("str", "float32 or bfloat16"),
+    "op": ("str", "forward, train_step, fwd+bwd (MoE pieces); fwd, fwd_bwd (RBF)"),
+    "piece": ("str", "train-step piece (suite pieces)"),
+    "precision": ("str", "RBF dot precision"),
+    # Problem shape and tuning knobs.
+    "tokens": ("Int64", "MoE / NN tokens per call"),
+    "d_model": ("Int64", "model width"),
+    "d_hidden": ("Int64", "expert hidden width"),
+    "experts": ("Int64", "number of experts"),
+    "top_k": ("Int64", "experts per token"),
+    "shared_hidden": ("Int64", "shared-expert hidden width (0 or missing: none)"),
+    "skew": ("float64", "router skew of the synthetic tokens (0: balanced)"),
+    "block_m": ("Int64", "grouped-matmul row tile (suite blockm, pieces)"),
+    "slab_elems": ("Int64", "scatter slab size in elements (slab sweep runs; 0: one slab)"),
+    "n": ("Int64", "RBF query points"),
+    "m": ("Int64", "RBF data points"),
+    "dim": ("Int64", "RBF input dimension"),
+    "out": ("Int64", "RBF value columns"),
+    "batch": ("Int64", "batch size"),
+    "block_q": ("Int64", "RBF query tile"),
+    "block_k": ("Int64", "RBF key tile"),
+    "block_o": ("Int64", "RBF value-column tile"),
+    "repeat": ("Int64", "repeat index (crossover probe)"),
+    "resolution": ("Int64", "image side (NN unet)"),
+    "model_dim": ("Int64", "model width (NN suites)"),
+    "params": ("Int64", "parameter count (NN suites)"),
+    "max_expert_frac": ("float64", "largest expert's share of the routed token copies"),
+    "empty_experts": ("Int64", "experts that received no token"),
+    # Time.
+    "median_ms": ("float64", "median time of one call, ms"),
+    "q1_ms": ("float64", "first quartile, ms"),
+    "q3_ms": ("float64", "third quartile, ms"),
+    "rounds": ("Int64", "timed rounds (pytest-benchmark)"),
+    "inner": ("Int64", "calls per timed sample (seed files: inner; pytest-benchmark: iterations)"),
+    "compile_s": ("float64", "first call including compilation, s"),
+    "run_s": ("float64", "wall time of the fresh subprocess (memory ladders), s"),
+    # Throughput.
+    "flops": ("float64", "counted useful FLOPs of one call (pytest-benchmark MoE rows)"),
+    "tflops": ("float64", "flops / median / 1e12"),
+    "pairs_per_s": ("float64", "RBF kernel pairs per second: n · m · batch / median"),
+    # Memory.
+    "peak_mb": ("float64", "device peak_bytes_in_use, MiB"),
+    "xla_temp_mb": ("float64", "XLA temp buffer size of the compiled call, MiB"),
+    "xla_arg_mb": ("float64", "XLA argument size, MiB"),
+    "xla_out_mb": ("float64", "XLA output size, MiB"),
+    "max_tokens": ("Int64", "largest token count that ran (suite maxtok_summary)"),
+    "max_n": ("Int64", "largest n that ran (suite kernel_mv_max_n summary rows)"),
+    # Numerics.
+    "rel_err": ("float64", "RBF forward relative error"),
+    "rel_err_dq": ("float64", "RBF gradient relative error, dq"),
+    "rel_err_dk": ("float64", "RBF gradient relative error, dk"),
+    "rel_err_dv": ("float64", "RBF gradient relative error, dv"),
+    "rel_err_dlengthscale": ("float64", "RBF gradient relative error, dlengthscale"),
+    "rel_err_out": ("float64", "MoE output relative error"),
+    "rel_err_grad_x": ("float64", "MoE input-gradient relative error"),
+    "rel_err_grad_params": ("float64", "MoE parameter-gradient relative error"),
+    "rel_err_ref": ("str", "what the relative errors compare against"),
+    "finite": ("boolean", "outputs were finite (NN suites)"),
+    # Outcome.
+    "status": ("str", "ok, error or timeout"),
+    "error": ("str", "the failure's message (failure rows only)"),
+    "extra": ("str", "JSON of extra_info keys the schema does not know (pytest-benchmark)"),
+}
+
+COLUMN_NAMES = list(COLUMNS)
+
+# Columns whose values are integers (possibly missing); seed files store some as floats.
+INTEGER_COLUMNS = [name for name, (dtype, _) in COLUMNS.items() if dtype == "Int64"]
+
+
+def empty_table() -> pd.DataFrame:
+    """A zero-row table with the schema's columns and dtypes."""
+    return conform(pd.DataFrame(columns=COLUMN_NAMES))
+
+
+def conform(frame: pd.DataFrame) -> pd.DataFrame:
+    """Return ``frame`` with exactly the schema's columns (missing ones added), in order, typed.
+
+    Raises ``ValueError`` naming the column when a value does not fit its dtype (e.g. 4096.5
+    tokens), so a loader bug never turns into a silently wrong table.
+    """
+    unknown = sorted(set(frame.columns) - set(COLUMN_NAMES))
+    if unknown:
+        raise ValueError(f"columns not in the schema: {unknown}")
+    frame = frame.reindex(columns=COLUMN_NAMES)
+    for name, (dtype, _) in COLUMNS.items():
+        try:
+            frame[name] = _cast(frame[name], dtype)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"column {name!r} does not fit dtype {dtype}: {exc}") from exc
+    return frame.reset_index(drop=True)
+
+
+def _cast(column: pd.Series, dtype: str) -> pd.Series:
+    if dtype == "Int64":
+        numbers = pd.to_numeric(column, errors="raise")
+        return numbers.astype("Int64")
+    if dtype == "float64":
+        return pd.to_numeric(column, errors="raise").astype("float64")
+    if dtype == "boolean":
+        return column.astype("boolean")
+    return column.astype("str")
