@@ -1,4 +1,8 @@
-"""Sessions: tests, docs, serve, lint (``nox -l`` lists them)."""
+"""Sessions: tests, docs, serve, lint, bench, wheelhouse (``nox -l`` lists them)."""
+
+import importlib.util
+import os
+from pathlib import Path
 
 import nox
 
@@ -43,3 +47,91 @@ def lint(session: nox.Session) -> None:
     """ruff over the package, generators, tests and this file."""
     session.install(*nox.project.dependency_groups(PYPROJECT, "lint"))
     session.run("ruff", "check", "src", "gen", "tests", "noxfile.py", *session.posargs)
+
+
+def _bench_naming():
+    """tests/bench/bench_naming.py, loaded by path: the pytest route uses the same file."""
+    path = Path(__file__).parent / "tests" / "bench" / "bench_naming.py"
+    spec = importlib.util.spec_from_file_location("bench_naming", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _bench_tag(posargs: list[str]) -> str | None:
+    """File-name suffix saying what ran, e.g. "quick" or "moe"; None for a full run of all."""
+    suites, mode = [], os.environ.get("TILAX_BENCH_MODE")
+    for i, arg in enumerate(posargs):
+        if arg == "--bench-quick":
+            mode = "quick"
+        elif arg == "--bench-smoke":
+            mode = "smoke"
+        elif arg.startswith("--bench-mode"):
+            mode = arg.split("=", 1)[1] if "=" in arg else posargs[i + 1]
+        elif arg.startswith("--bench-suite"):
+            suites.append(arg.split("=", 1)[1] if "=" in arg else posargs[i + 1])
+    if not suites and os.environ.get("TILAX_BENCH_SUITES"):
+        suites.append(os.environ["TILAX_BENCH_SUITES"])
+    parts = [mode] if mode in ("quick", "smoke") else []
+    parts += [s.replace(",", "+") for s in suites if s != "all"]
+    return "-".join(parts) or None
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """GPU benchmarks into data/results/<gpu>-<yyyymmdd>-<shortcommit>[-<tag>].json.
+
+    Options go to pytest after ``--``: ``--bench-suite moe|rbf|layer|...`` (repeatable),
+    ``--bench-quick``, ``--bench-budget SECONDS``; or the environment: TILAX_BENCH_SUITES,
+    TILAX_BENCH_MODE, TILAX_BENCH_BUDGET, TILAX_BENCH_OUT (output folder). On an offline GPU
+    host with JAX installed: ``nox --no-venv -s bench -- ...`` (no installs), or the plain
+    pytest command in tests/bench/conftest.py's docstring, which names files the same way.
+    """
+    if session.venv_backend != "none":
+        session.install("-e", ".[cuda]", *nox.project.dependency_groups(PYPROJECT, "bench"))
+    out_dir = Path(os.environ.get("TILAX_BENCH_OUT", "data/results"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    output = _bench_naming().result_path(out_dir, _bench_tag(session.posargs))
+    session.log(f"results: {output} (rows as they finish: {output.with_suffix('')}.rows.jsonl)")
+    pythonpath = os.pathsep.join(p for p in ("src", os.environ.get("PYTHONPATH")) if p)
+    session.run(
+        "python", "-m", "pytest", "tests/bench", "-p", "no:cacheprovider", "-q",
+        f"--benchmark-json={output}", *session.posargs,
+        env={"PYTHONPATH": pythonpath},
+    )
+
+
+# Wheels the offline GPU host lacks (it has jax 0.11.2, jaxlib, numpy, absl-py, chex, einops,
+# jaxtyping, flax, tqdm, protobuf, packaging, torch, triton, pytest, pytest-benchmark, pandas).
+# tokamax's Requires-Dist minus those; typing-extensions rides along because pydantic needs a
+# newer one than the host may have. pykeops/keopscore are source releases built into wheels.
+WHEELHOUSE_DOWNLOADS = [
+    "tokamax==0.0.12", "einshape==1.0", "qwix==0.1.8", "immutabledict==4.3.1",
+    "tensorboardx==2.6.5", "typeguard==2.13.3", "pydantic==2.14.4", "pydantic-core==2.50.5",
+    "annotated-types==0.8.0", "typing-inspection==0.4.5", "typing-extensions==4.16.0",
+]
+WHEELHOUSE_BUILDS = ["pykeops==2.3", "keopscore==2.3"]
+
+
+@nox.session(venv_backend="none")
+def wheelhouse(session: nox.Session) -> None:
+    """Download the extra benchmark wheels for an offline GPU host into .wheelhouse/.
+
+    Target: CPython 3.12, manylinux x86_64. Extra names after ``--`` are added (e.g. ``flax``
+    if the host's is older than qwix needs). On the host::
+
+        pip install --no-index --no-deps --target /tmp/site .wheelhouse/*.whl
+        export PYTHONPATH=src:/tmp/site
+    """
+    target = Path(".wheelhouse")
+    target.mkdir(exist_ok=True)
+    session.run(
+        "python", "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+        "--python-version", "3.12", "--implementation", "cp", "--abi", "cp312",
+        # pip does not widen --platform: name every manylinux tag a wheel may carry
+        "--platform", "manylinux2014_x86_64", "--platform", "manylinux_2_17_x86_64",
+        "--platform", "manylinux_2_28_x86_64", "--dest", str(target),
+        *WHEELHOUSE_DOWNLOADS, *session.posargs,
+    )
+    session.run("python", "-m", "pip", "wheel", "--no-deps", "--wheel-dir", str(target),
+                *WHEELHOUSE_BUILDS)

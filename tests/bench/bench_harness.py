@@ -1,0 +1,291 @@
+"""Timing harness shared by the MoE and RBF benchmarks.
+
+One benchmark row is one *case* (a frozen dataclass from ``bench_moe``/``bench_rbf``) run by
+:class:`Runner`:
+
+1. pre-checks that decide, without running anything, that a row cannot run: the run's time
+   budget is spent, a smaller size of the same config already ran out of memory, the time per
+   call predicted from the previous size exceeds the per-row limit, or the case's own memory
+   estimate exceeds the device (``"skipped: ..."`` rows, never attempted);
+2. ``case.build(state)`` makes a *workload* (jitted function + inputs; peers that cannot be
+   imported raise :class:`Unavailable`);
+3. the first call, compile included, is timed alone (``compile_s``) and its output checked
+   (numerics, router statistics); a second call is a warm-up that sizes the rounds;
+4. ``benchmark.pedantic`` times ``rounds`` rounds of ``iterations`` calls, each call ending in
+   ``block_until_ready`` (or ``torch.cuda.synchronize``), no warm-up rounds (done above);
+5. TFLOP/s or pairs/s are derived from the case's counted work and the median.
+
+Any exception becomes a failure row: ``extra_info["error"]`` holds the exception type and
+message and a no-op is timed once so pytest-benchmark still writes the row (its stats must be
+ignored). Ladder steps (peak memory, largest problem) run in a fresh subprocess each, see
+``bench_ladder``; their timings are measured in the child and replayed into the fixture.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import math
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+OOM_MARKERS = ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory", "OutOfMemoryError")
+MAX_ERROR_CHARS = 2000
+
+
+class Unavailable(Exception):
+    """A peer library or backend that cannot run here; the row's error says why."""
+
+
+def describe_error(exc: BaseException) -> str:
+    """``"Type: message"``, trimmed to a size a results file can carry."""
+    message = str(exc).strip()
+    text = f"{type(exc).__name__}: {message}" if message else type(exc).__name__
+    if isinstance(exc, Unavailable):
+        text = message
+    if len(text) > MAX_ERROR_CHARS:
+        text = text[: MAX_ERROR_CHARS - 20] + " ... [truncated]"
+    return text
+
+
+def is_out_of_memory(error: str) -> bool:
+    return any(marker in error for marker in OOM_MARKERS)
+
+
+@dataclasses.dataclass
+class Settings:
+    """How hard to run: chosen once per session by conftest (mode, suites, budget)."""
+
+    mode: str  # "smoke" (CPU, tiny), "quick" or "full"
+    suites: frozenset[str]
+    budget_s: float  # wall-clock budget of the whole session
+    row_limit_s: float  # most time one in-process row may take (predicted)
+    target_time_s: float  # timed time aimed at per row
+    min_rounds: int
+    max_rounds: int
+    step_timeout_s: float  # time limit of one ladder subprocess
+    started: float = dataclasses.field(default_factory=time.monotonic)
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started
+
+    def remaining(self) -> float:
+        return self.budget_s - self.elapsed()
+
+
+class LRU:
+    """A tiny least-recently-used cache: inputs and references are shared by consecutive rows
+    of one shape (cases are ordered shape-major) without keeping every shape alive."""
+
+    def __init__(self, size: int = 1):
+        self.size = size
+        self.items: OrderedDict[Any, Any] = OrderedDict()
+
+    def get(self, key: Any, make: Callable[[], Any]) -> Any:
+        if key in self.items:
+            self.items.move_to_end(key)
+            return self.items[key]
+        while len(self.items) >= self.size:
+            self.items.popitem(last=False)
+            gc.collect()
+        value = make()
+        self.items[key] = value
+        return value
+
+    def clear(self) -> None:
+        self.items.clear()
+
+
+@dataclasses.dataclass
+class State:
+    """What the rows of one session learn from each other."""
+
+    settings: Settings
+    device_bytes: int | None = None
+    # scale key -> (work, seconds per call) of the last size that ran
+    last_call: dict = dataclasses.field(default_factory=dict)
+    # scale key -> (work, size label, error) of a size that ran out of memory
+    failed: dict = dataclasses.field(default_factory=dict)
+    # ladder key -> list of finished steps (dicts)
+    ladders: dict = dataclasses.field(default_factory=dict)
+    inputs: LRU = dataclasses.field(default_factory=lambda: LRU(1))
+    references: LRU = dataclasses.field(default_factory=lambda: LRU(1))
+    probes: dict = dataclasses.field(default_factory=dict)
+
+
+def _no_op() -> None:
+    return None
+
+
+def record_failure(benchmark, error: str) -> None:
+    """Make a failure row: the error text plus the stats of one no-op call."""
+    benchmark.extra_info["error"] = error
+    benchmark.pedantic(_no_op, rounds=1, iterations=1, warmup_rounds=0)
+
+
+def record_external_timings(benchmark, seconds: list[float]) -> None:
+    """Store timings measured elsewhere (a ladder subprocess) as this row's rounds.
+
+    pytest-benchmark reads its clock twice per round; the replayed clock advances by exactly
+    the measured durations, so the row's stats are the child's timings, not the parent's.
+    """
+
+    ticks = iter(_ticks(seconds))
+
+    def replayed_child_timer():
+        return next(ticks)
+
+    benchmark._timer = replayed_child_timer
+    benchmark.pedantic(_no_op, rounds=len(seconds), iterations=1, warmup_rounds=0)
+
+
+def _ticks(seconds: list[float]) -> list[float]:
+    ticks, clock = [], 0.0
+    for duration in seconds:
+        ticks += [clock, clock + duration]
+        clock += duration
+    return ticks
+
+
+def json_safe(value: Any) -> Any:
+    """Plain Python numbers/containers for extra_info (no numpy or JAX scalars, no NaN)."""
+    if isinstance(value, dict):
+        return {str(k): json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    if isinstance(value, (bool, str)) or value is None:
+        return value
+    if isinstance(value, int):
+        return value
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return str(value)
+    if hasattr(value, "dtype") and "int" in str(value.dtype):
+        return int(number)
+    return number if math.isfinite(number) else None
+
+
+class Runner:
+    """Runs one case into one benchmark row (see the module docstring)."""
+
+    def __init__(self, benchmark, state: State):
+        self.benchmark = benchmark
+        self.state = state
+        self.settings = state.settings
+
+    @property
+    def info(self) -> dict:
+        return self.benchmark.extra_info
+
+    def fail(self, error: str) -> None:
+        record_failure(self.benchmark, error)
+
+    def precheck(self, case) -> str | None:
+        """Why this row will not be attempted, or ``None``."""
+        settings, state = self.settings, self.state
+        if settings.remaining() <= 0:
+            return (f"skipped: not attempted, the run's time budget of {settings.budget_s:.0f} s "
+                    f"was spent before this row")
+        key = case.scale_key()
+        if key in state.failed:
+            work, label, error = state.failed[key]
+            if case.work() >= work:
+                return (f"skipped: not attempted, a smaller or equal size of this config "
+                        f"({label}) already failed with: {error[:300]}")
+        if key in state.last_call and self.settings.mode != "smoke":
+            work, seconds = state.last_call[key]
+            predicted = seconds * case.work() / work
+            calls = 2 + settings.min_rounds
+            if predicted * calls > settings.row_limit_s:
+                return (f"skipped: not attempted, predicted {predicted:.3g} s per call (measured "
+                        f"{seconds:.3g} s at {work:.3g} units of work, scaled to "
+                        f"{case.work():.3g}) times {calls} calls exceeds the "
+                        f"{settings.row_limit_s:.0f} s per-row limit")
+            if predicted * calls > settings.remaining():
+                return (f"skipped: not attempted, predicted {predicted * calls:.0f} s for this "
+                        f"row exceeds the {settings.remaining():.0f} s left of the run's budget")
+        return case.precheck(state)
+
+    def plan(self, seconds: float) -> tuple[int, int]:
+        """(rounds, iterations) for a call of ``seconds``."""
+        settings = self.settings
+        if settings.mode == "smoke":
+            return settings.max_rounds, 1
+        iterations = 1 if seconds >= 1e-3 else min(50, math.ceil(1e-3 / max(seconds, 1e-7)))
+        per_round = max(seconds * iterations, 1e-7)
+        rounds = int(settings.target_time_s / per_round)
+        return max(settings.min_rounds, min(settings.max_rounds, rounds)), iterations
+
+    def run(self, case) -> None:
+        if getattr(case, "ladder", None) is not None:
+            import bench_ladder
+
+            bench_ladder.run_step(self, case)
+            return
+        self.info.update(json_safe(case.extra_info()))
+        self.info.setdefault("compile_s", None)
+        reason = self.precheck(case)
+        if reason is not None:
+            self.fail(reason)
+            return
+        try:
+            workload = case.build(self.state)
+        except Exception as exc:  # noqa: BLE001 - every failure becomes a row
+            self.fail(describe_error(exc))
+            return
+        try:
+            self._measure(case, workload)
+        finally:
+            workload.close()
+            gc.collect()
+
+    def _measure(self, case, workload) -> None:
+        try:
+            start = time.perf_counter()
+            out = workload.call()
+            self.info["compile_s"] = time.perf_counter() - start
+        except Exception as exc:  # noqa: BLE001
+            self._remember_failure(case, describe_error(exc))
+            return
+        try:
+            self.info.update(json_safe(workload.inspect(out)))
+        except Exception as exc:  # noqa: BLE001 - a broken check must not lose the timing
+            self.info["numerics_error"] = describe_error(exc)
+        del out
+        try:
+            start = time.perf_counter()
+            workload.call()
+            warm_s = time.perf_counter() - start
+        except Exception as exc:  # noqa: BLE001
+            self._remember_failure(case, describe_error(exc))
+            return
+        rounds, iterations = self.plan(warm_s)
+        errors: list[BaseException] = []
+
+        def timed_call():
+            if errors:
+                return
+            try:
+                workload.call()
+            except Exception as exc:  # noqa: BLE001
+                errors.append(exc)
+
+        self.benchmark.pedantic(timed_call, rounds=rounds, iterations=iterations,
+                                warmup_rounds=0)
+        if errors:
+            error = describe_error(errors[0])
+            self.info["error"] = error
+            if is_out_of_memory(error):
+                self.state.failed[case.scale_key()] = (case.work(), case.size_label(), error)
+            return
+        median = self.benchmark.stats.stats.median
+        self.info.update(json_safe(case.rates(median)))
+        self.state.last_call[case.scale_key()] = (case.work(), median)
+
+    def _remember_failure(self, case, error: str) -> None:
+        if is_out_of_memory(error):
+            self.state.failed[case.scale_key()] = (case.work(), case.size_label(), error)
+        self.fail(error)

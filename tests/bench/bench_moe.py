@@ -1,0 +1,610 @@
+"""MoE benchmark cases: what each suite measures, the workloads, counted FLOPs and numerics.
+
+Suites (``extra_info["suite"]``) mirror the stored seed files:
+
+- ``layer``: the E8 top-2 d512 h1024 layer at 4k/32k/131k tokens, E64 top-4 h256 at 32k, and
+  skewed routing (skew 0.9) at 32k; every impl x dispatch x routing; float32 and bfloat16;
+  ``forward`` and ``train_step``.
+- ``decoder``: the decoder layer of the H100 seed (E64 top-8, expert width 128, shared expert
+  1024, d512) at 16k/131k/1M tokens, bfloat16.
+- ``pieces``: the train-step cost split of the sorted Pallas path (route, sort_permute,
+  experts_grouped_swiglu, unpermute_combine), each timed forward + backward.
+- ``blockm``: the Pallas row-tile sweep (block_m 32/64/128).
+- ``maxtok`` / ``maxtok_summary``: largest bfloat16 train step per impl (see ``bench_ladder``).
+
+A ``train_step`` is ``value_and_grad`` of ``sum(y * dy)`` (``dy`` a fixed random cotangent)
+with respect to the parameters and the input, returning ``y`` too: forward plus backward, no
+optimizer update.
+
+Counted FLOPs (``flops``, identical for every impl of a shape so TFLOP/s ranks impls as time
+does): forward ``2*T*d*E`` (router) ``+ 6*T*k*d*h`` (k SwiGLU experts per token, three
+matmuls) ``+ 6*T*d*S`` (shared expert); a train step counts three times that. Dense routing's
+extra work on unrouted experts and capacity routing's dropped copies are not counted.
+
+Numerics (``rel_err_out``, ``rel_err_grad_x``, ``rel_err_grad_params``): norm-wise relative
+errors ``||a - r|| / ||r||`` against ``routing="dense"`` in float32 at ``"highest"`` matmul
+precision, on the same inputs (rounded to the row's dtype) and the same cotangent; the
+parameter error is over all leaves together. Measured where the dense reference fits
+(``T*E*h <= 2**30``) and not for capacity routing (it drops copies by design).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.util
+import os
+from typing import Any
+
+from bench_harness import Unavailable
+
+MOE_IMPLS_WITH_DISPATCH = ("pallas", "triton", "mosaic", "blocked", "ragged_dot")
+PIECES = ("route", "sort_permute", "experts_grouped_swiglu", "unpermute_combine")
+NUMERICS_MAX_ELEMENTS = 2**30
+# The tokamax peer's ragged_dot backend (its Mosaic GPU kernel); "xla" lets the layer code be
+# checked on a CPU.
+TOKAMAX_IMPLEMENTATION = os.environ.get("TILAX_BENCH_TOKAMAX_IMPL", "mosaic")
+
+
+@dataclasses.dataclass(frozen=True)
+class MoECase:
+    """One MoE benchmark row (see the module docstring for the suites)."""
+
+    suite: str
+    impl: str  # "pallas", "triton", "mosaic", "blocked", "ragged_dot", "tokamax", "dense"
+    dispatch: str | None
+    routing: str  # "dropless", "capacity", "dense"
+    dtype: str  # "float32" | "bfloat16"
+    op: str  # "forward" | "train_step"
+    tokens: int
+    d_model: int
+    d_hidden: int
+    experts: int
+    top_k: int
+    shared_hidden: int = 0
+    skew: float = 0.0
+    piece: str | None = None
+    block_m: int | None = None
+    numerics: bool = True
+    priority: int = 50
+    seed: int = 0
+
+    family = "moe"
+
+    @property
+    def id(self) -> str:
+        parts = [self.suite, self.impl]
+        if self.dispatch and self.impl in MOE_IMPLS_WITH_DISPATCH:
+            parts.append(self.dispatch)
+        if self.routing != "dropless" and self.impl != "dense":
+            parts.append(self.routing)
+        parts.append("bf16" if self.dtype == "bfloat16" else "f32")
+        parts.append(f"T{self.tokens}-E{self.experts}k{self.top_k}-d{self.d_model}h{self.d_hidden}")
+        if self.shared_hidden:
+            parts.append(f"S{self.shared_hidden}")
+        if self.skew:
+            parts.append(f"skew{self.skew:g}")
+        if self.piece:
+            parts.append(self.piece)
+        if self.block_m:
+            parts.append(f"bm{self.block_m}")
+        parts.append(self.op)
+        return "-".join(parts)
+
+    def extra_info(self) -> dict[str, Any]:
+        info = {
+            "family": "moe",
+            "suite": self.suite,
+            "impl": self.impl,
+            "dispatch": self.dispatch if self.impl in MOE_IMPLS_WITH_DISPATCH else None,
+            "routing": self.routing,
+            "dtype": self.dtype,
+            "op": self.op,
+            "tokens": self.tokens,
+            "d_model": self.d_model,
+            "d_hidden": self.d_hidden,
+            "experts": self.experts,
+            "top_k": self.top_k,
+            "shared_hidden": self.shared_hidden,
+            "skew": self.skew,
+            "flops": self.work(),
+        }
+        if self.piece is not None:
+            info["piece"] = self.piece
+        if self.block_m is not None:
+            info["block_m"] = self.block_m
+        return info
+
+    def scale_key(self) -> tuple:
+        fields = dataclasses.asdict(self)
+        for name in ("tokens", "numerics", "priority"):
+            fields.pop(name)
+        return ("moe",) + tuple(sorted(fields.items()))
+
+    def size_label(self) -> str:
+        return f"tokens={self.tokens}"
+
+    def work(self) -> float:
+        if self.piece is not None:
+            return float(piece_flops(self))
+        return float(layer_flops(self))
+
+    def rates(self, median_s: float) -> dict[str, float]:
+        return {"tflops": self.work() / median_s / 1e12}
+
+    def unavailable_reason(self) -> str | None:
+        if self.impl == "tokamax" and importlib.util.find_spec("tokamax") is None:
+            return "unavailable: tokamax is not installed here"
+        return None
+
+    def precheck(self, state) -> str | None:
+        reason = self.unavailable_reason()
+        if reason or state.device_bytes is None or self.routing != "dense":
+            return reason
+        needed = dense_routing_bytes(self)
+        if needed > 0.9 * state.device_bytes:
+            return (f"skipped: not attempted, RESOURCE_EXHAUSTED predicted: dense routing keeps "
+                    f"about {needed / 2**30:.0f} GiB of [tokens, experts, hidden] activations; "
+                    f"the device has {state.device_bytes / 2**30:.0f} GiB")
+        return None
+
+    def build(self, state):
+        if self.piece is not None:
+            return build_piece(self, state)
+        return build_layer(self, state)
+
+    def to_spec(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_spec(cls, spec: dict) -> MoECase:
+        return cls(**spec)
+
+
+def layer_flops(case: MoECase) -> int:
+    t, d = case.tokens, case.d_model
+    forward = 2 * t * d * case.experts + 6 * t * case.top_k * d * case.d_hidden
+    forward += 6 * t * d * case.shared_hidden
+    return forward * (3 if case.op == "train_step" else 1)
+
+
+def piece_flops(case: MoECase) -> int:
+    t, d = case.tokens, case.d_model
+    if case.piece == "route":
+        return 3 * 2 * t * d * case.experts
+    if case.piece == "experts_grouped_swiglu":
+        return 3 * 6 * t * case.top_k * d * case.d_hidden
+    return 0  # sort_permute, unpermute_combine move data only
+
+
+def dense_routing_bytes(case: MoECase) -> int:
+    """A lower bound of what dense routing keeps alive: gate, up and activation [T, E, h] plus
+    the per-expert outputs [T, E, d]; the backward keeps about 2.5 times that."""
+    itemsize = 4 if case.dtype == "float32" else 2
+    forward = case.tokens * case.experts * (3 * case.d_hidden + case.d_model) * itemsize
+    return int(forward * (2.5 if case.op == "train_step" else 1))
+
+
+def wants_numerics(tokens: int, experts: int, d_hidden: int, routing: str) -> bool:
+    return routing != "capacity" and tokens * experts * d_hidden <= NUMERICS_MAX_ELEMENTS
+
+
+# ----------------------------------------------------------------------------- case lists
+
+
+def _layer_cases(suite, impls, tokens, dtypes, ops, shape, priority, skew=0.0):
+    """Cases shape-major (tokens, dtype, impl, op) so inputs and references are reused."""
+    cases = []
+    for t in tokens:
+        for dtype in dtypes:
+            for impl, dispatch, routing in impls:
+                for op in ops:
+                    cases.append(MoECase(
+                        suite=suite, impl=impl, dispatch=dispatch, routing=routing, dtype=dtype,
+                        op=op, tokens=t, skew=skew, priority=priority,
+                        numerics=wants_numerics(t, shape["experts"], shape["d_hidden"], routing),
+                        **shape,
+                    ))
+    return cases
+
+
+BOTH_OPS = ("forward", "train_step")
+BOTH_DTYPES = ("bfloat16", "float32")
+SEED_LAYER = dict(d_model=512, d_hidden=1024, experts=8, top_k=2)
+SEED_WIDE = dict(d_model=512, d_hidden=256, experts=64, top_k=4)
+SEED_DECODER = dict(d_model=512, d_hidden=128, experts=64, top_k=8, shared_hidden=1024)
+SMOKE_LAYER = dict(d_model=32, d_hidden=64, experts=4, top_k=2)
+SMOKE_DECODER = dict(d_model=32, d_hidden=16, experts=8, top_k=4, shared_hidden=32)
+
+P_SORTED = ("pallas", "sorted", "dropless")
+P_GATHER = ("pallas", "gather", "dropless")
+P_FUSED = ("pallas", "fused", "dropless")
+P_GSUM = ("pallas", "fused_gsum", "dropless")
+TRITON = ("triton", "sorted", "dropless")
+MOSAIC = ("mosaic", "sorted", "dropless")
+BLOCKED = ("blocked", "sorted", "dropless")
+RAGGED = ("ragged_dot", "sorted", "dropless")
+TOKAMAX = ("tokamax", None, "dropless")
+DENSE = ("dense", None, "dense")
+CAPACITY = ("pallas", "sorted", "capacity")
+
+LAYER_ALL = (P_SORTED, P_GATHER, P_FUSED, P_GSUM, BLOCKED, RAGGED, TOKAMAX, DENSE, CAPACITY)
+LAYER_CORE = (P_SORTED, P_GSUM, RAGGED, TOKAMAX, DENSE)
+
+
+def layer_cases(mode: str) -> list[MoECase]:
+    if mode == "smoke":
+        shape = SMOKE_LAYER
+        return (
+            _layer_cases("layer", (P_SORTED, RAGGED, DENSE), [64], ["float32"], BOTH_OPS,
+                         shape, 10)
+            + _layer_cases("layer", (P_GSUM, TRITON, MOSAIC, BLOCKED, TOKAMAX, CAPACITY), [64],
+                           ["float32"], ["forward"], shape, 10)
+            + _layer_cases("layer", (P_SORTED,), [64], ["bfloat16"], ["forward"], shape, 10)
+            + _layer_cases("layer", (P_SORTED,), [64], ["bfloat16"], ["forward"], shape, 10,
+                           skew=0.9)
+        )
+    if mode == "quick":
+        return _layer_cases("layer", LAYER_CORE[:1] + LAYER_CORE[2:], [32768], BOTH_DTYPES,
+                            BOTH_OPS, SEED_LAYER, 10)
+    return (
+        # the headline comparison first: every impl at 32k and 131k, both dtypes and ops
+        _layer_cases("layer", LAYER_ALL, [32768, 131072], BOTH_DTYPES, BOTH_OPS, SEED_LAYER, 10)
+        + _layer_cases("layer", (TRITON, MOSAIC), [32768, 131072], ["bfloat16"], BOTH_OPS,
+                       SEED_LAYER, 11)
+        + _layer_cases("layer", LAYER_CORE, [4096], BOTH_DTYPES, BOTH_OPS, SEED_LAYER, 30)
+        + _layer_cases("layer", (P_SORTED, P_GSUM, BLOCKED, RAGGED, TOKAMAX, DENSE), [32768],
+                       BOTH_DTYPES, BOTH_OPS, SEED_WIDE, 31)
+        + _layer_cases("layer", (P_SORTED, P_GSUM, CAPACITY, RAGGED, TOKAMAX), [32768],
+                       ["bfloat16"], BOTH_OPS, SEED_LAYER, 32, skew=0.9)
+    )
+
+
+DECODER_IMPLS = (TRITON, ("triton", "fused_gsum", "dropless"), MOSAIC, P_SORTED, RAGGED, TOKAMAX,
+                 DENSE)
+
+
+def decoder_cases(mode: str) -> list[MoECase]:
+    if mode == "smoke":
+        return _layer_cases("decoder", (P_SORTED, TOKAMAX), [64], ["bfloat16"], ["forward"],
+                            SMOKE_DECODER, 20)
+    if mode == "quick":
+        return _layer_cases("decoder", (P_SORTED, RAGGED, TOKAMAX), [16384], ["bfloat16"],
+                            BOTH_OPS, SEED_DECODER, 20)
+    return _layer_cases("decoder", DECODER_IMPLS, [16384, 131072, 1048576], ["bfloat16"],
+                        BOTH_OPS, SEED_DECODER, 20)
+
+
+def pieces_cases(mode: str) -> list[MoECase]:
+    shape, tokens, dtypes = SEED_LAYER, [4096, 32768], BOTH_DTYPES
+    if mode == "smoke":
+        shape, tokens, dtypes = SMOKE_LAYER, [64], ["float32"]
+    elif mode == "quick":
+        tokens, dtypes = [32768], ["bfloat16"]
+    return [
+        MoECase(suite="pieces", impl="pallas", dispatch="sorted", routing="dropless",
+                dtype=dtype, op="train_step", tokens=t, piece=piece, numerics=False,
+                priority=40, block_m=None, **shape)
+        for t in tokens for dtype in dtypes for piece in PIECES
+    ]
+
+
+def blockm_cases(mode: str) -> list[MoECase]:
+    shape, tokens, dtypes, ops, sizes = SEED_LAYER, [32768], BOTH_DTYPES, BOTH_OPS, (32, 64, 128)
+    if mode == "smoke":
+        shape, tokens, dtypes, ops, sizes = SMOKE_LAYER, [64], ["float32"], ["forward"], (16, 32)
+    elif mode == "quick":
+        dtypes, ops = ["bfloat16"], ["forward"]
+    return [
+        MoECase(suite="blockm", impl="pallas", dispatch="sorted", routing="dropless",
+                dtype=dtype, op=op, tokens=t, block_m=bm, priority=45,
+                numerics=wants_numerics(t, shape["experts"], shape["d_hidden"], "dropless"),
+                **shape)
+        for t in tokens for dtype in dtypes for bm in sizes for op in ops
+    ]
+
+
+MAXTOK_IMPLS = (P_SORTED, P_GSUM, BLOCKED, RAGGED, TOKAMAX, DENSE, CAPACITY)
+
+
+def maxtok_ladders(mode: str) -> list[tuple[MoECase, list[int]]]:
+    """(template case, token ladder) per impl: bf16 train step of the E8 top-2 layer."""
+    if mode == "smoke":
+        impls, shape, ladder = (P_SORTED,), SMOKE_LAYER, [64, 128]
+    elif mode == "quick":
+        impls, shape, ladder = (P_SORTED, RAGGED), SEED_LAYER, [2**20, 2**22, 2**24]
+    else:
+        impls, shape = MAXTOK_IMPLS, SEED_LAYER
+        ladder = [2**18, 2**20, 2**21, 2**22, 2**23, 2**24, 2**25]
+    return [
+        (MoECase(suite="maxtok", impl=impl, dispatch=dispatch, routing=routing,
+                 dtype="bfloat16", op="train_step", tokens=ladder[0], numerics=False,
+                 priority=0, **shape), ladder)
+        for impl, dispatch, routing in impls
+    ]
+
+
+# ----------------------------------------------------------------------------- workloads
+
+
+def _jnp_dtype(name: str):
+    import jax.numpy as jnp
+
+    return {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[name]
+
+
+def moe_config(case: MoECase, *, dtype=None, routing=None, impl=None, dispatch=None):
+    """The tilax.MoEConfig of a case (``impl="dense"`` is ``routing="dense"``)."""
+    import tilax
+
+    kwargs: dict[str, Any] = dict(
+        d_model=case.d_model, d_hidden=case.d_hidden, num_experts=case.experts,
+        top_k=case.top_k, shared_hidden=case.shared_hidden,
+        dtype=dtype if dtype is not None else _jnp_dtype(case.dtype),
+    )
+    routing = routing or ("dense" if case.impl == "dense" else case.routing)
+    kwargs["routing"] = routing
+    impl = impl or case.impl
+    if impl in MOE_IMPLS_WITH_DISPATCH:
+        kwargs["impl"] = impl
+        kwargs["dispatch"] = dispatch or case.dispatch or "sorted"
+    if case.block_m is not None:
+        names = {f.name for f in dataclasses.fields(tilax.MoEConfig)}
+        if "block_m" not in names:
+            raise Unavailable("unsupported: tilax.MoEConfig has no block_m option")
+        kwargs["block_m"] = case.block_m
+    return tilax.MoEConfig(**kwargs)
+
+
+@dataclasses.dataclass
+class MoEInputs:
+    params: Any
+    x: Any
+    dy: Any
+    stats: dict
+
+
+def make_inputs(case: MoECase) -> MoEInputs:
+    """Parameters, tokens (skewed when asked) and the cotangent of one shape and dtype."""
+    import jax
+    import jax.numpy as jnp
+
+    import tilax
+    from tilax.moe.router import expert_counts, route, skew_tokens
+
+    dtype = _jnp_dtype(case.dtype)
+    key_params, key_x, key_dy = jax.random.split(jax.random.key(case.seed), 3)
+    params = tilax.moe_init(key_params, moe_config(case, routing="dropless", impl="pallas"))
+    x = jax.random.normal(key_x, (case.tokens, case.d_model), jnp.float32)
+    if case.skew:
+        x = skew_tokens(x, params["router"], case.skew)
+    x = x.astype(dtype)
+    dy = jax.random.normal(key_dy, (case.tokens, case.d_model), jnp.float32)
+    routed = route(x, params["router"], case.top_k, True)
+    counts = expert_counts(routed.expert_ids, case.experts)
+    stats = {
+        "max_expert_frac": float(jnp.max(counts)) / (case.tokens * case.top_k),
+        "empty_experts": int(jnp.sum(counts == 0)),
+    }
+    return MoEInputs(params, x, dy, stats)
+
+
+def _inputs_key(case: MoECase) -> tuple:
+    return ("moe", case.tokens, case.d_model, case.d_hidden, case.experts, case.top_k,
+            case.shared_hidden, case.skew, case.dtype, case.seed)
+
+
+def layer_apply_fn(case: MoECase):
+    """``apply(params, x) -> (y, aux)`` of the case's implementation."""
+    if case.impl == "tokamax":
+        try:
+            import bench_tokamax
+        except Exception as exc:  # noqa: BLE001 - any import failure makes a failure row
+            raise Unavailable(
+                f"unavailable: tokamax is not importable ({type(exc).__name__}: {exc})") from exc
+        return bench_tokamax.make_apply(case, TOKAMAX_IMPLEMENTATION)
+    import tilax
+
+    config = moe_config(case)
+    return lambda params, x: tilax.moe_apply(params, x, config)
+
+
+def reference(case: MoECase, inputs: MoEInputs) -> dict:
+    """Float32 dense-routing outputs and gradients at "highest" matmul precision."""
+    import jax
+    import jax.numpy as jnp
+
+    import tilax
+
+    config = moe_config(case, dtype=jnp.float32, routing="dense")
+    params32 = jax.tree.map(lambda a: a.astype(jnp.float32), inputs.params)
+    x32 = inputs.x.astype(jnp.float32)
+
+    def forward(params, x):
+        return tilax.moe_apply(params, x, config)[0]
+
+    @jax.jit
+    def run(params, x, dy):
+        y, vjp = jax.vjp(forward, params, x)
+        grad_params, grad_x = vjp(dy)
+        return y, grad_x, grad_params
+
+    with jax.default_matmul_precision("highest"):
+        y, grad_x, grad_params = jax.block_until_ready(run(params32, x32, inputs.dy))
+    return {"y": y, "grad_x": grad_x, "grad_params": grad_params}
+
+
+def rel_err(actual, expected) -> float:
+    """``||actual - expected|| / ||expected||`` over all leaves of two matching pytrees."""
+    import jax
+    import jax.numpy as jnp
+
+    diff = jnp.zeros((), jnp.float32)
+    norm = jnp.zeros((), jnp.float32)
+    for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
+        e = e.astype(jnp.float32)
+        diff += jnp.sum(jnp.square(a.astype(jnp.float32) - e))
+        norm += jnp.sum(jnp.square(e))
+    return float(jnp.sqrt(diff) / jnp.maximum(jnp.sqrt(norm), 1e-30))
+
+
+class JaxWorkload:
+    """A jitted function and its arguments; ``call`` ends in ``block_until_ready``."""
+
+    def __init__(self, fn, args, inspect=None):
+        self.fn = fn
+        self.args = args
+        self._inspect = inspect
+
+    def call(self):
+        import jax
+
+        return jax.block_until_ready(self.fn(*self.args))
+
+    def inspect(self, out) -> dict:
+        return self._inspect(out) if self._inspect else {}
+
+    def peak_bytes(self) -> int | None:
+        import jax
+
+        stats = jax.local_devices()[0].memory_stats()
+        return None if not stats else stats.get("peak_bytes_in_use")
+
+    def close(self) -> None:
+        self.args = None
+
+
+def build_layer(case: MoECase, state) -> JaxWorkload:
+    import jax
+    import jax.numpy as jnp
+
+    apply = layer_apply_fn(case)
+    inputs = state.inputs.get(_inputs_key(case), lambda: make_inputs(case))
+
+    def numerics(out) -> dict:
+        info = dict(inputs.stats)
+        if not case.numerics:
+            return info
+        ref = state.references.get(_inputs_key(case), lambda: reference(case, inputs))
+        if case.op == "forward":
+            info["rel_err_out"] = rel_err(out[0], ref["y"])
+            return info
+        (_, y), (grad_params, grad_x) = out
+        info["rel_err_out"] = rel_err(y, ref["y"])
+        info["rel_err_grad_x"] = rel_err(grad_x, ref["grad_x"])
+        info["rel_err_grad_params"] = rel_err(grad_params, ref["grad_params"])
+        return info
+
+    if case.op == "forward":
+        return JaxWorkload(jax.jit(apply), (inputs.params, inputs.x), numerics)
+
+    def loss(params, x, dy):
+        y, _ = apply(params, x)
+        return jnp.sum(y.astype(jnp.float32) * dy), y
+
+    # y rides along as an output (it is computed anyway) so numerics need no extra forward
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
+    return JaxWorkload(step, (inputs.params, inputs.x, inputs.dy), numerics)
+
+
+# ----------------------------------------------------------------------------- pieces
+
+
+def _moe_internal(module: str, name: str):
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as exc:
+        raise Unavailable(f"unsupported: {module}.{name} is not available ({exc})") from exc
+
+
+def build_piece(case: MoECase, state) -> JaxWorkload:
+    """One piece of the sorted Pallas train step, timed forward + backward.
+
+    route, sort_permute and unpermute_combine are ``jax.vjp`` of tilax.moe's router and
+    dispatch functions; experts_grouped_swiglu runs the grouped-matmul kernels the sorted
+    path's custom VJP runs (three forward, six backward products) on already-sorted rows.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    route = _moe_internal("tilax.moe.router", "route")
+    sort_by_expert = _moe_internal("tilax.moe.dispatch", "sort_by_expert")
+    permute = _moe_internal("tilax.moe.dispatch", "permute")
+    combine = _moe_internal("tilax.moe.dispatch", "combine")
+    kernel_tiles = _moe_internal("tilax.moe.api", "kernel_tiles")
+    config = moe_config(case)
+    tiles = kernel_tiles(config)
+
+    inputs = state.inputs.get(_inputs_key(case), lambda: make_inputs(case))
+    params, x = inputs.params, inputs.x
+    routed = route(x, params["router"], case.top_k, True)
+    layout = sort_by_expert(routed.expert_ids, case.experts, row_multiple=tiles.row_multiple)
+    rows = permute(x, layout)
+    key = jax.random.key(case.seed + 1)
+
+    def fwd_bwd(fn, *primals):
+        def run(*args):
+            out, vjp = jax.vjp(fn, *args)
+            cotangent = jax.tree.map(
+                lambda o: jax.random.normal(key, o.shape, jnp.float32).astype(o.dtype), out)
+            return out, vjp(cotangent)
+        return JaxWorkload(jax.jit(run), primals)
+
+    if case.piece == "route":
+        return fwd_bwd(lambda x, r: route(x, r, case.top_k, True).weights, x, params["router"])
+    if case.piece == "sort_permute":
+        ids = routed.expert_ids
+
+        def sort_permute(x):
+            return permute(x, sort_by_expert(ids, case.experts, row_multiple=tiles.row_multiple))
+        return fwd_bwd(sort_permute, x)
+    if case.piece == "unpermute_combine":
+        return fwd_bwd(lambda rows, w: combine(rows, w, layout), rows, routed.weights)
+    if case.piece == "experts_grouped_swiglu":
+        return build_experts_piece(case, config, tiles, layout, rows, params, key)
+    raise ValueError(f"unknown piece {case.piece!r}")
+
+
+def build_experts_piece(case, config, tiles, layout, rows, params, key) -> JaxWorkload:
+    import jax
+
+    resolve_impl = _moe_internal("tilax.moe.api", "resolve_impl")
+    gmm_schedule = _moe_internal("tilax.moe.dispatch", "gmm_schedule")
+    gmm = _moe_internal("tilax.moe.gmm_triton", "gmm")
+    tgmm = _moe_internal("tilax.moe.gmm_triton", "tgmm")
+    swiglu = _moe_internal("tilax.moe.reference", "swiglu_activation")
+    swiglu_bwd = _moe_internal("tilax.moe.reference", "swiglu_activation_bwd")
+    kw = dict(tiles=tiles, backend=resolve_impl(config))
+    offsets = layout.group_offsets
+    schedule = gmm_schedule(offsets, rows.shape[0], tiles.block_m)
+    dtype = _jnp_dtype(case.dtype)
+    weights = [params[name].astype(dtype) for name in ("w_gate", "w_up", "w_down")]
+    dy_rows = jax.random.normal(key, rows.shape, dtype)
+
+    def experts(rows, w_gate, w_up, w_down, dy_rows):
+        gate = gmm(rows, w_gate, schedule, **kw)
+        up = gmm(rows, w_up, schedule, **kw)
+        act = swiglu(gate, up)
+        out = gmm(act, w_down, schedule, **kw)
+        d_act = gmm(dy_rows, w_down, schedule, transpose_rhs=True, **kw)
+        (dw_down,) = tgmm(act, dy_rows, offsets, out_dtype=w_down.dtype, **kw)
+        d_gate, d_up = swiglu_bwd(gate, up, d_act)
+        d_rows = gmm(d_gate, w_gate, schedule, transpose_rhs=True, lhs2=d_up, rhs2=w_up,
+                     out_dtype=rows.dtype, **kw)
+        dw_gate, dw_up = tgmm(rows, d_gate, offsets, rhs2=d_up, out_dtype=w_gate.dtype, **kw)
+        return out, d_rows, dw_gate, dw_up, dw_down
+
+    return JaxWorkload(jax.jit(experts), (rows, *weights, dy_rows))
+
+
+# ----------------------------------------------------------------------------- registry
+
+
+def suite_cases(suite: str, mode: str) -> list[MoECase]:
+    return {
+        "layer": layer_cases,
+        "decoder": decoder_cases,
+        "pieces": pieces_cases,
+        "blockm": blockm_cases,
+    }[suite](mode)
+

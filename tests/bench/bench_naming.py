@@ -1,0 +1,105 @@
+"""Names of benchmark result files: ``<gpu>-<yyyymmdd>-<shortcommit>[-<tag>].json``.
+
+Shared by ``nox -s bench`` and the plain ``python -m pytest`` route so both name files the same
+way. Imports no JAX: the GPU name comes from ``nvidia-smi`` (or ``TILAX_BENCH_GPU``), so naming
+a file does not initialise a GPU.
+
+Command line (prints the path)::
+
+    python tests/bench/bench_naming.py --dir "$OUT" [--tag moe]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+_VENDOR_WORDS = {"nvidia", "geforce", "tesla", "amd", "radeon", "instinct"}
+_SERIES_WORDS = {"rtx", "gtx", "quadro", "titan"}
+
+
+def gpu_slug(device_name: str | None) -> str:
+    """Short lowercase name of a device: "NVIDIA H200" -> "h200", "NVIDIA GeForce RTX 3090"
+    -> "rtx3090", "NVIDIA H100 80GB HBM3" -> "h100"; ``None`` or empty -> "cpu"."""
+    if not device_name:
+        return "cpu"
+    tokens = [t for t in re.split(r"[\s_\-]+", device_name.lower()) if t]
+    tokens = [t for t in tokens if t not in _VENDOR_WORDS]
+    if not tokens:
+        return "gpu"
+    model = tokens[0]
+    if model in _SERIES_WORDS and len(tokens) > 1:
+        model += tokens[1]
+    return re.sub(r"[^a-z0-9]", "", model) or "gpu"
+
+
+def nvidia_smi_gpu_name() -> str | None:
+    """Name of GPU 0 from ``nvidia-smi``, or ``None`` where there is none."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=30, check=True,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    names = [line.strip() for line in out.splitlines() if line.strip()]
+    return names[0] if names else None
+
+
+def short_commit(repo: Path = REPO_ROOT) -> str:
+    """``TILAX_BENCH_COMMIT`` if set (for copies of the tree without .git), else the short sha
+    of HEAD with "+dirty" when tracked files changed, else "nogit"."""
+    override = os.environ.get("TILAX_BENCH_COMMIT")
+    if override:
+        return override
+    try:
+        sha = subprocess.run(
+            ["git", "-C", str(repo), "rev-parse", "--short", "HEAD"],
+            capture_output=True, text=True, timeout=30, check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True, text=True, timeout=30, check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "nogit"
+    return f"{sha}+dirty" if dirty else (sha or "nogit")
+
+
+def result_path(directory: str | Path, tag: str | None = None, gpu: str | None = None,
+                date: datetime.date | None = None, commit: str | None = None) -> Path:
+    """A free path ``<dir>/<gpu>-<yyyymmdd>-<commit>[-<tag>].json``; "-2", "-3", ... are
+    appended rather than overwrite a stored file."""
+    gpu = gpu or os.environ.get("TILAX_BENCH_GPU") or nvidia_smi_gpu_name()
+    date = date or datetime.date.today()
+    commit = (commit or short_commit()).replace("+", "-")
+    stem = f"{gpu_slug(gpu)}-{date:%Y%m%d}-{commit}"
+    if tag:
+        stem += "-" + re.sub(r"[^A-Za-z0-9_.]+", "-", tag).strip("-")
+    directory = Path(directory)
+    path = directory / f"{stem}.json"
+    n = 2
+    while path.exists():
+        path = directory / f"{stem}-{n}.json"
+        n += 1
+    return path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dir", default=str(REPO_ROOT / "data" / "results"))
+    parser.add_argument("--tag", default=None, help="suffix, e.g. the suites run")
+    args = parser.parse_args()
+    print(result_path(args.dir, args.tag))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,540 @@
+"""RBF benchmark cases: kernel matrix-vector products and KDE, their peers and numerics.
+
+Suites (``extra_info["suite"]``, the seed file's family names):
+
+- ``kernel_mv``: ``tilax.rbf_kernel_mv`` impls pallas / xla / dense and the peers torch_dense
+  (PyTorch, the full kernel matrix) and keops (KeOps LazyTensor), ``n = m`` from 1k to 1M,
+  ``(dim, out)`` in (2, 1), (8, 16), (32, 16), (3, 1); ``fwd`` and ``fwd_bwd``.
+- ``kde_density``: ``tilax.rbf_kde_density`` impls pallas / xla / dense, dims 2 and 8.
+- ``kernel_mv_tiles``: the Pallas tile sweep (block_q, block_k, block_o).
+- ``kernel_mv_peak``, ``kernel_mv_max_n``: peak memory and the largest n per impl, each size in
+  a fresh subprocess (see ``bench_ladder``).
+
+``fwd_bwd`` is ``jax.vjp`` of the op with a fixed random cotangent, returning the output and
+the gradients with respect to q, k, v and the lengthscale (query, data, bandwidth for KDE).
+The work unit is the kernel pair: ``pairs_per_s = batch * n * m / median``.
+
+Numerics: ``rel_err`` is the norm-wise relative error ``||a - r|| / ||r||`` against a float64
+reference (exact differences, chunked over keys, computed with ``jax.enable_x64``) on the first
+``min(n, 1024)`` query rows: the forward output of those rows, and for ``fwd_bwd`` the
+gradients of ``sum(out[:R] * g[:R])`` (``dq`` on those rows, ``dk``, ``dv`` and
+``dlengthscale`` in full), from one extra, untimed call of the impl with that cotangent.
+Peers (torch, KeOps) are checked the same way through torch autograd.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import math
+import subprocess
+import sys
+from typing import Any
+
+import numpy as np
+from bench_harness import Unavailable, describe_error
+
+NUMERICS_ROWS = 1024
+REFERENCE_CHUNK_ELEMENTS = 1 << 24
+JAX_IMPLS = ("pallas", "xla", "dense")
+PEERS = ("torch_dense", "keops")
+
+
+@dataclasses.dataclass(frozen=True)
+class RbfCase:
+    """One RBF benchmark row."""
+
+    suite: str
+    impl: str
+    op: str  # "fwd" | "fwd_bwd"
+    n: int
+    dim: int
+    out: int | None  # None for KDE
+    m: int | None = None  # defaults to n
+    batch: int = 1
+    block_q: int | None = None
+    block_k: int | None = None
+    block_o: int | None = None
+    precision: str | None = None
+    numerics: bool = True
+    priority: int = 50
+    seed: int = 0
+
+    family = "rbf"
+    dtype = "float32"
+
+    @property
+    def keys(self) -> int:
+        return self.m if self.m is not None else self.n
+
+    @property
+    def id(self) -> str:
+        parts = [self.suite, self.impl, f"n{self.n}", f"d{self.dim}"]
+        if self.out is not None:
+            parts.append(f"o{self.out}")
+        if self.block_q is not None:
+            parts.append(f"bq{self.block_q}-bk{self.block_k}-bo{self.block_o}")
+        parts.append(self.op)
+        return "-".join(parts)
+
+    def extra_info(self) -> dict[str, Any]:
+        info = {
+            "family": "rbf", "suite": self.suite, "impl": self.impl, "dtype": self.dtype,
+            "op": self.op, "n": self.n, "m": self.keys, "dim": self.dim, "out": self.out,
+            "batch": self.batch, "precision": self.precision,
+        }
+        for name in ("block_q", "block_k", "block_o"):
+            if getattr(self, name) is not None:
+                info[name] = getattr(self, name)
+        return info
+
+    def scale_key(self) -> tuple:
+        fields = dataclasses.asdict(self)
+        for name in ("n", "m", "numerics", "priority"):
+            fields.pop(name)
+        return ("rbf",) + tuple(sorted(fields.items()))
+
+    def size_label(self) -> str:
+        return f"n={self.n}"
+
+    def work(self) -> float:
+        return float(self.batch * self.n * self.keys)
+
+    def rates(self, median_s: float) -> dict[str, float]:
+        return {"pairs_per_s": self.work() / median_s}
+
+    def unavailable_reason(self) -> str | None:
+        module = {"torch_dense": "torch", "keops": "pykeops"}.get(self.impl)
+        if module and importlib.util.find_spec(module) is None:
+            return f"unavailable: {module} is not installed here"
+        return None
+
+    def precheck(self, state) -> str | None:
+        reason = self.unavailable_reason()
+        if reason or state.device_bytes is None or self.impl not in ("dense", "torch_dense"):
+            return reason
+        copies = 2 if self.op == "fwd" else 4
+        needed = self.batch * self.n * self.keys * 4 * copies
+        if needed > 0.9 * state.device_bytes:
+            return (f"skipped: not attempted, RESOURCE_EXHAUSTED predicted: the dense path keeps "
+                    f"about {needed / 2**30:.0f} GiB of n x m kernel matrices; the device has "
+                    f"{state.device_bytes / 2**30:.0f} GiB")
+        return None
+
+    def build(self, state):
+        if self.impl == "torch_dense":
+            return TorchWorkload(self, state, keops=False)
+        if self.impl == "keops":
+            probe_keops(state)
+            return TorchWorkload(self, state, keops=True)
+        return build_jax(self, state)
+
+    def to_spec(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_spec(cls, spec: dict) -> RbfCase:
+        return cls(**spec)
+
+
+# ----------------------------------------------------------------------------- case lists
+
+SEED_DIM_OUT = ((2, 1), (8, 16), (32, 16), (3, 1))
+ALL_IMPLS = JAX_IMPLS + PEERS
+BOTH_OPS = ("fwd", "fwd_bwd")
+SEED_TILES = ((64, 64, 64), (64, 64, 16), (128, 64, 16), (64, 128, 16), (128, 128, 16),
+              (32, 64, 16))
+
+
+def kernel_mv_cases(mode: str) -> list[RbfCase]:
+    if mode == "smoke":
+        sizes, dim_out = [64], ((3, 1), (8, 16))
+    elif mode == "quick":
+        sizes, dim_out = [4096, 65536], ((8, 16),)
+    else:
+        sizes, dim_out = [1024, 4096, 16384, 65536, 262144, 1048576], SEED_DIM_OUT
+    cases = []
+    for n in sizes:  # n-major: a size's time predicts the next one's
+        shapes = dim_out if n <= 65536 else ((8, 16), (3, 1))
+        for dim, out in shapes:
+            for impl in ALL_IMPLS:
+                for op in BOTH_OPS:
+                    cases.append(RbfCase("kernel_mv", impl, op, n, dim, out, priority=10))
+    return cases
+
+
+def kde_cases(mode: str) -> list[RbfCase]:
+    if mode == "smoke":
+        sizes, dims, ops = [64], (2,), BOTH_OPS
+    elif mode == "quick":
+        sizes, dims, ops = [16384], (8,), ("fwd",)
+    else:
+        sizes, dims, ops = [1024, 16384, 65536], (2, 8), BOTH_OPS
+    return [RbfCase("kde_density", impl, op, n, dim, None, priority=20)
+            for n in sizes for dim in dims for impl in JAX_IMPLS for op in ops]
+
+
+def tiles_cases(mode: str) -> list[RbfCase]:
+    if mode == "smoke":
+        sizes, outs, tiles, ops = [64], (16,), ((32, 32, 16),), ("fwd",)
+    elif mode == "quick":
+        sizes, outs, tiles, ops = [65536], (16,), SEED_TILES[1:3], ("fwd",)
+    else:
+        sizes, outs, tiles, ops = [65536], (1, 16), SEED_TILES, BOTH_OPS
+    return [RbfCase("kernel_mv_tiles", "pallas", op, n, 8, out, block_q=bq, block_k=bk,
+                    block_o=bo, priority=30, numerics=False)
+            for n in sizes for out in outs for bq, bk, bo in tiles for op in ops]
+
+
+def peak_cases(mode: str) -> list[RbfCase]:
+    if mode == "smoke":
+        combos = [("pallas", 64, "fwd")]
+    elif mode == "quick":
+        combos = [(impl, 65536, "fwd") for impl in ("pallas", "dense")]
+    else:
+        combos = [(impl, n, op) for n in (4096, 65536) for impl in JAX_IMPLS for op in BOTH_OPS]
+    return [RbfCase("kernel_mv_peak", impl, op, n, 8, 16, priority=1, numerics=False)
+            for impl, n, op in combos]
+
+
+def max_n_ladders(mode: str) -> list[tuple[RbfCase, list[int]]]:
+    """(template case, n ladder) per impl: fwd_bwd, dim 8, out 16."""
+    if mode == "smoke":
+        impls, ladder = ("pallas",), [64, 128]
+    elif mode == "quick":
+        impls, ladder = ("pallas",), [2**18, 2**20, 2**22]
+    else:
+        impls = JAX_IMPLS
+        ladder = [2**16, 2**17, 2**18, 2**19, 2**20, 2**21, 2**22, 2**23]
+    return [(RbfCase("kernel_mv_max_n", impl, "fwd_bwd", ladder[0], 8, 16, priority=0,
+                     numerics=False), ladder) for impl in impls]
+
+
+def suite_cases(suite: str, mode: str) -> list[RbfCase]:
+    return {"kernel_mv": kernel_mv_cases, "kde_density": kde_cases,
+            "kernel_mv_tiles": tiles_cases}[suite](mode)
+
+
+# ----------------------------------------------------------------------------- inputs
+
+
+@dataclasses.dataclass
+class RbfInputs:
+    """Host (numpy float32) inputs of one shape: q, k, v, lengthscale, cotangent g."""
+
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray | None
+    scale: np.ndarray  # [dim] lengthscale, or [] bandwidth for KDE
+    g: np.ndarray
+
+
+def make_inputs(case: RbfCase) -> RbfInputs:
+    rng = np.random.default_rng(case.seed)
+    q = rng.standard_normal((case.n, case.dim), dtype=np.float32)
+    k = rng.standard_normal((case.keys, case.dim), dtype=np.float32)
+    if case.suite == "kde_density":
+        # Silverman-like bandwidth: the density stays well above underflow at these sizes.
+        scale = np.float32(1.06 * case.keys ** (-1.0 / (case.dim + 4)) * 2.0)
+        return RbfInputs(q, k, None, np.asarray(scale), rng.standard_normal(case.n, np.float32))
+    v = rng.standard_normal((case.keys, case.out), dtype=np.float32)
+    # sqrt(dim) keeps typical scaled squared distances near 2 whatever the dimension.
+    scale = (math.sqrt(case.dim) * rng.uniform(0.8, 1.2, case.dim)).astype(np.float32)
+    g = rng.standard_normal((case.n, case.out), dtype=np.float32)
+    return RbfInputs(q, k, v, scale, g)
+
+
+def _inputs_key(case: RbfCase) -> tuple:
+    return ("rbf", case.suite == "kde_density", case.n, case.keys, case.dim, case.out, case.seed)
+
+
+def masked_cotangent(g: np.ndarray, rows: int) -> np.ndarray:
+    masked = np.zeros_like(g)
+    masked[:rows] = g[:rows]
+    return masked
+
+
+# ----------------------------------------------------------------------------- reference
+
+
+def _reference_chunk(u, w, v, g):
+    """Float64 kernel sum and its gradients for one key chunk, in scaled coordinates
+    ``u = q / l``, ``w = k / l`` (no autodiff: closed-form, chunk-local)."""
+    import jax.numpy as jnp
+
+    half_sq = 0.5 * (jnp.sum(u * u, 1)[:, None] + jnp.sum(w * w, 1)[None, :]) - u @ w.T
+    kernel = jnp.exp(-jnp.maximum(half_sq, 0.0))
+    a = kernel * (g @ v.T)  # d loss / d log-kernel of each pair
+    row_a, col_a = jnp.sum(a, 1), jnp.sum(a, 0)
+    a_w = a @ w
+    d_u = a_w - u * row_a[:, None]
+    d_w = a.T @ u - w * col_a[:, None]
+    d_l = (jnp.sum(u * u * row_a[:, None], 0) - 2 * jnp.sum(u * a_w, 0)
+           + jnp.sum(w * w * col_a[:, None], 0))
+    return kernel @ v, kernel.T @ g, d_u, d_w, d_l
+
+
+def reference(case: RbfCase, inputs: RbfInputs) -> dict:
+    """Float64 output rows and gradients of ``sum(out[:R] * g[:R])`` (see module docstring),
+    chunked over keys so any ``m`` fits."""
+    import jax
+    import jax.numpy as jnp
+
+    rows = min(case.n, NUMERICS_ROWS)
+    kde = case.suite == "kde_density"
+    f64 = jnp.float64
+    with jax.enable_x64(True):
+        if kde:
+            bandwidth = float(inputs.scale)
+            scale = jnp.full((case.dim,), bandwidth, f64)
+            norm = (2 * math.pi * bandwidth**2) ** (-case.dim / 2)
+            values = np.full((case.keys, 1), norm / case.keys)
+            g = jnp.asarray(inputs.g[:rows, None], f64)
+        else:
+            scale = jnp.asarray(inputs.scale, f64)
+            values = inputs.v
+            g = jnp.asarray(inputs.g[:rows], f64)
+        u = jnp.asarray(inputs.q[:rows], f64) / scale
+        chunk = max(1, min(case.keys, REFERENCE_CHUNK_ELEMENTS // rows))
+        step = jax.jit(_reference_chunk)
+        out = d_u = d_l = 0.0
+        d_w, d_v = [], []
+        for start in range(0, case.keys, chunk):
+            stop = min(start + chunk, case.keys)
+            w = np.zeros((chunk, case.dim))
+            v = np.zeros((chunk, values.shape[1]))
+            w[: stop - start] = inputs.k[start:stop]
+            v[: stop - start] = values[start:stop]
+            parts = step(u, jnp.asarray(w, f64) / scale, jnp.asarray(v, f64), g)
+            out, d_u, d_l = out + parts[0], d_u + parts[2], d_l + parts[4]
+            d_v.append(np.asarray(parts[1])[: stop - start])
+            d_w.append(np.asarray(parts[3])[: stop - start])
+        scale = np.asarray(scale)
+        grads = {"dq": np.asarray(d_u) / scale, "dk": np.concatenate(d_w) / scale,
+                 "dlengthscale": np.asarray(d_l) / scale}
+        out = np.asarray(out)
+        if kde:
+            # the normaliser depends on the bandwidth too: d norm / dh = -dim / h * norm
+            density_grad = float(np.sum(np.asarray(g) * out) * (-case.dim / bandwidth))
+            grads["dlengthscale"] = float(np.sum(grads["dlengthscale"])) + density_grad
+            return {"out": out[:, 0], **grads}
+        return {"out": out, "dv": np.concatenate(d_v), **grads}
+
+
+def rel_err(actual, expected) -> float:
+    actual = np.asarray(actual, np.float64)
+    expected = np.asarray(expected, np.float64)
+    denom = max(float(np.linalg.norm(expected)), 1e-300)
+    return float(np.linalg.norm(actual - expected) / denom)
+
+
+def numerics_info(case: RbfCase, state, inputs: RbfInputs, out, masked_grads) -> dict:
+    """``rel_err`` for a row: ``out`` the impl's forward output, ``masked_grads`` (callable) the
+    impl's gradients for the masked cotangent (fwd_bwd rows only)."""
+    if not case.numerics:
+        return {}
+    rows = min(case.n, NUMERICS_ROWS)
+    ref = state.references.get(_inputs_key(case), lambda: reference(case, inputs))
+    if case.op == "fwd":
+        return {"rel_err": rel_err(np.asarray(out)[:rows], ref["out"])}
+    grads = masked_grads()
+    errors = {}
+    for name, value in grads.items():
+        value = np.asarray(value)
+        errors[name] = rel_err(value[:rows] if name == "dq" else value, ref[name])
+    return {"rel_err": errors}
+
+
+# ----------------------------------------------------------------------------- JAX impls
+
+
+class JaxRbfWorkload:
+    def __init__(self, fn, args, inspect):
+        self.fn, self.args, self._inspect = fn, args, inspect
+
+    def call(self):
+        import jax
+
+        return jax.block_until_ready(self.fn(*self.args))
+
+    def inspect(self, out) -> dict:
+        return self._inspect(out)
+
+    def peak_bytes(self) -> int | None:
+        import jax
+
+        stats = jax.local_devices()[0].memory_stats()
+        return None if not stats else stats.get("peak_bytes_in_use")
+
+    def close(self) -> None:
+        self.args = None
+
+
+def tilax_op(case: RbfCase):
+    import tilax
+
+    tiles = {name: getattr(case, name) for name in ("block_q", "block_k", "block_o")
+             if getattr(case, name) is not None}
+    if case.suite == "kde_density":
+        return lambda q, k, h: tilax.rbf_kde_density(q, k, h, impl=case.impl, **tiles)
+    return lambda q, k, v, scale: tilax.rbf_kernel_mv(q, k, v, scale, impl=case.impl,
+                                                      precision=case.precision, **tiles)
+
+
+def build_jax(case: RbfCase, state) -> JaxRbfWorkload:
+    import jax
+    import jax.numpy as jnp
+
+    op = tilax_op(case)
+    inputs = state.inputs.get(_inputs_key(case), lambda: make_inputs(case))
+    kde = case.suite == "kde_density"
+    primals = [jnp.asarray(inputs.q), jnp.asarray(inputs.k)]
+    if not kde:
+        primals.append(jnp.asarray(inputs.v))
+    primals.append(jnp.asarray(inputs.scale))
+    names = ("dq", "dk", "dlengthscale") if kde else ("dq", "dk", "dv", "dlengthscale")
+
+    def fwd_bwd(*args):
+        *primal_args, g = args
+        out, vjp = jax.vjp(op, *primal_args)
+        return out, vjp(g)
+
+    def masked_grads():
+        g = jnp.asarray(masked_cotangent(inputs.g, min(case.n, NUMERICS_ROWS)))
+        _, grads = jax.jit(fwd_bwd)(*primals, g)
+        return dict(zip(names, grads, strict=True))
+
+    def inspect(out) -> dict:
+        forward = out if case.op == "fwd" else out[0]
+        return numerics_info(case, state, inputs, forward, masked_grads)
+
+    if case.op == "fwd":
+        return JaxRbfWorkload(jax.jit(op), tuple(primals), inspect)
+    return JaxRbfWorkload(jax.jit(fwd_bwd), (*primals, jnp.asarray(inputs.g)), inspect)
+
+
+# ----------------------------------------------------------------------------- torch peers
+
+
+def _import_torch():
+    try:
+        import torch
+    except Exception as exc:  # noqa: BLE001 - any import failure makes a failure row
+        raise Unavailable(f"unavailable: torch is not importable ({describe_error(exc)})") from exc
+    return torch
+
+
+def torch_kernel_mv(torch, q, k, v, scale):
+    """The full kernel matrix in PyTorch (float32 matmuls; TF32 stays off, torch's default)."""
+    qs, ks = q / scale, k / scale
+    half_sq = 0.5 * ((qs * qs).sum(-1)[:, None] + (ks * ks).sum(-1)[None, :]) - qs @ ks.T
+    return torch.exp(-half_sq.clamp_min(0.0)) @ v
+
+
+def keops_kernel_mv(q, k, v, scale):
+    """The kernel sum as a KeOps LazyTensor reduction (never materialises n x m)."""
+    from pykeops.torch import LazyTensor
+
+    q_i = LazyTensor((q / scale)[:, None, :])
+    k_j = LazyTensor((k / scale)[None, :, :])
+    weights = (-0.5 * ((q_i - k_j) ** 2).sum(-1)).exp()
+    return weights @ v
+
+
+KEOPS_PROBE = """
+import torch
+from pykeops.torch import LazyTensor
+device = "cuda" if torch.cuda.is_available() else "cpu"
+q = torch.randn(64, 3, device=device, requires_grad=True)
+k = torch.randn(80, 3, device=device)
+v = torch.randn(80, 2, device=device)
+w = (-0.5 * ((LazyTensor(q[:, None, :]) - LazyTensor(k[None, :, :])) ** 2).sum(-1)).exp()
+out = w @ v
+out.sum().backward()
+ref = torch.exp(-0.5 * torch.cdist(q, k) ** 2) @ v
+assert torch.allclose(out, ref, atol=1e-4), float((out - ref).abs().max())
+print("keops probe ok")
+"""
+
+
+def probe_keops(state, timeout: float = 300.0) -> None:
+    """Run a tiny KeOps reduction (forward + backward) in a fresh subprocess once per session:
+    KeOps compiles C++/CUDA at first use and has crashed the process doing so."""
+    if "keops" not in state.probes:
+        timeout = min(timeout, max(30.0, state.settings.remaining()))
+        try:
+            proc = subprocess.run([sys.executable, "-c", KEOPS_PROBE], capture_output=True,
+                                  text=True, timeout=timeout)
+            if proc.returncode == 0:
+                state.probes["keops"] = None
+            else:
+                tail = (proc.stderr or proc.stdout).strip()[-1200:]
+                state.probes["keops"] = (f"unavailable: KeOps failed its probe in a fresh "
+                                         f"subprocess (exit code {proc.returncode}): {tail}")
+        except subprocess.TimeoutExpired:
+            state.probes["keops"] = (f"unavailable: KeOps probe timed out after {timeout:.0f} s "
+                                     f"(compiling its first formula)")
+    if state.probes["keops"]:
+        raise Unavailable(state.probes["keops"])
+
+
+class TorchWorkload:
+    """torch_dense or keops on the GPU (CPU where torch has no CUDA); ``call`` synchronises."""
+
+    def __init__(self, case: RbfCase, state, keops: bool):
+        torch = _import_torch()
+        if case.suite == "kde_density":
+            raise Unavailable(f"unsupported: no {case.impl} KDE peer")
+        self.torch, self.case, self.state = torch, case, state
+        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        self.op = keops_kernel_mv if keops else (
+            lambda q, k, v, s: torch_kernel_mv(torch, q, k, v, s))
+        self.inputs = state.inputs.get(_inputs_key(case), lambda: make_inputs(case))
+        self.tensors = [torch.from_numpy(a).to(self.device) for a in
+                        (self.inputs.q, self.inputs.k, self.inputs.v, self.inputs.scale)]
+        self.g = torch.from_numpy(self.inputs.g).to(self.device)
+
+    def _sync(self):
+        if self.device == "cuda":
+            self.torch.cuda.synchronize()
+
+    def _fwd_bwd(self, g):
+        torch = self.torch
+        leaves = [t.detach().requires_grad_(True) for t in self.tensors]
+        out = self.op(*leaves)
+        grads = torch.autograd.grad(out, leaves, g)
+        return out.detach(), grads
+
+    def call(self):
+        if self.case.op == "fwd":
+            with self.torch.no_grad():
+                out = self.op(*self.tensors)
+        else:
+            out = self._fwd_bwd(self.g)
+        self._sync()
+        return out
+
+    def inspect(self, out) -> dict:
+        forward = out if self.case.op == "fwd" else out[0]
+
+        def masked_grads():
+            rows = min(self.case.n, NUMERICS_ROWS)
+            g = self.torch.from_numpy(masked_cotangent(self.inputs.g, rows)).to(self.device)
+            _, grads = self._fwd_bwd(g)
+            return {name: grad.cpu().numpy() for name, grad in
+                    zip(("dq", "dk", "dv", "dlengthscale"), grads, strict=True)}
+
+        return numerics_info(self.case, self.state, self.inputs, forward.cpu().numpy(),
+                             masked_grads)
+
+    def peak_bytes(self) -> int | None:
+        if self.device != "cuda":
+            return None
+        return int(self.torch.cuda.max_memory_allocated())
+
+    def close(self) -> None:
+        self.tensors, self.g = [], None
+        if self.device == "cuda":
+            self.torch.cuda.empty_cache()

@@ -1,0 +1,67 @@
+"""The "tokamax" MoE peer: the plain sorted layer on tokamax's ``ragged_dot``.
+
+Same math and parameters as ``tilax.moe_apply`` (dropless top-k, renormalised weights, SwiGLU
+experts, optional shared expert): route in float32, sort the token copies by expert and gather
+them (XLA), run the three expert projections with ``tokamax.ragged_dot`` (its Mosaic GPU kernel
+by default, ``implementation="mosaic"``), then scatter-add the weighted copies back to their
+tokens (XLA, float32 sum). Gradients come from tokamax's own ``ragged_dot`` VJP.
+
+Only the benchmark uses this; it is not part of the package.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import tokamax
+from absl import flags
+
+# tokamax reads its options from absl flags and parses sys.argv the first time one is read;
+# under pytest that argv is pytest's, so use the flags' defaults instead.
+if not flags.FLAGS.is_parsed():
+    flags.FLAGS.mark_as_parsed()
+
+
+def make_apply(case, implementation: str = "mosaic"):
+    """``apply(params, x) -> (y, aux)`` for a ``bench_moe.MoECase``."""
+    top_k, num_experts = case.top_k, case.experts
+
+    def ragged(lhs, rhs, group_sizes):
+        return tokamax.ragged_dot(lhs, rhs, group_sizes, implementation=implementation)
+
+    def apply(params, x):
+        num_tokens = x.shape[0]
+        logits = jnp.dot(x.astype(jnp.float32), params["router"].astype(jnp.float32),
+                         precision=jax.lax.Precision.HIGHEST)
+        probs = jax.nn.softmax(logits, axis=-1)
+        weights, expert_ids = jax.lax.top_k(probs, top_k)
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+
+        flat_expert = expert_ids.reshape(-1)
+        order = jnp.argsort(flat_expert, stable=True)
+        token_of_row = order // top_k
+        group_sizes = jnp.zeros((num_experts,), jnp.int32).at[flat_expert].add(1)
+
+        rows = jnp.take(x, token_of_row, axis=0)
+        gate = ragged(rows, params["w_gate"], group_sizes)
+        up = ragged(rows, params["w_up"], group_sizes)
+        hidden = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(x.dtype)
+        out = ragged(hidden, params["w_down"], group_sizes)
+
+        row_weight = jnp.take(weights.reshape(-1), order)
+        y = jnp.zeros((num_tokens, x.shape[1]), jnp.float32).at[token_of_row].add(
+            out.astype(jnp.float32) * row_weight[:, None])
+        if "shared" in params:
+            shared = params["shared"]
+            shared_hidden = jax.nn.silu(x @ shared["w_gate"]) * (x @ shared["w_up"])
+            y = y + (shared_hidden @ shared["w_down"]).astype(jnp.float32)
+
+        fractions = group_sizes.astype(jnp.float32) / (num_tokens * top_k)
+        aux = {
+            "expert_counts": group_sizes,
+            "max_expert_frac": jnp.max(fractions),
+            "empty_experts": jnp.sum(group_sizes == 0).astype(jnp.int32),
+        }
+        return y.astype(x.dtype), aux
+
+    return apply

@@ -1,0 +1,275 @@
+"""tilax benchmark suite (pytest-benchmark): usage, modes, suites and the rows it writes.
+
+Run on a GPU::
+
+    nox -s bench                                   # full run, all suites
+    nox -s bench -- --bench-suite moe              # MoE suites only
+    nox -s bench -- --bench-quick                  # quick mode (every suite, small)
+    TILAX_BENCH_SUITES=rbf nox -s bench            # the same through the environment
+
+``nox -s bench`` writes ``data/results/<gpu>-<yyyymmdd>-<shortcommit>[-<tag>].json`` (tag: the
+suites and mode when not a full run of everything; ``TILAX_BENCH_OUT`` picks another folder)
+and a side file ``<same name>.rows.jsonl`` beside it. On an offline GPU host with JAX already
+installed use the same options with the host's Python (``nox --no-venv -s bench -- ...``, or
+plainly)::
+
+    OUT_JSON=$(python tests/bench/bench_naming.py --dir "$OUT" --tag moe)
+    PYTHONPATH=src python -m pytest tests/bench -p no:cacheprovider -q \\
+        --bench-suite moe --benchmark-json "$OUT_JSON"
+
+Extra wheels (tokamax and its pure-Python needs, pykeops, keopscore) come from
+``nox -s wheelhouse`` (``.wheelhouse/``); on the host::
+
+    pip install --no-index --no-deps --target /tmp/site .wheelhouse/*.whl
+    export PYTHONPATH=src:/tmp/site
+
+Options (each also read from the environment variable in brackets):
+
+- ``--bench-suite NAME`` [``TILAX_BENCH_SUITES``, comma separated]: repeatable; suite names
+  ``layer decoder pieces blockm maxtok kernel_mv kde_density kernel_mv_tiles kernel_mv_peak
+  kernel_mv_max_n``, short names ``kde tiles peak max_n``, groups ``moe rbf ladders all``.
+- ``--bench-mode smoke|quick|full|auto`` [``TILAX_BENCH_MODE``], or ``--bench-quick`` /
+  ``--bench-smoke``. ``auto`` (default): smoke on CPU, full on a GPU.
+- ``--bench-budget SECONDS`` [``TILAX_BENCH_BUDGET``]: wall-clock budget of the session (full
+  480 s, quick 240 s). Rows that would start after it are stored as failure rows
+  (``skipped: not attempted, the run's time budget ... was spent``), so a GPU call never runs
+  past its limit and says what it left out. The most important rows run first.
+- ``--bench-rows PATH``: the JSON-lines side file (default: beside ``--benchmark-json``).
+
+Modes: ``smoke`` (CPU, Pallas interpret mode: tiny shapes, 1-2 rounds, ladders of two tiny
+steps, missing peers as failure rows; runs inside ``nox -s tests`` so this code cannot rot
+unseen; about a minute on 2 cores), ``quick`` (every suite at one or two realistic sizes),
+``full`` (the grids of the seed files, see ``bench_moe`` and ``bench_rbf``).
+
+Estimated wall time on one H200 (compile time dominates most rows; the budget caps each call):
+
+=================  ====================================================  ======  =======
+suite              full grid                                             rows    minutes
+=================  ====================================================  ======  =======
+maxtok             7 impls, bf16 train step, 262k -> 32M tokens ladder   ~30     ~2.5
+layer              9 impls at 32k/131k x fp32/bf16 x fwd/train, triton/  ~160    ~4.5
+                   mosaic, 5 impls at 4k, E64 top4, skew 0.9
+decoder            7 impls x 16k/131k/1M x fwd/train, bf16               42      ~1.5
+pieces             4 pieces x 4k/32k x fp32/bf16                         16      ~0.3
+blockm             block_m 32/64/128 x 32k x fp32/bf16 x fwd/train       12      ~0.4
+moe (all above)                                                                  ~9
+kernel_mv_max_n    3 impls, fwd_bwd, 64k -> 8M ladder                    ~20     ~2
+kernel_mv_peak     3 impls x 4k/64k x fwd/fwd_bwd, fresh subprocess each 12      ~1
+kernel_mv          5 impls x n 1k..1M x 4 (dim, out) x fwd/fwd_bwd       200     ~4
+kde_density        3 impls x 1k/16k/64k x dim 2/8 x fwd/fwd_bwd          36      ~0.5
+kernel_mv_tiles    6 tiles x 64k x out 1/16 x fwd/fwd_bwd                24      ~0.5
+rbf (all above)                                                                  ~8
+quick (all)        one or two sizes per suite                            ~70     ~3
+=================  ====================================================  ======  =======
+
+So on the GPU: ``--bench-quick`` (~3 min), then ``--bench-suite moe`` and ``--bench-suite rbf``
+in separate calls (each capped at 480 s by the budget); ``bench_rows.py merge`` joins files.
+
+Rows: one pytest-benchmark benchmark per (suite, impl, dispatch, routing, dtype, shape, op),
+``extra_info`` per the contract in ``bench_rows`` (family, suite, impl, dtype, op, compile_s,
+shapes, TFLOP/s or pairs/s, numerics, router stats, peak_mb; ``error`` on failure rows, whose
+stats are of a no-op and must be ignored). Each finished row is appended at once to the side
+file; if a run dies before pytest-benchmark writes its JSON::
+
+    python tests/bench/bench_rows.py convert OUT.json OUT.rows.jsonl
+
+Timing: the first call (compile included) is timed alone as ``compile_s``, a second call warms
+up and sizes the rounds; then ``benchmark.pedantic`` with 3-10 rounds (1 iteration for calls of
+a millisecond or more, more iterations below), every call ending in ``block_until_ready``. The
+parent process runs with ``XLA_PYTHON_CLIENT_PREALLOCATE=false`` (set here unless already set)
+so the ladder subprocesses and torch can use the rest of the device.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+from pathlib import Path  # noqa: E402
+
+import bench_moe  # noqa: E402
+import bench_rbf  # noqa: E402
+import pytest  # noqa: E402
+from bench_harness import Runner, Settings, State  # noqa: E402
+from bench_ladder import ladder_steps  # noqa: E402
+from bench_rows import append_row, check_extra_info, write_header  # noqa: E402
+
+MOE_SUITES = ("layer", "decoder", "pieces", "blockm", "maxtok")
+RBF_SUITES = ("kernel_mv", "kde_density", "kernel_mv_tiles", "kernel_mv_peak", "kernel_mv_max_n")
+SUITE_GROUPS = {
+    "all": MOE_SUITES + RBF_SUITES,
+    "moe": MOE_SUITES,
+    "rbf": RBF_SUITES,
+    "ladders": ("maxtok", "kernel_mv_peak", "kernel_mv_max_n"),
+    "kde": ("kde_density",),
+    "tiles": ("kernel_mv_tiles",),
+    "peak": ("kernel_mv_peak",),
+    "max_n": ("kernel_mv_max_n",),
+    "maxtok_summary": ("maxtok",),
+}
+MODE_SETTINGS = {
+    # budget, per-row limit, timed seconds per row, min rounds, max rounds, ladder step limit
+    "smoke": dict(budget_s=1800, row_limit_s=120, target_time_s=0.0, min_rounds=1, max_rounds=2,
+                  step_timeout_s=240),
+    "quick": dict(budget_s=240, row_limit_s=10, target_time_s=0.3, min_rounds=3, max_rounds=5,
+                  step_timeout_s=40),
+    "full": dict(budget_s=480, row_limit_s=20, target_time_s=1.0, min_rounds=3, max_rounds=10,
+                 step_timeout_s=60),
+}
+STATE = pytest.StashKey[State]()
+ROWS = pytest.StashKey[Path | None]()
+
+
+def pytest_addoption(parser):
+    group = parser.getgroup("tilax-bench", "tilax benchmark suite (tests/bench)")
+    group.addoption("--bench-suite", action="append", default=None,
+                    help="suite or group to run (repeatable, comma separated); default all")
+    group.addoption("--bench-mode", default=None, choices=("auto", "smoke", "quick", "full"))
+    group.addoption("--bench-quick", action="store_true", help="quick mode")
+    group.addoption("--bench-smoke", action="store_true", help="smoke mode (tiny, any device)")
+    group.addoption("--bench-budget", type=float, default=None,
+                    help="wall-clock budget of the session in seconds")
+    group.addoption("--bench-rows", default=None, help="JSON-lines side file of finished rows")
+
+
+def resolve_mode(config) -> str:
+    if config.getoption("bench_smoke"):
+        return "smoke"
+    if config.getoption("bench_quick"):
+        return "quick"
+    mode = config.getoption("bench_mode") or os.environ.get("TILAX_BENCH_MODE") or "auto"
+    if mode == "auto":
+        import jax
+
+        return "smoke" if jax.default_backend() == "cpu" else "full"
+    return mode
+
+
+def resolve_suites(config) -> frozenset[str]:
+    names = config.getoption("bench_suite") or [os.environ.get("TILAX_BENCH_SUITES") or "all"]
+    suites: set[str] = set()
+    for name in ",".join(names).split(","):
+        name = name.strip()
+        if not name:
+            continue
+        if name in SUITE_GROUPS:
+            suites.update(SUITE_GROUPS[name])
+        elif name in MOE_SUITES + RBF_SUITES:
+            suites.add(name)
+        else:
+            known = sorted(set(SUITE_GROUPS) | set(MOE_SUITES + RBF_SUITES))
+            raise pytest.UsageError(
+                f"--bench-suite: unknown suite {name!r}; known: {', '.join(known)}")
+    return frozenset(suites)
+
+
+def _device_bytes() -> int | None:
+    import jax
+
+    if jax.default_backend() == "cpu":
+        return None
+    stats = jax.local_devices()[0].memory_stats() or {}
+    return stats.get("bytes_limit")
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "bench_suite(name): a tests/bench benchmark of the named suite")
+    config.addinivalue_line(
+        "markers", "bench_contract: checks a smoke run of the bench suite (smoke mode only)")
+    mode = resolve_mode(config)
+    values = dict(MODE_SETTINGS[mode])
+    budget = config.getoption("bench_budget") or os.environ.get("TILAX_BENCH_BUDGET")
+    if budget:
+        values["budget_s"] = float(budget)
+    settings = Settings(mode=mode, suites=resolve_suites(config), **values)
+    config.stash[STATE] = State(settings, device_bytes=_device_bytes())
+    rows = config.getoption("bench_rows")
+    if rows is None:
+        json_file = config.getoption("benchmark_json", None)  # a Path (v5) or an open file (v4)
+        name = json_file if isinstance(json_file, (str, Path)) else getattr(json_file, "name", None)
+        if name and not str(name).startswith("<"):
+            rows = str(Path(name).with_suffix("")) + ".rows.jsonl"
+    config.stash[ROWS] = Path(rows) if rows else None
+
+
+def pytest_benchmark_update_machine_info(config, machine_info):
+    from bench_env import environment_info
+
+    machine_info.update(environment_info())
+    settings = config.stash[STATE].settings
+    machine_info["bench_mode"] = settings.mode
+    machine_info["bench_suites"] = sorted(settings.suites)
+    machine_info["bench_budget_s"] = settings.budget_s
+
+
+def pytest_sessionstart(session):
+    rows = session.config.stash.get(ROWS, None)
+    if rows is None:
+        return
+    config = session.config
+    machine_info = config.hook.pytest_benchmark_generate_machine_info(config=config)
+    config.hook.pytest_benchmark_update_machine_info(config=config, machine_info=machine_info)
+    commit_info = config.hook.pytest_benchmark_generate_commit_info(config=config)
+    write_header(rows, machine_info, commit_info)
+
+
+def suite_params(suite: str, mode: str) -> list:
+    if suite == "maxtok":
+        return [step for template, sizes in bench_moe.maxtok_ladders(mode)
+                for step in ladder_steps(template, sizes, "tokens")]
+    if suite == "kernel_mv_max_n":
+        return [step for template, sizes in bench_rbf.max_n_ladders(mode)
+                for step in ladder_steps(template, sizes, "n")]
+    if suite == "kernel_mv_peak":
+        return [step for case in bench_rbf.peak_cases(mode)
+                for step in ladder_steps(case, [case.n], "n", summary=False)]
+    if suite in MOE_SUITES:
+        return bench_moe.suite_cases(suite, mode)
+    return bench_rbf.suite_cases(suite, mode)
+
+
+def pytest_generate_tests(metafunc):
+    marker = metafunc.definition.get_closest_marker("bench_suite")
+    if marker is None or "case" not in metafunc.fixturenames:
+        return
+    suite = marker.args[0]
+    settings = metafunc.config.stash[STATE].settings
+    cases = suite_params(suite, settings.mode) if suite in settings.suites else []
+    metafunc.parametrize("case", cases, ids=[case.id for case in cases])
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Drop unselected suites; run bench rows by priority (ladders first, then the headline
+    comparisons), keeping every other test where it was."""
+    bench, other, dropped = [], [], []
+    mode = config.stash[STATE].settings.mode
+    for item in items:
+        if item.get_closest_marker("bench_contract") is not None and mode != "smoke":
+            dropped.append(item)  # a GPU run checks each of its own rows instead
+        elif item.get_closest_marker("bench_suite") is None:
+            other.append(item)
+            continue
+        case = getattr(item, "callspec", None) and item.callspec.params.get("case")
+        (bench if hasattr(case, "priority") else dropped).append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+    bench.sort(key=lambda item: item.callspec.params["case"].priority)
+    items[:] = other + bench
+
+
+@pytest.fixture
+def bench(benchmark, request):
+    """The runner of one benchmark row; on teardown the row is appended to the side file and
+    checked against the extra_info contract."""
+    runner = Runner(benchmark, request.config.stash[STATE])
+    yield runner
+    if benchmark.stats is None:
+        return
+    row = benchmark.stats.as_dict(include_data=False)
+    rows = request.config.stash[ROWS]
+    if rows is not None:
+        append_row(rows, row)
+    problems = check_extra_info(row["extra_info"])
+    assert not problems, f"extra_info breaks the contract: {problems}"

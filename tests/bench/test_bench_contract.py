@@ -1,0 +1,110 @@
+"""The bench suite's own checks: file naming, the rows side file, and a real smoke run whose
+JSON must satisfy the extra_info contract (runs in smoke mode only; in GPU runs every row is
+checked as it finishes by the ``bench`` fixture)."""
+
+import datetime
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from bench_naming import gpu_slug, result_path
+from bench_rows import check_document, check_extra_info, merge, read_side_file
+
+BENCH_DIR = Path(__file__).resolve().parent
+REPO = BENCH_DIR.parents[1]
+
+
+@pytest.mark.parametrize("name, slug", [
+    ("NVIDIA H200", "h200"),
+    ("NVIDIA GeForce RTX 3090", "rtx3090"),
+    ("NVIDIA H100 80GB HBM3", "h100"),
+    ("NVIDIA H100 NVL", "h100"),
+    ("Tesla V100-SXM2-16GB", "v100"),
+    (None, "cpu"),
+])
+def test_gpu_slug(name, slug):
+    assert gpu_slug(name) == slug
+
+
+def test_result_path_never_overwrites(tmp_path):
+    day = datetime.date(2026, 11, 30)
+    first = result_path(tmp_path, "moe", gpu="NVIDIA H200", date=day, commit="abc1234")
+    assert first.name == "h200-20261130-abc1234-moe.json"
+    first.write_text("{}")
+    second = result_path(tmp_path, "moe", gpu="NVIDIA H200", date=day, commit="abc1234")
+    assert second.name == "h200-20261130-abc1234-moe-2.json"
+
+
+def test_contract_flags_missing_keys_and_bad_failure_rows():
+    row = {"family": "moe", "suite": "layer", "impl": "pallas", "dtype": "bfloat16",
+           "op": "forward", "compile_s": 0.5}
+    problems = check_extra_info(row)
+    assert any("tokens" in p for p in problems)
+    assert any("tflops" in p for p in problems)
+    failed = dict(row, error="", routing="dropless", dispatch="sorted", tokens=8, d_model=4,
+                  d_hidden=4, experts=2, top_k=1, shared_hidden=0, skew=0.0)
+    assert check_extra_info(failed) == ["error must be a non-empty string"]
+
+
+def test_side_file_survives_a_torn_last_line_and_merges(tmp_path):
+    side = tmp_path / "run.rows.jsonl"
+    header = {"kind": "header", "machine_info": {"gpu": "X"}, "commit_info": {}}
+    rows = [{"kind": "benchmark", "name": f"b{i}", "fullname": f"t::b{i}"} for i in range(2)]
+    side.write_text("\n".join(json.dumps(r) for r in [header, *rows]) + '\n{"kind": "bench')
+    document = read_side_file(side)
+    assert [b["name"] for b in document["benchmarks"]] == ["b0", "b1"]
+    merged = merge([document, document])
+    assert len(merged["benchmarks"]) == 2
+    with pytest.raises(ValueError, match="different devices"):
+        merge([document, dict(document, machine_info={"gpu": "Y"})])
+
+
+SMOKE_SELECTION = [
+    "tests/bench/test_bench_rbf.py::test_kernel_mv_max_n",
+    "tests/bench/test_bench_moe.py::test_layer[layer-pallas-sorted-f32-T64-E4k2-d32h64-forward]",
+    "tests/bench/test_bench_moe.py::test_layer[layer-mosaic-sorted-f32-T64-E4k2-d32h64-forward]",
+    "tests/bench/test_bench_rbf.py::test_kernel_mv[kernel_mv-xla-n64-d3-o1-fwd_bwd]",
+    "tests/bench/test_bench_rbf.py::test_kernel_mv[kernel_mv-keops-n64-d3-o1-fwd]",
+]
+
+
+@pytest.mark.bench_contract
+def test_smoke_run_writes_contract_rows(tmp_path):
+    """A real bench run in a subprocess: its JSON and side file satisfy the contract, failures
+    are rows with an error, the ladder has steps with peak_mb and a summary."""
+    output = tmp_path / "run.json"
+    env = dict(os.environ, TILAX_BENCH_COMMIT="test")
+    import tilax  # the child pytest imports the same tilax as this one
+
+    src = str(Path(tilax.__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join([src, env.get("PYTHONPATH", "")])
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", *SMOKE_SELECTION, "-p", "no:cacheprovider", "-q",
+         "--bench-smoke", f"--benchmark-json={output}"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    document = json.loads(output.read_text())
+    assert check_document(document) == []
+    rows = {b["name"]: b["extra_info"] for b in document["benchmarks"]}
+    assert len(rows) == 7  # 2 ladder steps + summary, 2 layer rows, 2 kernel_mv rows
+    assert document["machine_info"]["commit"] == "test"
+
+    failures = [info for info in rows.values() if "error" in info]
+    assert {info["impl"] for info in failures} >= {"mosaic"}
+    layer = next(info for name, info in rows.items() if "pallas-sorted-f32" in name)
+    assert layer["tflops"] > 0 and layer["rel_err_out"] < 1e-4
+    assert 0 < layer["max_expert_frac"] <= 1
+    kernel = next(info for name, info in rows.items() if "xla-n64" in name)
+    assert set(kernel["rel_err"]) == {"dq", "dk", "dv", "dlengthscale"}
+    assert max(kernel["rel_err"].values()) < 1e-4
+    ladder = [info for info in rows.values() if info["suite"] == "kernel_mv_max_n"]
+    assert [info.get("max_n") for info in ladder] == [None, None, 128]
+    assert all("peak_mb" in info and info["pairs_per_s"] > 0 for info in ladder)
+
+    side = read_side_file(output.with_suffix("").with_suffix(".rows.jsonl"))
+    assert [b["name"] for b in side["benchmarks"]] == [b["name"] for b in document["benchmarks"]]
+    assert side["machine_info"]["platform"] == document["machine_info"]["platform"]
