@@ -1,7 +1,15 @@
 """tilax: Pallas GPU kernels for Mixture-of-Experts layers and RBF kernel sums."""
 
 from tilax.moe.api import MoEConfig, moe_apply, moe_init
+from tilax.rbf import rbf_kde_density, rbf_kernel_mv
 
 __version__ = "0.1.0"
 
-__all__ = ["MoEConfig", "__version__", "moe_apply", "moe_init"]
+__all__ = [
+    "MoEConfig",
+    "__version__",
+    "moe_apply",
+    "moe_init",
+    "rbf_kde_density",
+    "rbf_kernel_mv",
+]
