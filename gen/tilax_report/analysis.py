@@ -65,7 +65,9 @@ def _config_label(row) -> str:
             parts.append(f"d{row.d_model} h{row.d_hidden}")
         if not pd.isna(row.shared_hidden) and row.shared_hidden:
             parts.append(f"shared {row.shared_hidden}")
-        if not pd.isna(row.skew):
+        # Balanced routing is the default: only a skewed router is named (the H100 file does
+        # not record skew; its decoder cases count as balanced).
+        if not pd.isna(row.skew) and row.skew:
             parts.append(f"skew {row.skew:g}")
         return " ".join(parts)
     if row.family == "rbf":

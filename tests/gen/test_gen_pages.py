@@ -1,0 +1,77 @@
+"""The report pages as Markdown (no mkdocs): every page has charts and tables with sources,
+and pages pick up a new pytest-benchmark run added to the data folder."""
+
+import re
+import shutil
+
+import pytest
+from report_fixtures import PYTEST_BENCHMARK_FIXTURE
+from tilax_report import site
+from tilax_report.load import load_results
+from tilax_report.pages import moe_decoder, moe_layer, overview, rbf
+
+PAGES = sorted(site.PAGES)
+BLOCK = re.compile(r'<div class="tilax-(chart|table)" id="([^"]+)" data-sources="([^"]*)"')
+
+
+def build(module_name, results):
+    module = __import__(f"tilax_report.pages.{module_name}", fromlist=["build"])
+    return module.build(results)
+
+
+@pytest.fixture(scope="module")
+def with_h200(tmp_path_factory, data_dir):
+    """A temporary copy of data/ plus the pytest-benchmark fixture (an H200 run)."""
+    copy = tmp_path_factory.mktemp("data")
+    shutil.copytree(data_dir / "results", copy / "results")
+    shutil.copy(PYTEST_BENCHMARK_FIXTURE, copy / "results")
+    return load_results(copy)
+
+
+@pytest.mark.parametrize("module_name", PAGES)
+def test_every_chart_and_table_names_its_sources(stored, module_name):
+    text = build(module_name, stored)
+    blocks = BLOCK.findall(text)
+    kinds = {kind for kind, _, _ in blocks}
+    assert kinds == {"chart", "table"}, f"{module_name} needs charts and tables"
+    ids = [block_id for _, block_id, _ in blocks]
+    assert len(ids) == len(set(ids))
+    for _kind, block_id, sources in blocks:
+        assert sources, block_id
+        after = text[text.index(f'id="{block_id}"'):]
+        source_line = re.search(r"^Source: .*$", after, re.M).group(0)
+        for name in sources.split():
+            assert f"[{name}](data/{name})" in source_line, (block_id, source_line)
+
+
+def test_new_run_appears_in_the_overview(with_h200):
+    text = overview.build(with_h200)
+    assert "h200-20260115-0a1b2c3" in text
+    assert "**NVIDIA H200** (run `h200-20260115-0a1b2c3`" in text
+    assert "2026-01-15" in text
+
+
+def test_new_run_is_ranked_within_itself(with_h200):
+    text = moe_layer.build(with_h200)
+    # Fixture: mosaic/sorted 3.98 ms (q1–q3 ±1%), pallas/sorted 4.12 ms, dense 10.5 ms.
+    assert "**mosaic/sorted** was fastest at 3.980 ms (3.940–4.020)" in text
+    assert f"**{4.12 / 3.98:.2f}×** faster than the next, pallas/sorted" in text
+    assert f"{10.5 / 3.98:.2f}× faster than dense routing" in text
+
+
+def test_gpu_vs_gpu_sections_compare_the_same_case(stored, with_h200):
+    assert "No MoE layer case was measured on more than one GPU yet" in moe_layer.build(stored)
+    text = moe_layer.build(with_h200)
+    assert "No MoE layer case was measured on more than one GPU yet" not in text
+    section = text[text.index("## Same implementation on different GPUs"):]
+    assert "Different machines" in section
+    assert "H200" in section and "RTX 3090" in section and "H100" in section
+    rbf_text = rbf.build(with_h200)
+    section = rbf_text[rbf_text.index("## Same implementation on different GPUs"):]
+    assert "No RBF case was measured" not in section and "H200" in section
+
+
+def test_decoder_page_has_a_section_per_run(with_h200):
+    text = moe_decoder.build(with_h200)
+    assert "## NVIDIA H100 (NVL, 94 GB), run `v10_decoder`" in text
+    assert "## NVIDIA H200, run `h200-20260115-0a1b2c3`" in text
