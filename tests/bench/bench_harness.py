@@ -115,6 +115,14 @@ class State:
     probes: dict = dataclasses.field(default_factory=dict)
 
 
+def jax_device_memory() -> tuple[int | None, int | None]:
+    """(peak_bytes_in_use, bytes_limit) of the first JAX device; ``None`` where unknown (CPU)."""
+    import jax
+
+    stats = jax.local_devices()[0].memory_stats() or {}
+    return stats.get("peak_bytes_in_use"), stats.get("bytes_limit")
+
+
 def _no_op() -> None:
     return None
 

@@ -9,10 +9,13 @@ The child builds the same workload as the in-process benchmarks, times the first
 (``compile_s``) and ``timed_calls`` more calls, reads the device's
 ``memory_stats()["peak_bytes_in_use"]`` (``torch.cuda.max_memory_allocated`` for torch peers)
 and prints one ``TILAX_LADDER_RESULT {...}`` line. The parent replays the child's call times as
-the row's rounds and stores ``peak_mb``. A ladder stops at its first failure: out of memory,
-a crash, the step's time limit (``timeout after N s``), or a time predicted from the previous
-step (``timeout (predicted, not attempted)``); the steps above it are reported as skipped
-tests (not rows: they were never needed). A summary row per ladder (``maxtok_summary``, or a
+the row's rounds and stores ``peak_mb``. After a step that ran, the ladder jumps over the
+sizes that step predicts to fit (peak memory taken as linear in the size against the device
+limit, time scaled by the work against the step limit) to the largest of them, then tries the
+size above it. A ladder stops at its first failure: out of memory, a crash, the step's time
+limit (``timeout after N s``), or a time predicted from the previous step (``timeout
+(predicted, not attempted)``). Sizes jumped over and sizes above the stop are reported as
+skipped tests (not rows: they were never needed). A summary row per ladder (``maxtok_summary``, or a
 ``kernel_mv_max_n`` row with ``max_n``) names the largest size that ran and carries that step's
 timings and peak. ``kernel_mv_peak`` rows are single-step ladders.
 
@@ -55,6 +58,7 @@ class LadderStep:
     ladder: str
     case: object
     size_field: str
+    sizes: tuple = ()
     priority: int = 0
     summary: bool = False
 
@@ -71,14 +75,11 @@ def ladder_steps(template, sizes: list[int], size_field: str, summary: bool = Tr
     name = template.id.replace(f"-T{size}-", "-").replace(f"-n{size}-", "-")
     steps = []
     for size in sizes:
-        changes = {size_field: size}
-        if size_field == "n" and getattr(template, "m", None) is not None:
-            changes["m"] = size
-        steps.append(LadderStep(name, dataclasses.replace(template, **changes), size_field,
-                                priority=template.priority))
+        steps.append(LadderStep(name, _sized(template, size_field, size), size_field,
+                                tuple(sizes), priority=template.priority))
     if summary:
-        steps.append(LadderStep(name, steps[-1].case, size_field, priority=template.priority,
-                                summary=True))
+        steps.append(LadderStep(name, steps[-1].case, size_field, tuple(sizes),
+                                priority=template.priority, summary=True))
     return steps
 
 
@@ -119,8 +120,42 @@ def _timed_calls(settings: Settings) -> int:
     return 1 if settings.mode == "smoke" else 2
 
 
+def _sized(case, size_field: str, size: int):
+    changes = {size_field: size}
+    if size_field == "n" and getattr(case, "m", None) is not None:
+        changes["m"] = size
+    return dataclasses.replace(case, **changes)
+
+
+def _predicted_wall(last: dict, work: float, calls: int) -> float:
+    """Wall time of a step with ``work``, scaled from the last step that ran (start-up and
+    compile stay, the calls scale with the work)."""
+    per_call = statistics.median(last["times"])
+    return last["wall_s"] + calls * per_call * (work / last["work"] - 1)
+
+
+def _jump_target(step: LadderStep, last: dict, timeout: float, calls: int) -> int | None:
+    """The largest ladder size above the last one that the last step's peak memory (linear in
+    the size) and time (scaled by the work) predict to fit; ``None`` if nothing is predicted
+    to fit or the peak or limit is unknown."""
+    if not last.get("peak_bytes") or not last.get("limit_bytes"):
+        return None
+    fitting = last["size"] * last["limit_bytes"] / last["peak_bytes"]
+    candidates = [
+        size for size in step.sizes
+        if last["size"] < size <= fitting
+        and _predicted_wall(last, _sized(step.case, step.size_field, size).work(), calls) <= timeout
+    ]
+    return max(candidates) if candidates else None
+
+
 def run_step(runner, step: LadderStep) -> None:
-    """One ladder step (or summary) into one row; see the module docstring."""
+    """One ladder step (or summary) into one row; see the module docstring.
+
+    After a step that ran, sizes the last step predicts to fit (memory and time) are jumped
+    over up to the largest of them, which runs next, then the size above it (the one expected
+    to fail) runs to confirm the limit.
+    """
     state, settings, info = runner.state, runner.settings, runner.info
     case = step.case
     info.update(json_safe(case.extra_info()))
@@ -132,21 +167,26 @@ def run_step(runner, step: LadderStep) -> None:
     stop = next((h for h in history if not h["ok"]), None)
     if stop is not None:
         pytest.skip(f"not needed: ladder {step.ladder} stopped at {stop['label']}")
+    size = getattr(case, step.size_field)
+    timeout = max(5.0, min(settings.step_timeout_s, settings.remaining()))
+    calls = 1 + _timed_calls(settings)
+    last = history[-1] if history else None
+    if last is not None:
+        target = _jump_target(step, last, timeout, calls)
+        if target is not None and size < target:
+            pytest.skip(f"not needed: from {last['label']} ({last['peak_bytes'] / 2**30:.1f} of "
+                        f"{last['limit_bytes'] / 2**30:.0f} GiB) the ladder jumps to "
+                        f"{step.size_field}={target}")
     reason = case.unavailable_reason()
     if reason is None and settings.remaining() <= 0:
         reason = (f"skipped: not attempted, the run's time budget of {settings.budget_s:.0f} s "
                   f"was spent before this step")
-    timeout = max(5.0, min(settings.step_timeout_s, settings.remaining()))
-    calls = 1 + _timed_calls(settings)
-    last = history[-1] if history else None
     if reason is None and last is not None and settings.mode != "smoke":
-        ratio = case.work() / last["work"]
-        per_call = statistics.median(last["times"])
-        predicted = last["wall_s"] + calls * per_call * (ratio - 1)
+        predicted = _predicted_wall(last, case.work(), calls)
         if predicted > timeout:
             reason = (f"timeout (predicted, not attempted): about {predicted:.0f} s for this step "
-                      f"({per_call:.3g} s per call at {last['label']}, times {ratio:.3g} the "
-                      f"work) exceeds the step limit of {timeout:.0f} s")
+                      f"(scaled by the work from {last['wall_s']:.0f} s at {last['label']}) "
+                      f"exceeds the step limit of {timeout:.0f} s")
     if reason is not None:
         history.append({"ok": False, "label": case.size_label(), "error": reason})
         record_failure(runner.benchmark, reason)
@@ -160,9 +200,10 @@ def run_step(runner, step: LadderStep) -> None:
             info["compile_s"] = result["compile_s"]
         record_failure(runner.benchmark, result["error"])
         return
-    entry = {"ok": True, "label": case.size_label(), "size": getattr(case, step.size_field),
-             "work": case.work(), "times": result["times"], "wall_s": result["wall_s"],
-             "compile_s": result["compile_s"], "peak_mb": _mb(result.get("peak_bytes"))}
+    entry = {"ok": True, "label": case.size_label(), "size": size, "work": case.work(),
+             "times": result["times"], "wall_s": result["wall_s"],
+             "compile_s": result["compile_s"], "peak_bytes": result.get("peak_bytes"),
+             "limit_bytes": result.get("limit_bytes")}
     history.append(entry)
     _record_success(runner, case, entry)
 
@@ -179,9 +220,7 @@ def summarize(runner, step: LadderStep, history: list[dict]) -> None:
         return
     best = max(ran, key=lambda h: h["size"])
     stop = next((h for h in history if not h["ok"]), None)
-    sized = dataclasses.replace(case, **{step.size_field: best["size"]})
-    if step.size_field == "n" and getattr(case, "m", None) is not None:
-        sized = dataclasses.replace(sized, m=best["size"])
+    sized = _sized(case, step.size_field, best["size"])
     info.update(json_safe(sized.extra_info()))
     if case.family == "moe":
         info.update(suite="maxtok_summary", max_tokens=best["size"])
@@ -194,7 +233,7 @@ def summarize(runner, step: LadderStep, history: list[dict]) -> None:
 def _record_success(runner, case, entry: dict) -> None:
     info = runner.info
     info["compile_s"] = entry["compile_s"]
-    info["peak_mb"] = entry["peak_mb"]
+    info["peak_mb"] = _mb(entry["peak_bytes"])
     info["wall_s"] = entry["wall_s"]
     record_external_timings(runner.benchmark, entry["times"])
     info.update(json_safe(case.rates(statistics.median(entry["times"]))))
@@ -225,7 +264,8 @@ def child_main(spec_json: str) -> None:
             start = time.perf_counter()
             workload.call()
             times.append(time.perf_counter() - start)
-        result.update(ok=True, times=times, peak_bytes=workload.peak_bytes())
+        peak, limit = workload.memory()
+        result.update(ok=True, times=times, peak_bytes=peak, limit_bytes=limit)
     except Exception as exc:  # noqa: BLE001 - reported to the parent as the row's error
         result.update(ok=False, error=describe_error(exc))
     print(MARKER + json.dumps(result), flush=True)

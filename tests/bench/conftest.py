@@ -41,26 +41,31 @@ steps, missing peers as failure rows; runs inside ``nox -s tests`` so this code 
 unseen; about a minute on 2 cores), ``quick`` (every suite at one or two realistic sizes),
 ``full`` (the grids of the seed files, see ``bench_moe`` and ``bench_rbf``).
 
-Estimated wall time on one H200 (compile time dominates most rows; the budget caps each call):
+Estimated wall time on one H200 (not measured yet: compile time dominates most rows, about
+1-3 s each; ladder steps cost a fresh interpreter, about 8 s each). Rows run by priority:
+ladders first (while the parent's memory pool is small), then the headline comparisons, then
+the rest; the budget (480 s full) turns whatever is left into "skipped" rows.
 
-=================  ====================================================  ======  =======
-suite              full grid                                             rows    minutes
-=================  ====================================================  ======  =======
-maxtok             7 impls, bf16 train step, 262k -> 32M tokens ladder   ~30     ~2.5
-layer              9 impls at 32k/131k x fp32/bf16 x fwd/train, triton/  ~160    ~4.5
-                   mosaic, 5 impls at 4k, E64 top4, skew 0.9
-decoder            7 impls x 16k/131k/1M x fwd/train, bf16               42      ~1.5
-pieces             4 pieces x 4k/32k x fp32/bf16                         16      ~0.3
-blockm             block_m 32/64/128 x 32k x fp32/bf16 x fwd/train       12      ~0.4
-moe (all above)                                                                  ~9
-kernel_mv_max_n    3 impls, fwd_bwd, 64k -> 8M ladder                    ~20     ~2
-kernel_mv_peak     3 impls x 4k/64k x fwd/fwd_bwd, fresh subprocess each 12      ~1
-kernel_mv          5 impls x n 1k..1M x 4 (dim, out) x fwd/fwd_bwd       200     ~4
-kde_density        3 impls x 1k/16k/64k x dim 2/8 x fwd/fwd_bwd          36      ~0.5
-kernel_mv_tiles    6 tiles x 64k x out 1/16 x fwd/fwd_bwd                24      ~0.5
-rbf (all above)                                                                  ~8
-quick (all)        one or two sizes per suite                            ~70     ~3
-=================  ====================================================  ======  =======
+===============  =========================================================  ====  =======
+suite            full grid (rows)                                           rows  minutes
+===============  =========================================================  ====  =======
+maxtok           7 impls, bf16 train step, 256k..32M tokens; the ladder     ~21   ~3
+                 jumps to the largest size predicted to fit, then one more
+layer            9 impls x 32k/131k x fp32/bf16 x fwd/train (first), then   134   ~4
+                 triton/mosaic bf16, 5 impls at 4k, E64 top4 h256, skew 0.9
+decoder          7 impls x 16k/131k/1M x fwd/train, bf16                    42    ~1.5
+pieces           4 pieces x 4k/32k x fp32/bf16 (32k bf16 first)             16    ~0.3
+blockm           block_m 32/64/128 x 32k x fp32/bf16 x fwd/train            12    ~0.4
+moe              all five (``--bench-suite moe``)                           ~225  ~9
+kernel_mv_max_n  pallas/xla/dense fwd_bwd d8 o16, 64k..8M (jumping)         ~10   ~1.5
+kernel_mv_peak   pallas/xla/dense x 4k/64k x fwd/fwd_bwd, subprocess each   12    ~1.5
+kernel_mv        5 impls x n 1k..1M x (dim, out) x fwd/fwd_bwd; (8, 16) at  200   ~4
+                 every n first; 262k and 1M only (8, 16) and (3, 1)
+kde_density      3 impls x 1k/16k/64k x dim 2/8 x fwd/fwd_bwd               36    ~0.7
+kernel_mv_tiles  6 tiles x 64k x out 1/16 x fwd/fwd_bwd                     24    ~0.5
+rbf              all five (``--bench-suite rbf``)                           ~280  ~8
+quick            every suite at one or two sizes (``--bench-quick``)        ~60   ~3
+===============  =========================================================  ====  =======
 
 So on the GPU: ``--bench-quick`` (~3 min), then ``--bench-suite moe`` and ``--bench-suite rbf``
 in separate calls (each capped at 480 s by the budget); ``bench_rows.py merge`` joins files.
@@ -119,6 +124,7 @@ MODE_SETTINGS = {
 }
 STATE = pytest.StashKey[State]()
 ROWS = pytest.StashKey[Path | None]()
+FINISHED = pytest.StashKey[list]()
 
 
 def pytest_addoption(parser):
@@ -192,6 +198,7 @@ def pytest_configure(config):
         if name and not str(name).startswith("<"):
             rows = str(Path(name).with_suffix("")) + ".rows.jsonl"
     config.stash[ROWS] = Path(rows) if rows else None
+    config.stash[FINISHED] = []
 
 
 def pytest_benchmark_update_machine_info(config, machine_info):
@@ -268,8 +275,48 @@ def bench(benchmark, request):
     if benchmark.stats is None:
         return
     row = benchmark.stats.as_dict(include_data=False)
+    request.config.stash[FINISHED].append(row)
     rows = request.config.stash[ROWS]
     if rows is not None:
         append_row(rows, row)
     problems = check_extra_info(row["extra_info"])
     assert not problems, f"extra_info breaks the contract: {problems}"
+
+
+def _failure_kind(error: str) -> str:
+    if error.startswith("skipped: not attempted, the run's time budget"):
+        return "budget spent"
+    if error.startswith(("skipped:", "timeout (predicted")):
+        return "predicted (not attempted)"
+    if error.startswith(("unavailable:", "unsupported:")):
+        return "unavailable/unsupported"
+    if "RESOURCE_EXHAUSTED" in error or "out of memory" in error.lower():
+        return "out of memory"
+    if error.startswith("timeout"):
+        return "timeout"
+    return "other error"
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_terminal_summary(terminalreporter, config):
+    """A short account of the rows (the last lines of a long GPU log)."""
+    rows = config.stash.get(FINISHED, None)
+    if not rows:
+        return
+    settings = config.stash[STATE].settings
+    kinds: dict[str, int] = {}
+    for row in rows:
+        error = row["extra_info"].get("error")
+        kind = "measured" if error is None else _failure_kind(error)
+        kinds[kind] = kinds.get(kind, 0) + 1
+    write = terminalreporter.write_line
+    write(f"tilax bench: mode {settings.mode}, {len(rows)} rows in {settings.elapsed():.0f} s "
+          f"(budget {settings.budget_s:.0f} s): "
+          + ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items())))
+    other = [row for row in rows if _failure_kind(row["extra_info"].get("error") or "x")
+             in ("other error", "timeout") and "error" in row["extra_info"]]
+    for row in other[:15]:
+        write(f"  {row['name']}: {row['extra_info']['error'][:160]}")
+    side = config.stash.get(ROWS, None)
+    if side is not None:
+        write(f"tilax bench: rows also in {side}")

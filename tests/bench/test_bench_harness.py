@@ -115,3 +115,21 @@ def test_external_timings_are_the_rows_rounds(benchmark):
     stats = benchmark.stats.stats
     assert stats.rounds == 3
     assert stats.median == pytest.approx(0.3) and stats.min == pytest.approx(0.1)
+
+
+def test_ladder_jumps_to_the_largest_size_predicted_to_fit():
+    from bench_ladder import LadderStep, _jump_target
+    from bench_moe import MoECase
+
+    case = MoECase(suite="maxtok", impl="pallas", dispatch="sorted", routing="dropless",
+                   dtype="bfloat16", op="train_step", tokens=2**18, d_model=512, d_hidden=1024,
+                   experts=8, top_k=2)
+    sizes = (2**18, 2**20, 2**21, 2**22, 2**23, 2**24)
+    step = LadderStep("maxtok-x", case, "tokens", sizes)
+    gib = 2**30
+    last = {"size": 2**18, "work": case.work(), "times": [0.03, 0.03], "wall_s": 8.0,
+            "peak_bytes": 3 * gib, "limit_bytes": 126 * gib}
+    assert _jump_target(step, last, timeout=60.0, calls=3) == 2**23  # 42x the size fits
+    assert _jump_target(step, last, timeout=9.0, calls=3) == 2**21  # 8.6 s fits, 16x: 9.4 s
+    assert _jump_target(step, dict(last, peak_bytes=None), timeout=60.0, calls=3) is None
+    assert _jump_target(step, dict(last, peak_bytes=100 * gib), 60.0, 3) is None

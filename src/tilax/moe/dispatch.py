@@ -154,7 +154,7 @@ def gmm_schedule(group_offsets: jax.Array, num_rows: int, block_m: int) -> GmmSc
     item_start = item_end - tiles_per_expert
     items = jnp.arange(num_items, dtype=jnp.int32)
     expert = jnp.minimum(
-        jnp.searchsorted(item_end, items, side="right"), num_experts - 1
+        jnp.searchsorted(item_end, items, side="right", method="compare_all"), num_experts - 1
     ).astype(jnp.int32)
     used = items < item_end[-1]
     tile = jnp.where(used, first_tile[expert] + items - item_start[expert], 0)

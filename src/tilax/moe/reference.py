@@ -89,7 +89,7 @@ def _row_experts(layout: RowLayout, num_rows: int) -> jax.Array:
     """``[num_rows]`` expert owning each row (the last expert for rows past every group)."""
     rows = jnp.arange(num_rows, dtype=jnp.int32)
     num_experts = layout.group_sizes.shape[0]
-    owner = jnp.searchsorted(layout.group_offsets[1:], rows, side="right")
+    owner = jnp.searchsorted(layout.group_offsets[1:], rows, side="right", method="compare_all")
     return jnp.minimum(owner, num_experts - 1).astype(jnp.int32)
 
 

@@ -1,0 +1,159 @@
+"""Every bad input raises the documented error, naming the argument."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import tilax
+from tilax import _pallas
+from tilax.moe import api
+
+BASE = dict(d_model=16, d_hidden=32, num_experts=4, top_k=2)
+
+
+def _config(**overrides):
+    return tilax.MoEConfig(**{**BASE, "dtype": jnp.float32, **overrides})
+
+
+@pytest.mark.parametrize(
+    "overrides,match",
+    [
+        (dict(top_k=5), r"top_k \(5\) must be <= num_experts \(4\)"),
+        (dict(top_k=0), "top_k must be an integer >= 1"),
+        (dict(d_model=0), "d_model must be an integer >= 1"),
+        (dict(d_hidden=2.5), "d_hidden must be an integer"),
+        (dict(shared_hidden=-1), "shared_hidden must be an integer >= 0"),
+        (dict(impl="cuda"), "impl must be one of"),
+        (dict(dispatch="scatter"), "dispatch must be one of"),
+        (dict(routing="switch"), "routing must be one of"),
+        (dict(capacity_factor=0.0), "capacity_factor must be a finite number > 0"),
+        (dict(renormalize=1), "renormalize must be a bool"),
+        (dict(block_m=48), "block_m must be a power of two"),
+        (dict(block_n=8), "block_n must be an integer >= 16"),
+        (dict(num_warps=3), "num_warps must be a power of two"),
+        (dict(num_stages=0), "num_stages must be an integer >= 1"),
+    ],
+)
+def test_bad_config(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        tilax.MoEConfig(**{**BASE, **overrides})
+
+
+def test_bad_dtype():
+    with pytest.raises(TypeError, match="dtype must be one of"):
+        tilax.MoEConfig(**BASE, dtype=jnp.int32)
+
+
+def test_config_is_hashable_and_normalises_dtype():
+    config = tilax.MoEConfig(**BASE, dtype="bfloat16")
+    assert config.dtype == jnp.bfloat16
+    assert hash(config) == hash(tilax.MoEConfig(**BASE, dtype=jnp.bfloat16))
+
+
+@pytest.fixture
+def setup():
+    config = _config(shared_hidden=8, impl="ragged_dot")
+    return config, tilax.moe_init(jax.random.key(0), config), jnp.ones((5, 16), jnp.float32)
+
+
+def test_x_last_dim(setup):
+    config, params, _ = setup
+    with pytest.raises(ValueError, match=r"x must have shape \[..., d_model\] with d_model=16"):
+        tilax.moe_apply(params, jnp.ones((5, 12)), config)
+
+
+def test_x_dtype_and_empty(setup):
+    config, params, _ = setup
+    with pytest.raises(TypeError, match="x must be a real floating-point array"):
+        tilax.moe_apply(params, jnp.ones((5, 16), jnp.int32), config)
+    with pytest.raises(ValueError, match="at least one token"):
+        tilax.moe_apply(params, jnp.ones((0, 16)), config)
+
+
+@pytest.mark.parametrize(
+    "leaf,shape,match",
+    [
+        ("w_up", (4, 16, 31), r"params\['w_up'\] has shape \(4, 16, 31\), but the config "
+                              r"expects \(4, 16, 32\)"),
+        ("router", (16, 3), r"params\['router'\] has shape \(16, 3\)"),
+        ("w_down", (3, 32, 16), r"params\['w_down'\] has shape"),
+    ],
+)
+def test_param_shapes(setup, leaf, shape, match):
+    config, params, x = setup
+    params = {**params, leaf: jnp.zeros(shape)}
+    with pytest.raises(ValueError, match=match):
+        tilax.moe_apply(params, x, config)
+
+
+def test_shared_params_must_match(setup):
+    config, params, x = setup
+    bad = {**params, "shared": {**params["shared"], "w_down": jnp.zeros((9, 16))}}
+    with pytest.raises(ValueError, match=r"params\['shared'\]\['w_down'\] has shape \(9, 16\)"):
+        tilax.moe_apply(bad, x, config)
+    missing = {k: v for k, v in params.items() if k != "shared"}
+    with pytest.raises(ValueError, match="params is missing 'shared'"):
+        tilax.moe_apply(missing, x, config)
+    no_shared = _config(impl="ragged_dot")
+    with pytest.raises(ValueError, match="config.shared_hidden is 0"):
+        tilax.moe_apply(params, x, no_shared)
+
+
+def test_param_dtype(setup):
+    config, params, x = setup
+    with pytest.raises(TypeError, match=r"params\['w_gate'\] must be a real floating-point"):
+        tilax.moe_apply({**params, "w_gate": jnp.zeros((4, 16, 32), jnp.int32)}, x, config)
+
+
+def test_mosaic_off_hopper_gives_the_reason(setup):
+    _, params, x = setup
+    config = _config(shared_hidden=8, impl="mosaic")
+    reason = _pallas.mosaic_unavailable_reason()
+    assert reason is not None  # these tests run on CPU
+    with pytest.raises(ValueError, match="impl='mosaic' cannot run on this device") as info:
+        tilax.moe_apply(params, x, config)
+    assert reason in str(info.value)
+
+
+def test_mosaic_on_hopper_is_not_available_yet(setup, monkeypatch):
+    _, params, x = setup
+    monkeypatch.setattr(_pallas, "mosaic_unavailable_reason", lambda: None)
+    config = _config(shared_hidden=8, impl="mosaic")
+    with pytest.raises(NotImplementedError, match="impl='mosaic' is not available yet"):
+        tilax.moe_apply(params, x, config)
+
+
+def test_config_type(setup):
+    _, params, x = setup
+    with pytest.raises(TypeError, match="config must be a tilax.MoEConfig"):
+        tilax.moe_apply(params, x, dict(BASE))
+
+
+def test_resolve_impl_and_tiles():
+    assert api.resolve_impl(_config(impl="auto")) == "interpret"
+    assert api.resolve_impl(_config(impl="triton")) == "interpret"
+    assert api.resolve_impl(_config(impl="blocked")) == "blocked"
+    assert api.resolve_impl(_config(routing="dense", impl="ragged_dot")) == "dense"
+    tiles = api.kernel_tiles(_config(block_m=64, num_warps=8))
+    assert (tiles.block_m, tiles.num_warps) == (64, 8)
+    assert tiles.block_n == api.default_tiles(jnp.float32).block_n
+
+
+def test_public_names():
+    assert {"MoEConfig", "moe_init", "moe_apply"} <= set(tilax.__all__)
+    config = _config(shared_hidden=8)
+    params = tilax.moe_init(jax.random.key(0), config)
+    shapes = jax.tree.map(lambda a: (a.shape, a.dtype.name), params)
+    assert shapes == {
+        "router": ((16, 4), "float32"),
+        "w_gate": ((4, 16, 32), "float32"),
+        "w_up": ((4, 16, 32), "float32"),
+        "w_down": ((4, 32, 16), "float32"),
+        "shared": {
+            "w_gate": ((16, 8), "float32"),
+            "w_up": ((16, 8), "float32"),
+            "w_down": ((8, 16), "float32"),
+        },
+    }
+    bf16 = tilax.moe_init(jax.random.key(0), _config(dtype=jnp.bfloat16))
+    assert bf16["router"].dtype == jnp.float32 and bf16["w_up"].dtype == jnp.bfloat16
