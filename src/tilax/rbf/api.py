@@ -507,20 +507,26 @@ def rbf_kernel_mv(
         ``"pallas"`` (fused tiled kernel; Triton on GPU, interpret mode on CPU, which is slow and
         meant for tests), ``"xla"`` (plain XLA in chunks of queries, memory ``O((N + M) * chunk)``,
         differentiable to any order) or ``"dense"`` (materialises the ``N x M`` matrix).
-      precision: how the Pallas kernel multiplies (``"xla"``/``"dense"`` use ``HIGHEST`` dots
-        for distances and ``"highest"`` or the XLA default for the value product):
+      precision: how the Pallas kernels multiply; accumulation is always float32. Relative
+        errors vs float64 below were measured in interpret mode, which reproduces the GPU's
+        roundings (N = M = 512, D = 8, O = 16, points N(5, 2^2) per dimension, lengthscales
+        0.8-1.6); ``tests/rbf/gpu_timing.py`` prints the GPU numbers.
 
-        * ``"highest"``: every dot in full float32 (IEEE, FMA units); relative error of the
-          output vs a float64 reference ~1e-6. About 2-4x slower than ``"high"`` on GPUs.
-        * ``"high"`` (default for float32/float64 inputs): distances in 3-pass TF32 (float32
-          accurate), the value products in 1-pass TF32 tensor-core dots, gradient coordinate sums
-          in 3-pass TF32. Expected relative error ~1e-4 (output and gradients), the level of
-          XLA's own default TF32 matmuls on GPUs; the kernel is exp-throughput bound, so the
-          faster products are worth their rounding.
-        * ``"default"`` (default for bfloat16/float16 inputs): as ``"high"`` but value products
-          in bfloat16 (float32 accumulation) and coordinate sums in 1-pass TF32: ~1e-3.
+        * ``"highest"``: every dot in IEEE float32 on the FMA units, no tensor cores. Output and
+          gradients ~1e-6. Several times slower than ``"high"``.
+        * ``"high"`` (default for float32 and float64 inputs): distances from 3-pass TF32 dots
+          (operands split into TF32 ``hi + lo``, float32-accurate), value and gradient products
+          from 3-pass bfloat16 dots (``hi + lo`` parts, ~2**-16 per product). Output ~5e-6,
+          gradients 1e-5 to 3e-5. The default because every product runs on tensor cores
+          while the result stays close to float32: the kernel is then limited by ``exp``
+          throughput, and the splits cost a few instructions per pair.
+        * ``"default"`` (default for bfloat16 and float16 inputs): as ``"high"`` but the value
+          products in single bfloat16 (8-bit mantissa): output and gradients ~3e-3. Fastest.
 
-        Accumulation is always float32. On CPU (interpret mode) TF32 is emulated by rounding.
+        Distances are never computed in a single low-precision pass: the expansion
+        ``|q|^2 + |k|^2 - 2 q.k`` would turn its rounding into a relative error of the kernel
+        value. ``impl="xla"``/``"dense"`` use ``HIGHEST`` dots for distances, and for the
+        value product ``HIGHEST`` with ``"highest"``, else XLA's default (TF32 on recent GPUs).
       block_q, block_k, block_o: tile sizes of queries, keys and value columns (powers of two
         >= 16) for ``impl="pallas"``; ``None`` picks them per problem and device (see
         ``default_config``: on GPUs 128 x 64 forward, 64 x 64 backward, value tile
@@ -631,8 +637,9 @@ def rbf_kde_density(
         maximum and rescaled sum per query), so the log density is finite and accurate far from
         all data, where ``p(x)`` itself underflows to 0; ``log=False`` exponentiates it.
       impl: as in ``rbf_kernel_mv`` (``"auto"``: Pallas on GPU, XLA on CPU or for float64).
-      precision: as in ``rbf_kernel_mv``; only the distance (3-pass TF32 unless ``"highest"``)
-        and, in the backward pass, the coordinate sums are affected.
+      precision: as in ``rbf_kernel_mv``. The KDE has no value product, so ``"high"`` and
+        ``"default"`` coincide: distances in 3-pass TF32, backward sums in 3-pass bfloat16
+        (log density ~2e-7 relative, gradients ~1e-5); ``"highest"``: IEEE float32 (~1e-6).
       block_q, block_k: tile sizes (powers of two >= 16) for ``impl="pallas"``.
 
     Returns:

@@ -1,0 +1,149 @@
+"""GPU checks of the Triton kernels against float64 at moderate sizes (skipped off GPU).
+
+Run on the GPU host: ``PYTHONPATH=src python -m pytest tests/rbf/test_rbf_gpu.py -m gpu -v``.
+The float64 oracle runs on the GPU with x64 enabled only inside the oracle.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from rbf_oracle import kde_value_and_grads, kernel_mv_value_and_grads, rel_err
+
+import tilax
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU (Triton kernels)"),
+]
+
+# Relative error bounds vs float64 for outputs; gradients get 5x.
+TOLERANCE = {"highest": 1e-5, "high": 1e-4, "default": 2e-2}
+
+
+def make_inputs(seed, batch, n, m, dim, out):
+    rng = np.random.default_rng(seed)
+    q = (rng.normal(size=(*batch, n, dim)) + 1.0).astype(np.float32)
+    k = (rng.normal(size=(*batch, m, dim)) + 1.0).astype(np.float32)
+    v = rng.normal(size=(*batch, m, out)).astype(np.float32)
+    lengthscale = rng.uniform(0.8, 2.0, size=(dim,)).astype(np.float32)
+    cotangent = rng.normal(size=(*batch, n, out)).astype(np.float32)
+    return q, k, v, lengthscale, cotangent
+
+
+def pallas_value_and_grads(q, k, v, lengthscale, cotangent, **kwargs):
+    @jax.jit
+    def run(q, k, v, lengthscale, cotangent):
+        def fn(*args):
+            return tilax.rbf_kernel_mv(*args, impl="pallas", **kwargs)
+
+        out, vjp = jax.vjp(fn, q, k, v, lengthscale)
+        return out, vjp(cotangent)
+
+    return run(q, k, v, lengthscale, cotangent)
+
+
+@pytest.mark.parametrize("precision", ["highest", "high", "default"])
+@pytest.mark.parametrize(
+    "batch, n, m, dim, out",
+    [((), 3000, 2500, 8, 16), ((2,), 1001, 777, 3, 1), ((), 600, 900, 20, 100)],
+)
+def test_kernel_mv_matches_float64(precision, batch, n, m, dim, out):
+    inputs = make_inputs(0, batch, n, m, dim, out)
+    got, grads = pallas_value_and_grads(*inputs, precision=precision)
+    ref, ref_grads = kernel_mv_value_and_grads(*inputs)
+    tolerance = TOLERANCE[precision]
+    assert rel_err(got, ref) < tolerance, rel_err(got, ref)
+    for name, grad, expected in zip(("dq", "dk", "dv", "dl"), grads, ref_grads, strict=True):
+        assert rel_err(grad, expected) < 5 * tolerance, (name, rel_err(grad, expected))
+
+
+@pytest.mark.parametrize("block_q, block_k, block_o", [(16, 16, 16), (32, 128, 32), (128, 32, 64)])
+def test_kernel_mv_explicit_tiles(block_q, block_k, block_o):
+    inputs = make_inputs(1, (), 700, 650, 4, 40)
+    got, grads = pallas_value_and_grads(*inputs, precision="highest", block_q=block_q,
+                                        block_k=block_k, block_o=block_o)  # fmt: skip
+    ref, ref_grads = kernel_mv_value_and_grads(*inputs)
+    assert rel_err(got, ref) < TOLERANCE["highest"]
+    for grad, expected in zip(grads, ref_grads, strict=True):
+        assert rel_err(grad, expected) < 5 * TOLERANCE["highest"]
+
+
+def test_default_tiles_at_a_larger_size_match_xla():
+    q, k, v, lengthscale, _ = make_inputs(2, (), 20000, 30000, 8, 16)
+    got = jax.jit(lambda *a: tilax.rbf_kernel_mv(*a, impl="pallas"))(q, k, v, lengthscale)
+    ref = jax.jit(lambda *a: tilax.rbf_kernel_mv(*a, impl="xla", precision="highest"))(
+        q, k, v, lengthscale
+    )
+    assert rel_err(got, ref) < 1e-4
+
+
+@pytest.mark.parametrize("log", [True, False])
+@pytest.mark.parametrize("precision", ["highest", "high"])
+def test_kde_matches_float64(log, precision):
+    rng = np.random.default_rng(3)
+    query = rng.normal(size=(1500, 5)).astype(np.float32)
+    data = rng.normal(size=(2100, 5)).astype(np.float32)
+    weights = rng.uniform(size=(2100,)).astype(np.float32)
+    weights[::7] = 0.0
+    cotangent = rng.normal(size=(1500,)).astype(np.float32)
+    bandwidth = np.float32(0.4)
+
+    @jax.jit
+    def run(query, data, bandwidth, weights, cotangent):
+        def density(*args):
+            q, d, h, w = args
+            return tilax.rbf_kde_density(q, d, h, weights=w, log=log, impl="pallas",
+                                         precision=precision)  # fmt: skip
+
+        out, vjp = jax.vjp(density, query, data, bandwidth, weights)
+        return out, vjp(cotangent)
+
+    got, grads = run(query, data, bandwidth, weights, cotangent)
+    ref, ref_grads = kde_value_and_grads(query, data, bandwidth, weights, cotangent, log=log)
+    tolerance = TOLERANCE[precision]
+    assert rel_err(got, ref) < tolerance
+    for name, grad, expected in zip(("dquery", "ddata", "dh", "dw"), grads, ref_grads,
+                                    strict=True):  # fmt: skip
+        assert rel_err(grad, expected) < 10 * tolerance, (name, rel_err(grad, expected))
+
+
+def test_kde_log_density_far_from_data():
+    rng = np.random.default_rng(4)
+    data = rng.normal(size=(5000, 3)).astype(np.float32)
+    query = (rng.normal(size=(300, 3)) + 200.0).astype(np.float32)
+    log_p = tilax.rbf_kde_density(query, data, 0.5, log=True, impl="pallas")
+    ref, _ = kde_value_and_grads(query, data, np.float32(0.5), np.ones(5000), np.ones(300),
+                                 log=True)  # fmt: skip
+    assert np.all(np.isfinite(log_p))
+    assert rel_err(log_p, ref) < 1e-6
+
+
+def test_bfloat16_inputs():
+    q, k, v, lengthscale, cotangent = make_inputs(5, (), 2000, 2000, 8, 16)
+    as_bf16 = [jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)]
+    got, grads = pallas_value_and_grads(*as_bf16, lengthscale, jnp.asarray(cotangent, jnp.bfloat16))
+    assert got.dtype == jnp.bfloat16 and grads[0].dtype == jnp.bfloat16
+    ref, _ = kernel_mv_value_and_grads(*[np.asarray(x, np.float32) for x in as_bf16],
+                                       lengthscale, cotangent)  # fmt: skip
+    assert rel_err(got, ref) < 1e-2
+
+
+def test_peak_memory_is_linear_in_n():
+    # 4x the points must not mean 16x the memory (no N x M buffer anywhere, fwd or bwd).
+    def peak(n):
+        q, k, v, lengthscale, cotangent = make_inputs(6, (), n, n, 8, 16)
+        args = [jnp.asarray(x) for x in (q, k, v, lengthscale, cotangent)]
+        lowered = jax.jit(
+            jax.grad(lambda q, k, v, ls, c: jnp.sum(tilax.rbf_kernel_mv(q, k, v, ls,
+                                                                        impl="pallas") * c),
+                     argnums=(0, 1, 2, 3))  # fmt: skip
+        ).lower(*args)
+        analysis = lowered.compile().memory_analysis()
+        return analysis.temp_size_in_bytes + analysis.output_size_in_bytes
+
+    small, large = peak(16384), peak(65536)
+    assert large < 6 * small, (small, large)
+
