@@ -74,10 +74,11 @@ def fit_block(block: int, dim: int) -> int:
     return fitted
 
 
-def _epilogue_block_n(tiles: Tiles) -> int:
-    """Column tile for epilogues that keep three tile-sized float32 values live (the SwiGLU
-    backward): at most 32 accumulator elements per thread, else the registers spill."""
-    return max(MIN_BLOCK, 32 * 32 * tiles.num_warps // tiles.block_m)
+def _capped_block_n(tiles: Tiles, per_thread: int) -> int:
+    """``block_n`` shrunk so that one ``[block_m, block_n]`` float32 tile takes at most
+    ``per_thread`` registers per thread. Kernels with two accumulators use 64, the SwiGLU
+    backward (three live tiles in its epilogue) 32; beyond that the registers spill."""
+    return min(tiles.block_n, max(MIN_BLOCK, per_thread * 32 * tiles.num_warps // tiles.block_m))
 
 
 def _call(kernel, *, tiles: Tiles, backend: str, **kwargs):
@@ -160,20 +161,20 @@ def _gmm_kernel(
         src_rows = index_ref[pl.ds(row_start, block_m)] if gather else None
         contract_b = 1 if transpose_rhs else 0
 
-        def body(k, acc):
-            k_start = pl.multiple_of(k * block_k, block_k)
-            a = _load_rows(lhs_ref, row_start, src_rows, k_start, block_m, block_k)
-            b = _weight_tile(rhs_ref, expert, k_start, n_start, block_k, block_n, transpose_rhs)
-            acc += _dot(a, b, contract_b=contract_b)
-            if dual:
-                a2 = _load_rows(lhs2_ref, row_start, None, k_start, block_m, block_k)
-                b2 = _weight_tile(
-                    rhs2_ref, expert, k_start, n_start, block_k, block_n, transpose_rhs
-                )
-                acc += _dot(a2, b2, contract_b=contract_b)
-            return acc
+        def k_loop(a_ref, b_ref, a_rows, acc):
+            def body(k, acc):
+                k_start = pl.multiple_of(k * block_k, block_k)
+                a = _load_rows(a_ref, row_start, a_rows, k_start, block_m, block_k)
+                b = _weight_tile(b_ref, expert, k_start, n_start, block_k, block_n, transpose_rhs)
+                return acc + _dot(a, b, contract_b=contract_b)
 
-        acc = lax.fori_loop(0, num_k, body, jnp.zeros((block_m, block_n), jnp.float32))
+            return lax.fori_loop(0, num_k, body, acc)
+
+        acc = k_loop(lhs_ref, rhs_ref, src_rows, jnp.zeros((block_m, block_n), jnp.float32))
+        if dual:
+            # A second loop rather than two dots per step: Triton keeps the wgmma of a loop
+            # with one dot asynchronous across iterations, not of a chain of two.
+            acc = k_loop(lhs2_ref, rhs2_ref, None, acc)
         if scaled:
             acc = acc * scale_ref[pl.ds(row_start, block_m)][:, None]
         plt.store(
@@ -314,7 +315,8 @@ def gmm_swiglu(
     """
     num_rows = x.shape[0] if index is None else index.shape[0]
     d_dim, h_dim = w_gate.shape[1], w_gate.shape[2]
-    block_n, block_k = fit_block(tiles.block_n, h_dim), fit_block(tiles.block_k, d_dim)
+    block_n = fit_block(_capped_block_n(tiles, 64), h_dim)
+    block_k = fit_block(tiles.block_k, d_dim)
     kernel = functools.partial(
         _swiglu_kernel,
         block_m=tiles.block_m,
@@ -417,7 +419,7 @@ def gmm_swiglu_bwd(
     """
     num_rows, h_dim = gate.shape
     d_dim = w_down.shape[2]
-    block_n = fit_block(min(tiles.block_n, _epilogue_block_n(tiles)), h_dim)
+    block_n = fit_block(_capped_block_n(tiles, 32), h_dim)
     block_k = fit_block(tiles.block_k, d_dim)
     n_tiles = h_dim // block_n
     kernel = functools.partial(
@@ -609,7 +611,9 @@ def tgmm(
     num_rows = lhs.shape[0] if lhs_index is None else lhs_index.shape[0]
     k_dim, n_dim = lhs.shape[1], rhs.shape[1]
     num_experts = group_offsets.shape[0] - 1
-    block_m, block_n = fit_block(tiles.block_m, k_dim), fit_block(tiles.block_n, n_dim)
+    block_m = fit_block(tiles.block_m, k_dim)
+    capped = _capped_block_n(dataclasses.replace(tiles, block_m=block_m), 64)
+    block_n = fit_block(capped if rhs2 is not None else tiles.block_n, n_dim)
     block_k = tiles.block_k
     if num_rows % block_k:
         raise ValueError(f"row count {num_rows} is not a multiple of block_k {block_k}")

@@ -1,0 +1,105 @@
+"""GPU checks of every Pallas impl x dispatch against the float32 dense oracle (skipped off GPU).
+
+Run on the GPU host: ``PYTHONPATH=src python -m pytest tests/moe/test_moe_gpu.py -m gpu -q``.
+Moderate sizes; token counts are not multiples of any tile. float32 operands use the GPU's
+default (TF32) matmul precision in the kernels, hence the looser float32 tolerance.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import rel_err
+
+import tilax
+from tilax import _pallas
+from tilax.moe import reference, skew_tokens
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU"),
+]
+
+TOLERANCE = {"bfloat16": 3e-2, "float32": 1e-2}
+LAYER = dict(d_model=256, d_hidden=512, num_experts=8, top_k=2, shared_hidden=256)
+DECODER = dict(d_model=256, d_hidden=128, num_experts=64, top_k=8, shared_hidden=512)
+
+
+def _loss(apply, cotangent):
+    def loss(params, x):
+        y = apply(params, x)
+        return jnp.sum(y.astype(jnp.float32) * cotangent), y
+
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
+
+
+def _compare(dims, tokens, dtype, skew=0.0, **config_kwargs):
+    config = tilax.MoEConfig(**dims, dtype=dtype, **config_kwargs)
+    params = tilax.moe_init(jax.random.key(0), config)
+    x = jax.random.normal(jax.random.key(1), (tokens, config.d_model))
+    if skew:
+        x = skew_tokens(x, params["router"], skew)
+    x = x.astype(dtype)
+    cotangent = jax.random.normal(jax.random.key(2), x.shape)
+    (_, y), grads = _loss(lambda p, x: tilax.moe_apply(p, x, config)[0], cotangent)(params, x)
+    (_, y_ref), grads_ref = _loss(
+        lambda p, x: reference.moe_oracle(p, x, config), cotangent
+    )(params, x)
+    tol = TOLERANCE[jnp.dtype(dtype).name]
+    assert rel_err(y, y_ref) < tol, "output"
+    for (path, expected), actual in zip(
+        jax.tree_util.tree_flatten_with_path(grads_ref)[0], jax.tree.leaves(grads), strict=True
+    ):
+        assert rel_err(actual, expected) < tol, f"gradient {jax.tree_util.keystr(path)}"
+    return y
+
+
+@pytest.mark.parametrize("routing", ["dropless", "capacity"])
+@pytest.mark.parametrize("dispatch", ["sorted", "gather", "fused", "fused_gsum"])
+@pytest.mark.parametrize("impl", ["pallas", "triton"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_layer_matches_oracle(impl, dispatch, routing, dtype):
+    _compare(LAYER, 3001, dtype, impl=impl, dispatch=dispatch, routing=routing)
+
+
+@pytest.mark.parametrize("dispatch", ["sorted", "fused_gsum"])
+def test_skewed_routing(dispatch):
+    _compare(LAYER, 2049, "bfloat16", skew=0.9, impl="pallas", dispatch=dispatch)
+
+
+@pytest.mark.parametrize("dispatch", ["sorted", "gather", "fused", "fused_gsum"])
+def test_fine_grained_decoder(dispatch):
+    _compare(DECODER, 1500, "bfloat16", impl="pallas", dispatch=dispatch)
+
+
+@pytest.mark.parametrize("impl", ["blocked", "ragged_dot"])
+def test_xla_baselines(impl):
+    _compare(LAYER, 1001, "bfloat16", impl=impl)
+
+
+@pytest.mark.parametrize("block_m,num_warps", [(64, 4), (128, 8), (64, 8)])
+def test_tile_overrides(block_m, num_warps):
+    _compare(LAYER, 1001, "bfloat16", impl="pallas", dispatch="fused_gsum",
+             block_m=block_m, num_warps=num_warps)
+
+
+def test_fused_gsum_top2_is_deterministic():
+    config = tilax.MoEConfig(**LAYER, dispatch="fused_gsum")
+    params = tilax.moe_init(jax.random.key(0), config)
+    x = jax.random.normal(jax.random.key(1), (4097, config.d_model)).astype(config.dtype)
+    apply = jax.jit(lambda p, x: tilax.moe_apply(p, x, config)[0])
+    first = np.asarray(apply(params, x))
+    for _ in range(3):
+        np.testing.assert_array_equal(np.asarray(apply(params, x)), first)
+
+
+def test_mosaic_reports_why_it_cannot_run():
+    config = tilax.MoEConfig(**LAYER, impl="mosaic")
+    params = tilax.moe_init(jax.random.key(0), config)
+    x = jnp.ones((8, config.d_model), config.dtype)
+    if _pallas.mosaic_unavailable_reason() is None:
+        with pytest.raises(NotImplementedError, match="not available yet"):
+            tilax.moe_apply(params, x, config)
+    else:
+        with pytest.raises(ValueError, match="compute capability 9.0"):
+            tilax.moe_apply(params, x, config)
