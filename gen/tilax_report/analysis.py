@@ -26,8 +26,10 @@ CODE_RANK = {"final": 0, "intermediate": 1, "sweep": 2, "before": 3}
 
 def with_labels(table: pd.DataFrame) -> pd.DataFrame:
     """Add display columns: ``label`` (impl as compared), ``config``, ``gpu`` and
-    ``error_short``."""
+    ``error_short`` (and name a missing device 'unknown GPU')."""
     frame = table.copy()
+    # Pages group by device: a run that did not record its GPU still gets a group.
+    frame["device"] = frame["device"].fillna("unknown GPU")
     frame["label"] = [_impl_label(r) for r in frame.itertuples(index=False)]
     frame["config"] = [_config_label(r) for r in frame.itertuples(index=False)]
     frame["gpu"] = frame["device"].map(short_gpu)

@@ -14,6 +14,26 @@ import pandas as pd
 
 # Ratio heatmaps saturate their colours at this factor either way (the cell text is exact).
 MAX_COLOUR_RATIO = 4.0
+# One colour per implementation across every chart of the site (labels as analysis.with_labels
+# writes them); labels not listed here get the spare colours in name order.
+IMPL_COLOURS = {
+    # MoE layer (impl/dispatch)
+    "pallas/sorted": "#4c78a8", "pallas/gather": "#9ecae9", "pallas/fused": "#54a24b",
+    "pallas/fused_gsum": "#88d27a", "triton/sorted": "#b279a2", "triton/gather": "#d6a5c9",
+    "triton/fused": "#9e765f", "triton/fused_gsum": "#d8b5a5", "mosaic/sorted": "#439894",
+    "blocked/sorted": "#f58518", "ragged_dot/sorted": "#e45756", "dense routing": "#79706e",
+    "capacity (auto/sorted)": "#b79a20",
+    # RBF and the NN suites' moe variants
+    "pallas": "#4c78a8", "xla": "#f58518", "dense": "#79706e", "torch_dense": "#e45756",
+    "default@gpu-benchmarks": "#9ecae9", "keops": "#54a24b", "blocked": "#f58518",
+    "ragged_dot": "#e45756",
+    # NN suites: attention variants and SSM cells
+    "probjax_default": "#4c78a8", "probjax_flex": "#54a24b", "jax_xla": "#f58518",
+    "jax_cudnn": "#e45756", "mamba": "#4c78a8", "ssd": "#f58518", "mamba2": "#54a24b",
+    "gdn": "#e45756", "lru": "#b279a2",
+}
+SPARE_COLOURS = ["#ff9d98", "#83bcb6", "#f2cf5b", "#bab0ac", "#d67195", "#fcbfd2", "#ffbf79",
+                 "#1f77b4", "#8c564b", "#17becf"]
 FONT = "system-ui, -apple-system, 'Segoe UI', Roboto, sans-serif"
 
 
@@ -46,6 +66,17 @@ def finish(chart: alt.TopLevelMixin, title: str | None = None) -> alt.TopLevelMi
         .configure_header(labelFontSize=12, titleFontSize=12)
         .configure_title(fontSize=14, anchor="start")
     )
+
+
+def colour(field: str, title: str | None, data: pd.DataFrame, **kwargs) -> alt.Color:
+    """Colour by ``field``; implementation labels keep their site-wide colours."""
+    values = sorted(str(v) for v in data[field].dropna().unique()) if field in data else []
+    if values and any(v in IMPL_COLOURS for v in values):
+        spare = iter(SPARE_COLOURS * 4)
+        scale = alt.Scale(domain=values,
+                          range=[IMPL_COLOURS.get(v) or next(spare) for v in values])
+        return alt.Color(f"{field}:N", title=title, scale=scale, **kwargs)
+    return alt.Color(f"{field}:N", title=title, **kwargs)
 
 
 def _scale(log: bool, **kwargs) -> alt.Scale:
@@ -93,7 +124,7 @@ def lines(
     x_enc = alt.X(f"{x}:Q", title=x_title, scale=_scale(log_x),
                   axis=alt.Axis(format=x_format) if x_format else alt.Axis())
     y_enc = alt.Y(f"{y}:Q", title=y_title, scale=_scale(log_y))
-    color_enc = alt.Color(f"{color}:N", title=color_title)
+    color_enc = colour(color, color_title, data)
     opacity = alt.condition(select, alt.value(1.0), alt.value(0.12))
     base = alt.Chart().encode(x=x_enc, color=color_enc, opacity=opacity)
     detail_enc = [alt.Detail(f"{detail}:N")] if detail else []
@@ -151,8 +182,8 @@ def bars(
     start = [alt.X2Value(0)] if log else []
     bar = base.mark_bar(height=bar_height * 0.8).encode(
         alt.X(f"{value}:Q", title=value_title, scale=x_scale, stack=None, axis=x_axis), *start,
-        alt.Color(f"{color}:N", title=color_title or category_title,
-                  legend=alt.Legend() if legend else None),
+        colour(color, color_title or category_title, data,
+               legend=alt.Legend() if legend else None),
         opacity=alt.condition(select, alt.value(1.0), alt.value(0.25)),
         tooltip=tooltip([category, value, *tips]),
     ).add_params(select)
@@ -252,7 +283,7 @@ def ladder(
     x_enc = alt.X(f"{x}:Q", title=x_title, scale=_scale(True),
                   axis=alt.Axis(format="~s"))
     y_scale = _scale(True)
-    color_enc = alt.Color(f"{color}:N", title=color_title)
+    color_enc = colour(color, color_title, data)
     opacity = alt.condition(select, alt.value(1.0), alt.value(0.12))
     good = alt.Chart().transform_filter("datum.status == 'ok'").encode(
         x_enc, alt.Y(f"{y}:Q", title=y_title, scale=y_scale), color_enc, opacity=opacity)

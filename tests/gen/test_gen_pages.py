@@ -75,3 +75,14 @@ def test_decoder_page_has_a_section_per_run(with_h200):
     text = moe_decoder.build(with_h200)
     assert "## NVIDIA H100 (NVL, 94 GB), run `v10_decoder`" in text
     assert "## NVIDIA H200, run `h200-20260115-0a1b2c3`" in text
+
+
+def test_a_run_without_a_gpu_name_still_shows(tmp_path, data_dir):
+    import json
+
+    shutil.copytree(data_dir / "results", tmp_path / "results")
+    doc = json.loads(PYTEST_BENCHMARK_FIXTURE.read_text())
+    del doc["machine_info"]["gpu"]
+    (tmp_path / "results" / "nogpu.json").write_text(json.dumps(doc))
+    text = moe_layer.build(load_results(tmp_path))
+    assert "**unknown GPU** (run `nogpu`" in text

@@ -110,10 +110,15 @@ def _runs(page: Page, results: StoredResults, table: pd.DataFrame) -> None:
                    .nunique())
     runs["failed"] = [int(failed_rows.get((f, r), 0)) for f, r in
                       zip(runs["source_file"], runs["run"], strict=True)]
+    runs["GPU"] = runs["GPU"].map(analysis.short_gpu)
+    runs["date"] = runs["date"].fillna("—")
     runs = runs.rename(columns={"source_file": "file", "rows": "stored rows",
                                 "failed": "failed rows"})
+    runs = runs[["file", "run", "code", "GPU", "jax", "date", "suites", "stored rows",
+                 "failed rows", "note"]]
     page.md(
-        f"{len(runs)} runs in {len(results.files)} files. A run is one benchmark invocation on "
+        f"{len(runs)} runs in {len(results.files)} files (date: — where the file does not record "
+        "it). A run is one benchmark invocation on "
         "one machine; *code* says which code it measured where the file records it (the MoE "
         "A/B runs compare `before` with `final`)."
     )
