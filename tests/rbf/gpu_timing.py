@@ -381,7 +381,7 @@ def environment():
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--rounds", type=int, help="timed calls per case (15; 8 with --variants)")
     parser.add_argument("--n", type=int, default=N_MAIN, help="N = M of the comparisons")
     parser.add_argument("--peak-n", type=int, default=N_PEAK, help="N = M of the memory run")
     parser.add_argument("--no-sweep", action="store_true")
@@ -393,6 +393,8 @@ def main():
     parser.add_argument("--child-peak", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--child-impl", default="pallas", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.rounds is None:
+        args.rounds = 8 if args.variants is not None else 15
     if args.child_peak:
         peak_child(args.child_peak, args.child_impl)
         return

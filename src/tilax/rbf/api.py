@@ -32,7 +32,14 @@ Backward of ``out = K @ v`` with cotangent ``g`` and ``A = K * (g @ v.T)``:
 ``dqs_i = sum_j A_ij (ks_j - qs_i)``, ``dks_j = sum_i A_ij (qs_i - ks_j)``, ``dv = K.T @ g``: one
 kernel over query tiles (dq) and one over key tiles (dk and, for ``O <= 64``, dv in the same
 sweep; wider ``O`` computes dv with the forward kernel with queries and keys swapped).
-Peak memory stays ``O((N + M) * (D + O))`` in both passes.
+Peak memory stays ``O((N + M) * (D + O))`` in both passes. Variants with ``fused_backward``
+instead run one sweep over key tiles (``pallas_triton.kernel_matmul_grad_fused``): each
+exponent once, dk and dv in registers, the query sums added into a float32 buffer by atomics.
+Variants with ``distance="direct"`` compute exponents from coordinate differences on the FMA
+units instead of the augmented dot (padded rows then contribute zero through zero values).
+
+Candidate defaults live in ``VARIANTS`` (selected by ``DEFAULT_VARIANT`` or the environment
+variable ``TILAX_RBF_VARIANT``); ``tests/rbf/gpu_timing.py --variants`` times them all.
 
 Second-order derivatives (``jax.hessian``, ``grad`` of ``grad``) of ``impl="pallas"`` raise a
 ``NotImplementedError`` naming the alternatives: the backward kernels have no derivative rules.
@@ -697,13 +704,20 @@ def rbf_kernel_mv(
 
         * ``"highest"``: every dot in IEEE float32 on the FMA units, no tensor cores. Output and
           gradients ~1e-6. Several times slower than ``"high"``.
-        * ``"high"`` (default for float32 and float64 inputs): distances from 3-pass TF32 dots
+        * ``None`` (the default): for float32 and float64 inputs the dot modes of the default
+          variant (``api.DEFAULT_VARIANT``, see ``api.VARIANTS``; currently ``"tiles"``, whose
+          modes are those of ``"high"``), for bfloat16 and float16 inputs ``"default"``.
+          Faster candidates measured in interpret mode (same setup as below; output / worst
+          gradient): direct FMA distances + single-bfloat16 values + single-TF32 coordinates
+          ~2.7e-3 / 2.4e-3; single-TF32 values and coordinates ~3e-4 / 7e-4 (the GPU numbers
+          come from ``tests/rbf/gpu_timing.py --variants``).
+        * ``"high"``: distances from 3-pass TF32 dots
           (operands split into TF32 ``hi + lo``, float32-accurate), value and gradient products
           from 3-pass bfloat16 dots (``hi + lo`` parts, ~2**-16 per product). Output ~5e-6,
           gradients 1e-5 to 3e-5. The default because every product runs on tensor cores
           while the result stays close to float32: the kernel is then limited by ``exp``
           throughput, and the splits cost a few instructions per pair.
-        * ``"default"`` (default for bfloat16 and float16 inputs): as ``"high"`` but the value
+        * ``"default"``: as ``"high"`` but the value
           products in single bfloat16 (8-bit mantissa): output and gradients ~3e-3. Fastest.
 
         Distances are never computed in a single low-precision pass: the expansion
@@ -712,9 +726,9 @@ def rbf_kernel_mv(
         value product ``HIGHEST`` with ``"highest"``, else XLA's default (TF32 on recent GPUs).
       block_q, block_k, block_o: tile sizes of queries, keys and value columns (powers of two
         >= 16) for ``impl="pallas"``, in the forward and both backward kernels; ``None`` picks
-        them per problem and device (see ``default_config``; on GPUs, for large problems,
-        128 queries x 64 keys forward, 128 x 64 in each backward kernel, value tile
-        ``min(64, O)``).
+        them per problem and device (see ``default_config`` and ``VARIANTS``; on GPUs, for
+        large problems with the ``"tiles"`` variant, 128 queries x 32 keys forward, 64 x 128
+        in each backward kernel with 3 pipeline stages, value tile ``min(64, O)``).
 
     Returns:
       ``[..., N, O]`` in the result dtype of ``q``, ``k`` and ``v`` (bfloat16 in, bfloat16 out).

@@ -153,15 +153,22 @@ def _program_points(x_ref, distance, rows=slice(None)):
     return _split(x_ref[rows, :], distance)
 
 
-def _exponent(x, y_ref, rows, distance, backend):
-    """``t[i, l]`` (base-2 exponents) of the program rows ``x`` against ``y_ref[rows]``."""
+def _loop_points(y_ref, rows, distance):
+    """What the exponent needs of the loop's ``rows``: dot parts, or scaled columns."""
+    if isinstance(distance, DirectDistance):
+        return [y_ref[rows, d] * distance.y_scale for d in range(distance.dim)]
+    return _split(y_ref[rows, :], distance)
+
+
+def _exponent(x, y, distance, backend):
+    """``t[i, l]`` (base-2 exponents) from ``_program_points`` ``x`` and ``_loop_points`` ``y``."""
     if isinstance(distance, DirectDistance):
         t = None
-        for d in range(distance.dim):
-            diff = x[d][:, None] - (y_ref[rows, d] * distance.y_scale)[None, :]
+        for x_d, y_d in zip(x, y, strict=True):
+            diff = x_d[:, None] - y_d[None, :]
             t = -(diff * diff) if t is None else t - diff * diff
         return t
-    return _dot(x, _split(y_ref[rows, :], distance), distance, backend, b_transposed=True)
+    return _dot(x, y, distance, backend, b_transposed=True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -174,7 +181,7 @@ def _kernel_matmul_kernel(x_ref, y_ref, v_ref, out_ref, *, block_l, distance, va
 
     def body(j, acc):
         rows = _tile(j, block_l)
-        p = jnp.exp2(_exponent(x, y_ref, rows, distance, backend))
+        p = jnp.exp2(_exponent(x, _loop_points(y_ref, rows, distance), distance, backend))
         return acc + _dot(_split(p, values), _split(v_ref[rows, :], values), values, backend)
 
     acc = jnp.zeros(out_ref.shape, jnp.float32)
@@ -241,7 +248,7 @@ def _kernel_matmul_grad_kernel(
         r_acc, pw_acc = carry
         rows = _tile(j, block_l)
         y = y_ref[rows, :]
-        p = jnp.exp2(_exponent(x, y_ref, rows, distance, backend))
+        p = jnp.exp2(_exponent(x, _loop_points(y_ref, rows, distance), distance, backend))
         p_parts = _split(p, values) if pw_refs else None
         uw = None  # not zeros: 0.0 + x costs an add per pair (it is not x for x = -0.0)
         new_pw = []
@@ -346,9 +353,10 @@ def _kernel_matmul_grad_fused_kernel(
         rows = _tile(j, block_l)
         y = _split(y_ref[rows, :], coords)
         w = _split(w_ref[rows, :], values)
+        y_points = _loop_points(y_ref, rows, distance)
         s_tile, new_r, new_pw = None, [], []
         for x, x_c, u, r_acc, pw_acc in zip(xs, x_coords, us, r_accs, pw_accs, strict=True):
-            p = jnp.exp2(_exponent(x, y_ref, rows, distance, backend))
+            p = jnp.exp2(_exponent(x, y_points, distance, backend))
             a = _split(p * _dot(u, w, values, backend, b_transposed=True), coords)
             # s[l] += sum_i a[i, l] x_i: the y rows' sums, as a second sweep would give them.
             s_sub = _dot_lhs_transposed(a, x_c, coords, backend)
