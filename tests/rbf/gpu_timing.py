@@ -264,6 +264,13 @@ def variants(n, rounds, names):
     table = []
     for name in names:
         cfg = api.default_config(backend, None, batch=1, n=n, m=n, out=OUT, variant=name)
+        launches = " ".join(
+            f"{kernel}={launch.block_p}x{launch.block_l}/w{launch.num_warps}/s{launch.num_stages}"
+            for kernel, launch in (("fwd", cfg.fwd), ("dq", cfg.dq), ("dk", cfg.dk))
+        )
+        modes = cfg.modes
+        print(f"  -- {name}: {modes.distance}/{modes.values}/{modes.coords} {launches} "
+              f"fused_backward={cfg.fused_backward}", flush=True)  # fmt: skip
         entry = dict(variant=name)
         for op, fn in zip(("fwd", "fwd_bwd"), config_fns(cfg), strict=True):
             row = run_case(f"{name} {op}", fn, inputs, rounds, impl="pallas", op=op,

@@ -218,6 +218,15 @@ VARIANTS = {
     "direct_fused_tf32": Variant(
         DotModes("direct", "tf32", "tf32"), _FWD_BEST, _BWD_BEST, _FUSED_64, fused_backward=True
     ),
+    # (c + d) TF32-part distances as now, single TF32 values and coordinates, fused. 3.4 / 8.5
+    "fused_tf32": Variant(
+        DotModes("tf32x3", "tf32", "tf32"), _FWD_BEST, _BWD_BEST, _FUSED_128, fused_backward=True
+    ),
+    # (b + c + d + e) direct_fused_fast_p128 with 64-key forward tiles, 3 stages. 2.8 / 7.3
+    "direct_fused_fast_k64s3": Variant(
+        DotModes("direct", "bf16", "tf32"), Launch(128, 64, num_warps=4, num_stages=3), _BWD_BEST,
+        _FUSED_128, fused_backward=True,
+    ),  # fmt: skip
     # Everything single bfloat16 after a direct distance, fused backward (least accurate). 2.8 / 7
     "direct_fused_bf16": Variant(
         DotModes("direct", "bf16", "bf16"), _FWD_BEST, _BWD_BEST, _FUSED_64, fused_backward=True
