@@ -166,10 +166,11 @@ class Variant:
 _HIGH, _DEFAULT = PRECISION_MODES["high"], PRECISION_MODES["default"]
 _FWD_BEST = Launch(128, 32, num_warps=4, num_stages=2)  # best of the H200 forward sweep
 _BWD_BEST = Launch(64, 128, num_warps=4, num_stages=3)  # best of the H200 backward sweep
-# Fused backward: programs of 64/128/256 keys (worked in 64-row sub-tiles), 64-query steps.
+# Fused backward: programs of 64 keys, 64 or 32-query steps. (Programs of 128 or 256 keys in
+# 64-row sub-tiles spill 1.5-4 KB per thread in Triton 3.6 sm_90a builds, with 4 or 8 warps.)
 _FUSED_64 = Launch(64, 64, num_warps=4, num_stages=3)
-_FUSED_128 = Launch(128, 64, num_warps=4, num_stages=2)
-_FUSED_256 = Launch(256, 64, num_warps=4, num_stages=2)
+_FUSED_64_W8 = Launch(64, 64, num_warps=8, num_stages=3)
+_FUSED_64_L32 = Launch(64, 32, num_warps=4, num_stages=3)
 
 #: Candidate defaults, timed against each other by ``tests/rbf/gpu_timing.py --variants``.
 #: Comments: what changes, and the predicted H200 time (N = M = 65536, D = 8, O = 16, float32;
@@ -201,31 +202,33 @@ VARIANTS = {
     "direct_fused_fast": Variant(
         DotModes("direct", "bf16", "tf32"), _FWD_BEST, _BWD_BEST, _FUSED_64, fused_backward=True
     ),
-    # (b + c + d + e) as direct_fused_fast with 128-key programs (half the atomics). 2.8 / 7.3
-    "direct_fused_fast_p128": Variant(
-        DotModes("direct", "bf16", "tf32"), _FWD_BEST, _BWD_BEST, _FUSED_128, fused_backward=True
-    ),
+    # (b + c + d) direct_fused_fast with 8 warps (180 instead of 255 registers). 2.8 / 7.5
+    "direct_fused_fast_w8": Variant(
+        DotModes("direct", "bf16", "tf32"), _FWD_BEST, _BWD_BEST, _FUSED_64_W8,
+        fused_backward=True,
+    ),  # fmt: skip
+    # (b + c + d + e) direct_fused_fast with 32-query steps (fewer live registers). 2.8 / 8
+    "direct_fused_fast_l32": Variant(
+        DotModes("direct", "bf16", "tf32"), _FWD_BEST, _BWD_BEST, _FUSED_64_L32,
+        fused_backward=True,
+    ),  # fmt: skip
     # (b + d) direct distances, fused backward, "high" value/coordinate modes. 3.3 / 10
     "direct_fused": Variant(
         DotModes("direct", "bf16x3", "bf16x3"), _FWD_BEST, _BWD_BEST, _FUSED_64,
         fused_backward=True,
     ),  # fmt: skip
-    # (b + c + d + e) 256-key programs: a quarter of the atomics of 64-key ones. 2.8 / 7
-    "direct_fused_fast_p256": Variant(
-        DotModes("direct", "bf16", "tf32"), _FWD_BEST, _BWD_BEST, _FUSED_256, fused_backward=True
-    ),
     # (b + c + d) as direct_fused_fast with single TF32 value products (~4x less error). 2.9 / 8
     "direct_fused_tf32": Variant(
         DotModes("direct", "tf32", "tf32"), _FWD_BEST, _BWD_BEST, _FUSED_64, fused_backward=True
     ),
     # (c + d) TF32-part distances as now, single TF32 values and coordinates, fused. 3.4 / 8.5
     "fused_tf32": Variant(
-        DotModes("tf32x3", "tf32", "tf32"), _FWD_BEST, _BWD_BEST, _FUSED_128, fused_backward=True
+        DotModes("tf32x3", "tf32", "tf32"), _FWD_BEST, _BWD_BEST, _FUSED_64, fused_backward=True
     ),
-    # (b + c + d + e) direct_fused_fast_p128 with 64-key forward tiles, 3 stages. 2.8 / 7.3
+    # (b + c + d + e) direct_fused_fast with 64-key forward tiles, 3 stages. 2.8 / 7.5
     "direct_fused_fast_k64s3": Variant(
         DotModes("direct", "bf16", "tf32"), Launch(128, 64, num_warps=4, num_stages=3), _BWD_BEST,
-        _FUSED_128, fused_backward=True,
+        _FUSED_64, fused_backward=True,
     ),  # fmt: skip
     # Everything single bfloat16 after a direct distance, fused backward (least accurate). 2.8 / 7
     "direct_fused_bf16": Variant(
@@ -274,8 +277,8 @@ def _occupancy_tile(
 
 
 def _gpu_launch(preferred: Launch, block_p: int, block_l: int) -> Launch:
-    """``preferred``'s launch settings on the fitted tiles (8 warps only for >= 128 rows)."""
-    warps = preferred.num_warps if block_p >= 128 else min(preferred.num_warps, 4)
+    """``preferred``'s launch settings on the fitted tiles (at most 4 warps on a shrunk tile)."""
+    warps = preferred.num_warps if block_p >= preferred.block_p else min(preferred.num_warps, 4)
     return Launch(block_p, block_l, num_warps=warps, num_stages=preferred.num_stages)
 
 
