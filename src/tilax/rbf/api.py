@@ -219,7 +219,8 @@ VARIANTS = {
     ),  # fmt: skip
     # (b + c + d) as direct_fused_fast with single TF32 value products (~4x less error). 2.9 / 8
     "direct_fused_tf32": Variant(
-        DotModes("direct", "tf32", "tf32"), _FWD_BEST, _BWD_BEST, _FUSED_64, fused_backward=True
+        DotModes("direct", "tf32", "tf32"), _FWD_BEST, _BWD_BEST, _FUSED_64_L32,
+        fused_backward=True,
     ),
     # (c + d) TF32-part distances as now, single TF32 values and coordinates, fused. 3.4 / 8.5
     "fused_tf32": Variant(
@@ -491,6 +492,12 @@ def _distance(mode: str, dim: int, *, program_rows: str):
     return pallas_triton.DirectDistance(dim, *scales)
 
 
+def _value_operand(a: jax.Array, modes: DotModes) -> jax.Array:
+    """Values and cotangents as the kernels read them: stored in bfloat16 when every product
+    with them rounds to bfloat16 anyway (the same numbers, half the bytes moved per tile)."""
+    return a.astype(jnp.bfloat16) if modes.values == "bf16" else a
+
+
 def _kde_modes(modes: DotModes) -> DotModes:
     """The KDE's exponents carry weights and shifts, which direct distances ignore."""
     if modes.distance == "direct":
@@ -554,7 +561,9 @@ def _kernel_mv_pallas_fwd(qs, ks, v, cfg: PallasConfig):
     out = matmul(
         _augment_queries(qs, cfg.query_rows(n, backward=False), parts=parts),
         _augment_keys(ks, rows_k, parts=parts),
-        _pad_rows_cols(v, rows_k, _pallas.round_up(out_dim, cfg.block_o)),
+        _value_operand(
+            _pad_rows_cols(v, rows_k, _pallas.round_up(out_dim, cfg.block_o)), cfg.modes
+        ),
         block_o=cfg.block_o,
         distance=_distance(distance, qs.shape[2], program_rows="queries"),
         values=cfg.modes.values,
@@ -574,8 +583,8 @@ def _kernel_mv_pallas_bwd(cfg: PallasConfig, residuals, g):
         # One sweep over key tiles: queries only pad to its loop tile.
         rows_q, rows_k = _pallas.round_up(n, cfg.dk.block_l), _pallas.round_up(m, cfg.dk.block_p)
         x, y = _augment_queries(qs, rows_q), _augment_keys(ks, rows_k)
-        g_pad = _pad_rows_cols(g.astype(jnp.float32), rows_q, fused_cols)
-        v_pad = _pad_rows_cols(v, rows_k, fused_cols)
+        g_pad = _value_operand(_pad_rows_cols(g.astype(jnp.float32), rows_q, fused_cols), modes)
+        v_pad = _value_operand(_pad_rows_cols(v, rows_k, fused_cols), modes)
         fused = _launcher("rbf_kernel_mv", pallas_triton.kernel_matmul_grad_fused, cfg, cfg.dk)
         c, dv, r = fused(y, x, v_pad, g_pad, distance=by_key, values=modes.values,
                          coords=modes.coords)  # fmt: skip
@@ -584,8 +593,8 @@ def _kernel_mv_pallas_bwd(cfg: PallasConfig, residuals, g):
     cols = _pallas.round_up(out_dim, cfg.block_o)
     x = _augment_queries(qs, rows_q)
     y = _augment_keys(ks, rows_k)
-    g_pad = _pad_rows_cols(g.astype(jnp.float32), rows_q, cols)
-    v_pad = _pad_rows_cols(v, rows_k, cols)
+    g_pad = _value_operand(_pad_rows_cols(g.astype(jnp.float32), rows_q, cols), modes)
+    v_pad = _value_operand(_pad_rows_cols(v, rows_k, cols), modes)
     dots = dict(block_o=cfg.block_o, values=modes.values)
     grad_q = _launcher("rbf_kernel_mv", pallas_triton.kernel_matmul_grad, cfg, cfg.dq)
     grad_k = _launcher("rbf_kernel_mv", pallas_triton.kernel_matmul_grad, cfg, cfg.dk)

@@ -204,7 +204,8 @@ def kernel_matmul(
 ) -> jax.Array:
     """``out[b, i, :] = sum_l exp2(x[b, i] . y[b, l]) * v[b, l, :]``, float32 ``[B, P, O]``.
 
-    ``x: [B, P, Dp]``, ``y: [B, L, Dp]``, ``v: [B, L, O]`` float32 with ``P``, ``L`` and ``O``
+    ``x: [B, P, Dp]``, ``y: [B, L, Dp]``, ``v: [B, L, O]`` float32 (or bfloat16 for a ``"bf16"``
+    values mode) with ``P``, ``L`` and ``O``
     multiples of ``block_p``, ``block_l`` and ``block_o``. Grid: (P tiles, O tiles, batch).
     """
     batch, num_p, dim = x.shape
