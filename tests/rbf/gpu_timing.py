@@ -11,6 +11,12 @@ Prints (and optionally writes as JSON rows):
 4. N = M = 1,048,576 forward+backward in a fresh subprocess: peak device memory
    (``memory_stats()["peak_bytes_in_use"]``) and time.
 
+``--variants [NAME ...]`` instead times only the candidate defaults of ``tilax.rbf.api.VARIANTS``
+(all, or the named ones) against ``impl="xla"``: forward and forward+backward at N = M = 65536,
+D = 8, O = 16, float32, with their float64 errors (forward on 2048 queries, gradients on all),
+in one table sorted by forward+backward time (about 2-3 minutes on an H200 with ``--rounds 8``).
+The winner becomes the default by setting ``DEFAULT_VARIANT`` in ``src/tilax/rbf/api.py``.
+
 Timing: jit, the first call (compile) timed separately and excluded, one more warm-up call,
 then ``--rounds`` timed calls each ending in ``block_until_ready``; median with q1/q3.
 Uses only jax, numpy and the standard library (plus tilax from ``src/``).
@@ -46,7 +52,7 @@ FWD_SWEEP = [(64, 64, 4), (64, 128, 4), (128, 32, 4), (128, 64, 4), (128, 64, 8)
 BWD_SWEEP = [(64, 64, 4, 2), (64, 64, 4, 3), (128, 32, 4, 2), (128, 64, 4, 2), (128, 64, 8, 2),
              (128, 64, 8, 3), (128, 128, 8, 2), (256, 32, 8, 2)]  # fmt: skip
 # The issue's targets at N = M = 65536, D = 8, O = 16 (float32) and N = M = 2**20.
-TARGET_SPEEDUP, TARGET_FWD_MS, TARGET_FWD_BWD_MS, TARGET_PEAK_MB = 8.0, 2.3, 12.0, 1e9 / 2**20
+TARGET_SPEEDUP, TARGET_FWD_MS, TARGET_FWD_BWD_MS, TARGET_PEAK_MB = 8.0, 3.0, 9.7, 1e9 / 2**20
 
 
 def make_inputs(n, m, dim, out, seed=0, dtype=jnp.float32):
@@ -151,7 +157,8 @@ def main_comparison(n, rounds, reference):
     shape = dict(family="rbf", suite="kernel_mv", n=n, m=n, dim=DIM, out=OUT, batch=1,
                  dtype="float32")  # fmt: skip
     xla_ms = {}
-    runs = [("xla", None)] + [("pallas", p) for p in ("high", "default", "highest")]
+    # precision None: the default variant's modes (api.DEFAULT_VARIANT / TILAX_RBF_VARIANT).
+    runs = [("xla", None)] + [("pallas", p) for p in (None, "high", "default", "highest")]
     for impl, precision in runs:
         forward, forward_backward = kernel_mv_fns(impl=impl, precision=precision)
         for op, fn in (("fwd", forward), ("fwd_bwd", forward_backward)):
@@ -169,11 +176,7 @@ def main_comparison(n, rounds, reference):
                 if op == "fwd":
                     row["rel_err"] = float(f"{rel(result[:subset], ref[0]):.3g}")
                 else:
-                    names = ("dq", "dk", "dv", "dlengthscale")
-                    row["rel_err"] = {
-                        n: float(f"{rel(g, r):.3g}")
-                        for n, g, r in zip(names, result[1], ref[1], strict=True)
-                    }
+                    row["rel_err"] = grad_errors(result, ref)
             emit(row)
 
 
@@ -235,6 +238,79 @@ def sweep(n, rounds):
             emit(row)
 
 
+def grad_errors(result, ref):
+    names = ("dq", "dk", "dv", "dlengthscale")
+    return {n: float(f"{rel(g, r):.3g}") for n, g, r in zip(names, result[1], ref[1], strict=True)}
+
+
+def variants(n, rounds, names):
+    """Every candidate default of ``api.VARIANTS`` (or ``names``) vs XLA; one sorted table."""
+    names = names or list(api.VARIANTS)
+    print(f"\n== variants, rbf_kernel_mv N=M={n} D={DIM} O={OUT} float32 ==")
+    inputs = make_inputs(n, n, DIM, OUT)
+    subset = min(n, 2048)
+    start = time.perf_counter()
+    ref = float64_reference(inputs, subset)
+    print(f"  float64 reference: {time.perf_counter() - start:.1f} s", flush=True)
+    backend = "triton" if jax.default_backend() == "gpu" else "interpret"
+    info = dict(family="rbf", suite="kernel_mv_variants", n=n, m=n, dim=DIM, out=OUT, batch=1,
+                dtype="float32")  # fmt: skip
+    xla_ms = {}
+    for op, fn in zip(("fwd", "fwd_bwd"), kernel_mv_fns(impl="xla"), strict=True):
+        row = run_case(f"xla {op}", fn, inputs, rounds, impl="xla", op=op, **info)
+        if row is not None:
+            xla_ms[op] = row["median_ms"]
+            emit(row)
+    table = []
+    for name in names:
+        cfg = api.default_config(backend, None, batch=1, n=n, m=n, out=OUT, variant=name)
+        launches = " ".join(
+            f"{kernel}={launch.block_p}x{launch.block_l}/w{launch.num_warps}/s{launch.num_stages}"
+            for kernel, launch in (("fwd", cfg.fwd), ("dq", cfg.dq), ("dk", cfg.dk))
+        )
+        modes = cfg.modes
+        print(f"  -- {name}: {modes.distance}/{modes.values}/{modes.coords} {launches} "
+              f"fused_backward={cfg.fused_backward}", flush=True)  # fmt: skip
+        entry = dict(variant=name)
+        for op, fn in zip(("fwd", "fwd_bwd"), config_fns(cfg), strict=True):
+            row = run_case(f"{name} {op}", fn, inputs, rounds, impl="pallas", op=op,
+                           variant=name, **info)  # fmt: skip
+            if row is None:
+                entry[op] = None
+                continue
+            result = fn(*inputs)
+            if op == "fwd":
+                row["rel_err"] = float(f"{rel(result[:subset], ref[0]):.3g}")
+            else:
+                row["rel_err"] = grad_errors(result, ref)
+            if op in xla_ms:
+                row["speedup_vs_xla"] = round(xla_ms[op] / row["median_ms"], 2)
+            emit(row)
+            entry[op] = row
+        table.append(entry)
+
+    def fwd_bwd_ms(entry):
+        return entry["fwd_bwd"]["median_ms"] if entry.get("fwd_bwd") else float("inf")
+
+    print(f"\n== variants sorted by fwd_bwd (xla: fwd {xla_ms.get('fwd', float('nan')):.2f} ms, "
+          f"fwd_bwd {xla_ms.get('fwd_bwd', float('nan')):.2f} ms; target >= {TARGET_SPEEDUP}x "
+          f"each; default now {api.DEFAULT_VARIANT!r}) ==")  # fmt: skip
+    print(f"  {'variant':<24} {'fwd ms':>8} {'x':>6} {'fwd_bwd ms':>10} {'x':>6} {'err fwd':>8} "
+          f"{'dq':>8} {'dk':>8} {'dv':>8} {'dl':>8}  targets")  # fmt: skip
+    for entry in sorted(table, key=fwd_bwd_ms):
+        fwd, both = entry.get("fwd"), entry.get("fwd_bwd")
+        if fwd is None or both is None:
+            print(f"  {entry['variant']:<24} failed (see the rows above)")
+            continue
+        errs = both["rel_err"]
+        speedups = (fwd.get("speedup_vs_xla", 0.0), both.get("speedup_vs_xla", 0.0))
+        ok = min(speedups) >= TARGET_SPEEDUP
+        print(f"  {entry['variant']:<24} {fwd['median_ms']:8.3f} {speedups[0]:6.2f} "
+              f"{both['median_ms']:10.3f} {speedups[1]:6.2f} {fwd['rel_err']:8.2g} "
+              f"{errs['dq']:8.2g} {errs['dk']:8.2g} {errs['dv']:8.2g} {errs['dlengthscale']:8.2g}"
+              f"  {'PASS' if ok else 'FAIL'}")  # fmt: skip
+
+
 def peak_child(n, impl):
     """Runs in a fresh process: one fwd+bwd at size n; prints a JSON line."""
     inputs = make_inputs(n, n, DIM, OUT)
@@ -270,18 +346,19 @@ def peak_memory(n, impl, timeout):
 
 def summary():
     """One line per target of the issue, from the rows measured above (default precision)."""
-    print("\n== targets (pallas, default precision 'high', vs xla in this process) ==")
+    print(f"\n== targets (pallas, precision=None: variant {api.current_variant()!r}, vs xla in "
+          "this process) ==")  # fmt: skip
 
-    def find(suite, impl, op, precision=None):
+    def find(suite, impl, op):
         for row in ROWS:
             if (row.get("suite"), row.get("impl"), row.get("op")) == (suite, impl, op) and (
-                precision is None or row.get("precision") == precision
+                row.get("precision") is None
             ):
                 return row
         return None
 
     for op, limit in (("fwd", TARGET_FWD_MS), ("fwd_bwd", TARGET_FWD_BWD_MS)):
-        row = find("kernel_mv", "pallas", op, "high")
+        row = find("kernel_mv", "pallas", op)
         if row is None or "error" in row:
             print(f"  {op:<8} no measurement")
             continue
@@ -311,16 +388,20 @@ def environment():
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--rounds", type=int, help="timed calls per case (15; 8 with --variants)")
     parser.add_argument("--n", type=int, default=N_MAIN, help="N = M of the comparisons")
     parser.add_argument("--peak-n", type=int, default=N_PEAK, help="N = M of the memory run")
     parser.add_argument("--no-sweep", action="store_true")
     parser.add_argument("--no-reference", action="store_true", help="skip float64 errors")
     parser.add_argument("--peak-timeout", type=int, default=900)
     parser.add_argument("--json", help="also write every row to this JSON file")
+    parser.add_argument("--variants", nargs="*", metavar="NAME",
+                        help="time only these api.VARIANTS (all when none are named)")
     parser.add_argument("--child-peak", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--child-impl", default="pallas", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.rounds is None:
+        args.rounds = 8 if args.variants is not None else 15
     if args.child_peak:
         peak_child(args.child_peak, args.child_impl)
         return
@@ -328,12 +409,18 @@ def main():
     print("environment:", env)
     if jax.default_backend() != "gpu":
         print("warning: no GPU; Pallas runs in interpret mode and these sizes will take forever")
-    main_comparison(args.n, args.rounds, reference=not args.no_reference)
-    kde_comparison(args.n, args.rounds)
-    peak_memory(args.peak_n, "pallas", args.peak_timeout)
-    summary()
-    if not args.no_sweep:
-        sweep(args.n, max(5, args.rounds // 2))
+    if args.variants is not None:
+        unknown = sorted(set(args.variants) - set(api.VARIANTS))
+        if unknown:
+            parser.error(f"unknown variants {unknown}; known: {list(api.VARIANTS)}")
+        variants(args.n, args.rounds, args.variants)
+    else:
+        main_comparison(args.n, args.rounds, reference=not args.no_reference)
+        kde_comparison(args.n, args.rounds)
+        peak_memory(args.peak_n, "pallas", args.peak_timeout)
+        summary()
+        if not args.no_sweep:
+            sweep(args.n, max(5, args.rounds // 2))
     if args.json:
         Path(args.json).write_text(json.dumps(dict(environment=env, rows=ROWS), indent=1))
         print(f"\nwrote {len(ROWS)} rows to {args.json}")

@@ -78,6 +78,24 @@ def test_pallas_matches_float64(case):
     )
 
 
+@pytest.mark.parametrize("variant", api.VARIANTS)
+def test_every_variant_matches_float64(variant, monkeypatch):
+    """Each candidate default (dot modes, direct distances, fused backward) is correct, so the
+    GPU timing run cannot pick a broken one. Tiles are forced small: several tiles, padding."""
+    monkeypatch.setenv("TILAX_RBF_VARIANT", variant)
+    modes = api.VARIANTS[variant].modes
+    single_pass = {"bf16", "tf32"} & {modes.values, modes.coords}
+    tolerance = TOLERANCE["default"] if single_pass else TOLERANCE["high"]
+    inputs = make_inputs(3, *CASES["batch-odd-ard"])
+    assert_matches_oracle(inputs, tolerance, impl="pallas", block_q=16, block_k=16)
+
+
+def test_unknown_variant_is_an_error(monkeypatch):
+    monkeypatch.setenv("TILAX_RBF_VARIANT", "nope")
+    with pytest.raises(ValueError, match="TILAX_RBF_VARIANT must be one of"):
+        api.current_variant()
+
+
 @pytest.mark.parametrize("precision", ["high", "default"])
 def test_pallas_fast_precisions(precision):
     inputs = make_inputs(1, *CASES["batch-odd-ard"])
@@ -227,17 +245,46 @@ def test_auto_picks_pallas_on_gpu_and_xla_on_cpu(monkeypatch):
 
 
 def test_default_tiles_fit_the_problem():
-    large = api.default_config("triton", "high", batch=1, n=65536, m=65536, out=16)
+    large = api.default_config("triton", "high", batch=1, n=65536, m=65536, out=16,
+                               variant="branch")  # fmt: skip
     assert (large.fwd.block_p, large.fwd.block_l, large.block_o) == (128, 64, 16)
     assert (large.dq.block_p, large.dq.block_l, large.dq.num_warps) == (128, 64, 8)
     assert (large.dk.block_p, large.dk.block_l, large.dk.num_warps) == (128, 64, 8)
     # Small N: query tiles shrink for occupancy (forward to 32, backward to 64 rows, 4 warps).
-    small = api.default_config("triton", "high", batch=1, n=100, m=20, out=3)
+    small = api.default_config("triton", "high", batch=1, n=100, m=20, out=3, variant="branch")
     assert (small.fwd.block_p, small.fwd.block_l, small.block_o) == (32, 32, 16)
     assert (small.dq.block_p, small.dq.num_warps, small.dk.block_p) == (64, 4, 32)
     assert small.query_rows(100, backward=True) == 128 and small.key_rows(20, backward=True) == 32
+    tiles = api.default_config("triton", None, batch=1, n=65536, m=65536, out=16, variant="tiles")
+    assert tiles.modes == api.PRECISION_MODES["high"]
+    assert (tiles.fwd.block_p, tiles.fwd.block_l, tiles.fwd.num_warps) == (128, 32, 4)
+    assert (tiles.dq.block_p, tiles.dq.block_l, tiles.dq.num_stages) == (64, 128, 3)
     forced = api.default_config("interpret", "high", batch=1, n=5, m=5, out=200, block_q=64,
                                 block_o=32)  # fmt: skip
     assert (forced.fwd.block_p, forced.dq.block_p, forced.dk.block_l, forced.block_o) == (
         64, 64, 64, 32,
     )  # fmt: skip
+
+
+def test_fused_backward_kernel_matches_two_sweeps():
+    """The one-sweep backward kernel (several sub-tiles per program, atomics for the swapped
+    sums) against the two-sweep kernels, IEEE products, on augmented points of an odd case."""
+    from tilax.rbf import pallas_triton
+
+    q, k, v, _, g = make_inputs(5, (), 40, 70, 3, 5, False)
+    qs, ks = jnp.asarray(q[None] - 3.0), jnp.asarray(k[None] - 3.0)
+    x, y = api._augment_queries(qs, 48), api._augment_keys(ks, 128)
+    g_pad = api._pad_rows_cols(jnp.asarray(g[None]), 48, 16)
+    v_pad = api._pad_rows_cols(jnp.asarray(v[None]), 128, 16)
+    modes = dict(distance="ieee", values="ieee", coords="ieee", backend="interpret")
+    c, dv, r = pallas_triton.kernel_matmul_grad_fused(
+        y, x, v_pad, g_pad, block_p=64, block_l=16, block_sub=16, **modes
+    )
+    r_ref = pallas_triton.kernel_matmul_grad(
+        x, y, g_pad, v_pad, with_pw=False, block_p=16, block_l=64, block_o=16, **modes
+    )
+    c_ref, dv_ref = pallas_triton.kernel_matmul_grad(
+        y, x, v_pad, g_pad, with_pw=True, block_p=64, block_l=16, block_o=16, **modes
+    )
+    for got, ref in ((r, r_ref), (c, c_ref), (dv, dv_ref)):
+        assert rel_err(got, ref) < 1e-6, rel_err(got, ref)
