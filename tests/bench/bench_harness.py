@@ -99,6 +99,60 @@ class LRU:
 
 
 @dataclasses.dataclass
+class BudgetPlan:
+    """Each suite's share of the session's budget, so one suite cannot starve the others.
+
+    A suite is *owed* its share minus what its rows have used until its last row has run. A row
+    of suite ``s`` may start while the session's remaining time, less what the other suites
+    are still owed, is positive: a suite runs on its own share plus any time nobody else is
+    owed (shares of finished suites, time they did not use), whatever the order of the rows.
+    Without shares (unit tests, a single suite) it is the session's remaining time.
+    """
+
+    shares: dict = dataclasses.field(default_factory=dict)  # suite -> seconds
+    spent: dict = dataclasses.field(default_factory=dict)  # suite -> seconds used
+    rows_left: dict = dataclasses.field(default_factory=dict)  # suite -> rows not yet run
+    ladders_left: dict = dataclasses.field(default_factory=dict)  # suite -> ladder names
+
+    def owed(self, suite: str) -> float:
+        if self.rows_left.get(suite, 0) <= 0:
+            return 0.0
+        return max(0.0, self.shares.get(suite, 0.0) - self.spent.get(suite, 0.0))
+
+    def available(self, suite: str | None, remaining: float) -> float:
+        """Seconds a row of ``suite`` may still use, given the session's ``remaining``."""
+        others = sum(self.owed(name) for name in self.shares if name != suite)
+        return remaining - others
+
+    def finished(self, suite: str | None, seconds: float) -> None:
+        """One row of ``suite`` ended after ``seconds``."""
+        if suite is None:
+            return
+        self.spent[suite] = self.spent.get(suite, 0.0) + seconds
+        self.rows_left[suite] = self.rows_left.get(suite, 1) - 1
+
+    def ladder_allowance(self, suite: str, ladder: str, available: float) -> float:
+        """A ladder's even part of what its suite may use, among its suite's ladders not yet
+        searched (``ladder`` included); called once per ladder, when its search starts."""
+        left = self.ladders_left.setdefault(suite, set())
+        count = max(1, len(left | {ladder}))
+        left.discard(ladder)
+        return available / count
+
+
+def split_budget(budget_s: float, weights: dict[str, float]) -> dict[str, float]:
+    """Seconds per suite in proportion to ``weights``."""
+    total = sum(weights.values())
+    return {suite: budget_s * weight / total for suite, weight in weights.items()} if total else {}
+
+
+def suite_of(case) -> str | None:
+    """The suite a parametrized case (or ladder step) belongs to."""
+    inner = getattr(case, "case", case)
+    return getattr(inner, "suite", None)
+
+
+@dataclasses.dataclass
 class State:
     """What the rows of one session learn from each other."""
 
@@ -113,6 +167,11 @@ class State:
     inputs: LRU = dataclasses.field(default_factory=lambda: LRU(1))
     references: LRU = dataclasses.field(default_factory=lambda: LRU(1))
     probes: dict = dataclasses.field(default_factory=dict)
+    budget: BudgetPlan = dataclasses.field(default_factory=BudgetPlan)
+
+    def available(self, suite: str | None) -> float:
+        """Seconds a row of ``suite`` may still use (see :class:`BudgetPlan`)."""
+        return self.budget.available(suite, self.settings.remaining())
 
 
 def jax_device_memory() -> tuple[int | None, int | None]:
@@ -194,9 +253,10 @@ class Runner:
     def precheck(self, case) -> str | None:
         """Why this row will not be attempted, or ``None``."""
         settings, state = self.settings, self.state
-        if settings.remaining() <= 0:
+        available = state.available(suite_of(case))
+        if available <= 0:
             return (f"skipped: not attempted, the run's time budget of {settings.budget_s:.0f} s "
-                    f"was spent before this row")
+                    f"was spent before this row (or what is left is owed to other suites)")
         key = case.scale_key()
         if key in state.failed:
             work, label, error = state.failed[key]
@@ -212,9 +272,10 @@ class Runner:
                         f"{seconds:.3g} s at {work:.3g} units of work, scaled to "
                         f"{case.work():.3g}) times {calls} calls exceeds the "
                         f"{settings.row_limit_s:.0f} s per-row limit")
-            if predicted * calls > settings.remaining():
+            if predicted * calls > available:
                 return (f"skipped: not attempted, predicted {predicted * calls:.0f} s for this "
-                        f"row exceeds the {settings.remaining():.0f} s left of the run's budget")
+                        f"row exceeds the {available:.0f} s left of the run's budget to its "
+                        f"suite")
         return case.precheck(state)
 
     def plan(self, seconds: float) -> tuple[int, int]:

@@ -9,20 +9,30 @@ The child builds the same workload as the in-process benchmarks, times the first
 (``compile_s``) and ``timed_calls`` more calls, reads the device's
 ``memory_stats()["peak_bytes_in_use"]`` (``torch.cuda.max_memory_allocated`` for torch peers)
 and prints one ``TILAX_LADDER_RESULT {...}`` line. The parent replays the child's call times as
-the row's rounds and stores ``peak_mb``. After a step that ran, the ladder jumps over the
-sizes that step predicts to fit (peak memory taken as linear in the size against the device
-limit, time scaled by the work against the step limit) to the largest of them, then tries the
-size above it. A ladder stops at its first failure: out of memory, a crash, the step's time
-limit (``timeout after N s``), or a time predicted from the previous step (``timeout
-(predicted, not attempted)``). Sizes jumped over and sizes above the stop are reported as
-skipped tests (not rows: they were never needed). A summary row per ladder (``maxtok_summary``, or a
-``kernel_mv_max_n`` row with ``max_n``) names the largest size that ran and carries that step's
-timings and peak. ``kernel_mv_peak`` rows are single-step ladders.
+the row's rounds and stores ``peak_mb``.
+
+The first step of a ladder to run searches the whole ladder (:func:`search_ladder`): it climbs
+from the smallest size, jumping over the sizes the last step that ran predicts to fit (peak
+memory taken as linear in the size against the device limit, time scaled by the work against
+the step's time) to the largest of them; after a failure (out of memory, a crash, the step's
+time limit ``timeout after N s``) or a size predicted too slow (``timeout (predicted, not
+attempted)``) it bisects the ladder's sizes between the largest that ran and the smallest that
+failed until the two are adjacent. The search keeps within each step's limit and the ladder's
+part of its suite's budget share (``bench_harness.BudgetPlan``); the first size always gets a
+step. Probed sizes become rows (measured or failure rows); the others are skipped tests (not
+rows: never needed). A summary row per ladder (``maxtok_summary``, or a ``kernel_mv_max_n``
+row with ``max_n``) names the largest size that ran, carries that step's timings and peak, and
+says how well the limit is known (:func:`ladder_outcome`): ``limit_bracket`` [ran, failed]
+with ``limit_kind`` ("out of memory", "timeout", "error") when the next ladder size failed,
+else ``limit_bracket`` null and ``max_is_lower_bound`` true (``limit_kind`` "time
+(predicted)", "budget" or "end of ladder"); ``stopped_by`` is the stopping error or reason and
+``probed_sizes`` the search's order. ``kernel_mv_peak`` rows are single-step ladders.
 
 Children get ``XLA_PYTHON_CLIENT_PREALLOCATE=false`` and ``XLA_PYTHON_CLIENT_MEM_FRACTION=0.9``
 (unless already set), so their peak is what the problem needs and they may use most of the
 device. The parent runs the ladders before its own in-process benchmarks (priority 0) so its
-memory pool is still small while they run.
+memory pool is still small while they run; their suites' budget shares keep them from starving
+the other suites.
 """
 
 from __future__ import annotations
@@ -42,9 +52,11 @@ from bench_harness import (
     Settings,
     State,
     describe_error,
+    is_out_of_memory,
     json_safe,
     record_external_timings,
     record_failure,
+    suite_of,
 )
 
 MARKER = "TILAX_LADDER_RESULT "
@@ -137,11 +149,12 @@ def _predicted_wall(last: dict, work: float, calls: int) -> float:
     return last["wall_s"] + calls * per_call * (work / last["work"] - 1)
 
 
-def _jump_target(step: LadderStep, last: dict, timeout: float, calls: int) -> int | None:
+def _jump_target(step: LadderStep, last: dict | None, timeout: float,
+                 calls: int) -> int | None:
     """The largest ladder size above the last one that the last step's peak memory (linear in
     the size) and time (scaled by the work) predict to fit; ``None`` if nothing is predicted
     to fit or the peak or limit is unknown."""
-    if not last.get("peak_bytes") or not last.get("limit_bytes"):
+    if last is None or not last.get("peak_bytes") or not last.get("limit_bytes"):
         return None
     fitting = last["size"] * last["limit_bytes"] / last["peak_bytes"]
     candidates = [
@@ -152,84 +165,191 @@ def _jump_target(step: LadderStep, last: dict, timeout: float, calls: int) -> in
     return max(candidates) if candidates else None
 
 
+def search_ladder(sizes, attempt, jump_target, refuse) -> list[dict]:
+    """Probe a ladder's sizes; returns the probes in order (a pure search, no I/O of its own).
+
+    ``attempt(size)`` runs one size (a dict with ``ok``, ``error`` when not ok);
+    ``jump_target(last)`` is the largest size the last step that ran predicts to fit, or
+    ``None``; ``refuse(size, last)`` is ``None`` or ``(kind, reason)`` for a size not to be
+    attempted: kind ``"time"`` (predicted over the ladder's time: larger sizes are too) or
+    ``"budget"`` (no time left at all: the search stops).
+
+    While nothing has failed the search climbs, jumping to the predicted size (else the next
+    one); after a failure or a refusal it bisects the ladder's indices between the largest
+    size that ran and the smallest that failed, until the two are adjacent. Each probe is
+    ``{"size", "ok", "attempted", ...}``.
+    """
+    probes: list[dict] = []
+    ok_at = -1  # index of the largest size that ran
+    fail_at = len(sizes)  # index of the smallest size that failed or was refused
+    last = None
+    index = 0
+    while ok_at + 1 < fail_at:
+        size = sizes[index]
+        refusal = refuse(size, last)
+        if refusal is not None:
+            kind, reason = refusal
+            probes.append({"size": size, "ok": False, "attempted": False, "kind": kind,
+                           "error": reason})
+            if kind == "budget":
+                break
+            fail_at = index
+        else:
+            probe = dict(attempt(size), size=size, attempted=True)
+            probes.append(probe)
+            if probe["ok"]:
+                ok_at, last = index, probe
+            else:
+                fail_at = index
+        if fail_at < len(sizes) or ok_at + 1 >= fail_at:
+            index = (ok_at + fail_at) // 2 if ok_at >= 0 else 0
+            index = max(index, ok_at + 1)
+        else:
+            target = jump_target(last)
+            index = ok_at + 1
+            if target in sizes:
+                index = max(index, min(sizes.index(target), fail_at - 1))
+    return probes
+
+
+def ladder_outcome(sizes, probes: list[dict]) -> dict:
+    """The summary of a search: the largest size that ran and how well the limit is known.
+
+    ``limit_bracket`` [ran, failed] when the next ladder size above the largest that ran was
+    attempted and failed (``limit_kind``: out of memory, timeout or error); otherwise the
+    largest size is only a lower bound (``limit_bracket`` is ``None``; stopped by the time
+    predicted for the next size, the budget, or the end of the ladder).
+    """
+    ran = [p for p in probes if p["ok"]]
+    if not ran:
+        first = probes[0]["error"] if probes else "no step of this ladder ran"
+        return {"best": None, "error": f"no size ran: {first}"}
+    best = max(ran, key=lambda p: p["size"])
+    index = list(sizes).index(best["size"])
+    if index + 1 == len(sizes):
+        return {"best": best, "limit_bracket": None, "limit_kind": "end of ladder",
+                "max_is_lower_bound": True, "stopped_by": "the largest ladder size ran"}
+    above = sizes[index + 1]
+    stop = next((p for p in probes if p["size"] == above), None) or probes[-1]
+    if stop["attempted"] and stop["size"] == above:
+        error = stop["error"]
+        kind = ("out of memory" if is_out_of_memory(error)
+                else "timeout" if error.startswith("timeout") else "error")
+        return {"best": best, "limit_bracket": [best["size"], above], "limit_kind": kind,
+                "max_is_lower_bound": False, "stopped_by": error[:500]}
+    kind = stop.get("kind") or "budget"
+    return {"best": best, "limit_bracket": None,
+            "limit_kind": "time (predicted)" if kind == "time" else "budget",
+            "max_is_lower_bound": True, "stopped_by": stop["error"][:500]}
+
+
 def run_step(runner, step: LadderStep) -> None:
     """One ladder step (or summary) into one row; see the module docstring.
 
-    After a step that ran, sizes the last step predicts to fit (memory and time) are jumped
-    over up to the largest of them, which runs next, then the size above it (the one expected
-    to fail) runs to confirm the limit.
+    The first step of a ladder to run searches the whole ladder (:func:`search_ladder`, each
+    probe a fresh subprocess); every step then reports its size's probe (a measured or a
+    failure row), or is skipped if its size was not needed, and the summary reports
+    :func:`ladder_outcome`.
     """
-    state, settings, info = runner.state, runner.settings, runner.info
+    state, info = runner.state, runner.info
     case = step.case
     info.update(json_safe(case.extra_info()))
     info.setdefault("compile_s", None)
-    history = state.ladders.setdefault(step.ladder, [])
+    if step.ladder not in state.ladders:
+        state.ladders[step.ladder] = _search(runner, step)
+    probes = state.ladders[step.ladder]
     if step.summary:
-        summarize(runner, step, history)
+        summarize(runner, step, probes)
         return
-    stop = next((h for h in history if not h["ok"]), None)
-    if stop is not None:
-        pytest.skip(f"not needed: ladder {step.ladder} stopped at {stop['label']}")
     size = getattr(case, step.size_field)
-    timeout = max(5.0, min(settings.step_timeout_s, settings.remaining()))
+    probe = next((p for p in probes if p["size"] == size), None)
+    if probe is None:
+        probed = ", ".join(str(p["size"]) for p in probes)
+        pytest.skip(f"not needed: ladder {step.ladder} probed {step.size_field} = {probed}")
+    if not probe["ok"]:
+        if probe.get("compile_s") is not None:
+            info["compile_s"] = probe["compile_s"]
+        record_failure(runner.benchmark, probe["error"])
+        return
+    _record_success(runner, case, probe)
+
+
+def _search(runner, step: LadderStep) -> list[dict]:
+    """Search one ladder within its time: each step's limit, and the ladder's even part of what
+    its suite may use (the first size always gets the step limit, within the suite's time)."""
+    state, settings = runner.state, runner.settings
+    suite = suite_of(step.case)
     calls = 1 + _timed_calls(settings)
-    last = history[-1] if history else None
-    if last is not None:
-        target = _jump_target(step, last, timeout, calls)
-        if target is not None and size < target:
-            pytest.skip(f"not needed: from {last['label']} ({last['peak_bytes'] / 2**30:.1f} of "
-                        f"{last['limit_bytes'] / 2**30:.0f} GiB) the ladder jumps to "
-                        f"{step.size_field}={target}")
-    reason = case.unavailable_reason()
-    if reason is None and settings.remaining() <= 0:
-        reason = (f"skipped: not attempted, the run's time budget of {settings.budget_s:.0f} s "
-                  f"was spent before this step")
-    if reason is None and last is not None and settings.mode != "smoke":
-        predicted = _predicted_wall(last, case.work(), calls)
-        if predicted > timeout:
-            reason = (f"timeout (predicted, not attempted): about {predicted:.0f} s for this step "
-                      f"(scaled by the work from {last['wall_s']:.0f} s at {last['label']}) "
-                      f"exceeds the step limit of {timeout:.0f} s")
-    if reason is not None:
-        history.append({"ok": False, "label": case.size_label(), "error": reason})
-        record_failure(runner.benchmark, reason)
-        return
-    spec = {"module": type(case).__module__, "case": case.to_spec(), "mode": settings.mode,
-            "timed_calls": _timed_calls(settings)}
-    result = launch(spec, timeout)
-    if not result["ok"]:
-        history.append({"ok": False, "label": case.size_label(), "error": result["error"]})
-        if result.get("compile_s") is not None:
-            info["compile_s"] = result["compile_s"]
-        record_failure(runner.benchmark, result["error"])
-        return
-    entry = {"ok": True, "label": case.size_label(), "size": size, "work": case.work(),
-             "times": result["times"], "wall_s": result["wall_s"],
-             "compile_s": result["compile_s"], "peak_bytes": result.get("peak_bytes"),
-             "limit_bytes": result.get("limit_bytes")}
-    history.append(entry)
-    _record_success(runner, case, entry)
+    started = time.monotonic()
+    allowance = state.budget.ladder_allowance(suite, step.ladder, state.available(suite))
+
+    def limit(first: bool) -> float:
+        suite_left = state.available(suite) if first else min(
+            state.available(suite), allowance - (time.monotonic() - started))
+        return min(settings.step_timeout_s, suite_left)
+
+    def case_at(size):
+        return _sized(step.case, step.size_field, size)
+
+    def attempt(size):
+        case = case_at(size)
+        reason = case.unavailable_reason()
+        if reason is not None:
+            return {"ok": False, "error": reason}
+        spec = {"module": type(case).__module__, "case": case.to_spec(), "mode": settings.mode,
+                "timed_calls": _timed_calls(settings)}
+        result = launch(spec, max(5.0, limit(first=not probes_ran)))
+        probes_ran.append(size)
+        if not result["ok"]:
+            return {"ok": False, "error": result["error"], "compile_s": result.get("compile_s")}
+        return {"ok": True, "label": case.size_label(), "work": case.work(),
+                "times": result["times"], "wall_s": result["wall_s"],
+                "compile_s": result["compile_s"], "peak_bytes": result.get("peak_bytes"),
+                "limit_bytes": result.get("limit_bytes")}
+
+    def refuse(size, last):
+        left = limit(first=last is None and not probes_ran)
+        if left <= 0:
+            return "budget", (f"skipped: not attempted, the run's time budget of "
+                              f"{settings.budget_s:.0f} s was spent, or what was left of it was "
+                              f"this ladder's share, before this step")
+        if last is None or settings.mode == "smoke":
+            return None
+        predicted = _predicted_wall(last, case_at(size).work(), calls)
+        if predicted > left:
+            return "time", (f"timeout (predicted, not attempted): about {predicted:.0f} s for "
+                            f"this step (scaled by the work from {last['wall_s']:.0f} s at "
+                            f"{last['label']}) exceeds the {left:.0f} s left to this step "
+                            f"(step limit {settings.step_timeout_s:.0f} s, and the ladder's "
+                            f"share of the budget)")
+        return None
+
+    def jump(last):
+        return _jump_target(step, last, max(5.0, limit(first=False)), calls)
+
+    probes_ran: list[int] = []
+    return search_ladder(list(step.sizes), attempt, jump, refuse)
 
 
-def summarize(runner, step: LadderStep, history: list[dict]) -> None:
+def summarize(runner, step: LadderStep, probes: list[dict]) -> None:
     case = step.case
     info = runner.info
-    ran = [h for h in history if h["ok"]]
     if case.family == "moe":
         info["suite"] = "maxtok_summary"
-    if not ran:
-        first = history[0]["error"] if history else "no step of this ladder ran"
-        record_failure(runner.benchmark, f"no size ran: {first}")
+    outcome = ladder_outcome(step.sizes, probes)
+    info["probed_sizes"] = [p["size"] for p in probes]
+    best = outcome["best"]
+    if best is None:
+        record_failure(runner.benchmark, outcome["error"])
         return
-    best = max(ran, key=lambda h: h["size"])
-    stop = next((h for h in history if not h["ok"]), None)
     sized = _sized(case, step.size_field, best["size"])
     info.update(json_safe(sized.extra_info()))
     if case.family == "moe":
         info.update(suite="maxtok_summary", max_tokens=best["size"])
     else:
         info["max_n"] = best["size"]
-    info["stopped_by"] = stop["error"][:500] if stop else "the largest size tried ran"
+    for key in ("limit_bracket", "limit_kind", "max_is_lower_bound", "stopped_by"):
+        info[key] = outcome[key]
     _record_success(runner, sized, best)
 
 

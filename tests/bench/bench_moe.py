@@ -329,7 +329,7 @@ def maxtok_ladders(mode: str) -> list[tuple[MoECase, list[int]]]:
         impls, shape, ladder = (P_SORTED, RAGGED), SEED_LAYER, [2**20, 2**22, 2**24]
     else:
         impls, shape = MAXTOK_IMPLS, SEED_LAYER
-        ladder = [2**18, 2**20, 2**21, 2**22, 2**23, 2**24, 2**25]
+        ladder = [2**k for k in range(18, 26)]  # every power of two: the search bisects them
     return [
         (MoECase(suite="maxtok", impl=impl, dispatch=dispatch, routing=routing,
                  dtype="bfloat16", op="train_step", tokens=ladder[0], numerics=False,

@@ -33,9 +33,10 @@ Options (each also read from the environment variable in brackets):
   (``--benchmark-json``) or suites (``--bench-suite``), smoke otherwise (so a plain
   ``pytest`` smoke-tests this code, on CPU or GPU).
 - ``--bench-budget SECONDS`` [``TILAX_BENCH_BUDGET``]: wall-clock budget of the session (full
-  480 s, quick 240 s). Rows that would start after it are stored as failure rows
-  (``skipped: not attempted, the run's time budget ... was spent``), so a GPU call never runs
-  past its limit and says what it left out. The most important rows run first.
+  480 s, quick 240 s), split among the selected suites (see *Budget and order* below). Rows
+  that would start after their suite's time are stored as failure rows (``skipped: not
+  attempted, the run's time budget ... was spent``), so a GPU call never runs past its limit
+  and says what it left out.
 - ``--bench-rows PATH``: the JSON-lines side file (default: beside ``--benchmark-json``).
 
 Modes: ``smoke`` (CPU, Pallas interpret mode: tiny shapes, 1-2 rounds, ladders of two tiny
@@ -43,16 +44,28 @@ steps, missing peers as failure rows; runs inside ``nox -s tests`` so this code 
 unseen; about a minute on 2 cores), ``quick`` (every suite at one or two realistic sizes),
 ``full`` (the grids of the seed files, see ``bench_moe`` and ``bench_rbf``).
 
-Estimated wall time on one H200 (not measured yet: compile time dominates most rows, about
-1-3 s each; ladder steps cost a fresh interpreter, about 8 s each). Rows run by priority:
-ladders first (while the parent's memory pool is small), then the headline comparisons, then
-the rest; the budget (480 s full) turns whatever is left into "skipped" rows.
+Budget and order: each selected suite is given a share of ``--bench-budget`` in proportion to
+``SUITE_WEIGHTS`` (the minutes column below: maxtok 3, layer 4, decoder 2, pieces 0.5, blockm
+0.5, kernel_mv_max_n 1.5, kernel_mv_peak 1.5, kernel_mv 4, kde_density 0.7, kernel_mv_tiles
+0.5). A suite's share is reserved for it until its last row has run; a row may use its own
+suite's share plus whatever no other suite is still owed (shares of finished suites, time they
+left unused), so the run stays within the budget and no suite starves another. Rows run by
+priority: the ladders first (priority 0, while the parent's memory pool is small; each ladder
+searches within an even part of its suite's share, its first size always runs), then the
+headline comparisons (kernel_mv (8, 16) at every n, layer 32k/131k bf16+fp32 forward and
+train step for every impl, pieces and blockm at 32k bf16, decoder 16k/131k), then the rest.
+On the H200 (steps 12-22 s each) a ladder's share rarely brackets every limit in a combined
+run: run ``--bench-suite maxtok`` (or ``max_n``) alone for exact brackets; a summary row says
+whether its ``max_tokens``/``max_n`` is bracketed or a lower bound.
+
+Estimated wall time on one H200 (compile time dominates most rows, about 1-3 s each; ladder
+steps cost a fresh interpreter, 12-22 s each on the H200).
 
 ===============  =========================================================  ====  =======
 suite            full grid (rows)                                           rows  minutes
 ===============  =========================================================  ====  =======
-maxtok           7 impls, bf16 train step, 256k..32M tokens; the ladder     ~21   ~3
-                 jumps to the largest size predicted to fit, then one more
+maxtok           7 impls, bf16 train step, 256k..32M tokens (powers of two);  ~35   ~3
+                 jumps to the largest size predicted to fit, then bisects
 layer            9 impls x 32k/131k x fp32/bf16 x fwd/train (first), then   136   ~4
                  triton/mosaic bf16, 5 impls at 4k, E64 top4 h256, skew 0.9
 decoder          9 impl x dispatch x 16k/131k/1M x fwd/train, bf16          54    ~2
@@ -98,8 +111,8 @@ from pathlib import Path  # noqa: E402
 import bench_moe  # noqa: E402
 import bench_rbf  # noqa: E402
 import pytest  # noqa: E402
-from bench_harness import Runner, Settings, State  # noqa: E402
-from bench_ladder import ladder_steps  # noqa: E402
+from bench_harness import Runner, Settings, State, split_budget, suite_of  # noqa: E402
+from bench_ladder import LadderStep, ladder_steps  # noqa: E402
 from bench_rows import append_row, check_extra_info, write_header  # noqa: E402
 
 MOE_SUITES = ("layer", "decoder", "pieces", "blockm", "maxtok")
@@ -123,6 +136,13 @@ MODE_SETTINGS = {
                   step_timeout_s=40),
     "full": dict(budget_s=480, row_limit_s=20, target_time_s=1.0, min_rounds=3, max_rounds=10,
                  step_timeout_s=60),
+}
+# Each suite's share of the budget, in proportion to its estimated full-run minutes (the table
+# in the module docstring); a share is reserved for its suite until the suite's last row ran.
+SUITE_WEIGHTS = {
+    "maxtok": 3.0, "layer": 4.0, "decoder": 2.0, "pieces": 0.5, "blockm": 0.5,
+    "kernel_mv_max_n": 1.5, "kernel_mv_peak": 1.5, "kernel_mv": 4.0, "kde_density": 0.7,
+    "kernel_mv_tiles": 0.5,
 }
 STATE = pytest.StashKey[State]()
 ROWS = pytest.StashKey[Path | None]()
@@ -272,12 +292,32 @@ def pytest_collection_modifyitems(session, config, items):
     items[:] = other + bench
 
 
+def pytest_collection_finish(session):
+    """Split the budget among the suites of the rows that will run (after every deselection)."""
+    state = session.config.stash[STATE]
+    plan = state.budget
+    for item in session.items:
+        case = getattr(item, "callspec", None) and item.callspec.params.get("case")
+        suite = suite_of(case) if hasattr(case, "priority") else None
+        if suite is None:
+            continue
+        plan.rows_left[suite] = plan.rows_left.get(suite, 0) + 1
+        if isinstance(case, LadderStep):
+            plan.ladders_left.setdefault(suite, set()).add(case.ladder)
+    weights = {suite: SUITE_WEIGHTS.get(suite, 1.0) for suite in plan.rows_left}
+    plan.shares = split_budget(state.settings.budget_s, weights)
+
+
 @pytest.fixture
 def bench(benchmark, request):
     """The runner of one benchmark row; on teardown the row is appended to the side file and
     checked against the extra_info contract."""
-    runner = Runner(benchmark, request.config.stash[STATE])
+    state = request.config.stash[STATE]
+    runner = Runner(benchmark, state)
+    started = state.settings.elapsed()
     yield runner
+    case = request.node.callspec.params.get("case")
+    state.budget.finished(suite_of(case), state.settings.elapsed() - started)
     if benchmark.stats is None:
         return
     row = benchmark.stats.as_dict(include_data=False)

@@ -1,6 +1,7 @@
 """The timing harness on fake cases and a fake ``benchmark`` (no JAX, no rows written): skips,
-failures, rates, and the ladder's jumps. The real pytest-benchmark fixture is exercised by the
-smoke rows themselves (see test_bench_contract.py). Smoke mode only (``bench_contract``).
+failures, rates, the ladder's jumps and bisection, and the budget split. The real
+pytest-benchmark fixture is exercised by the smoke rows themselves (see
+test_bench_contract.py). Smoke mode only (``bench_contract``).
 """
 
 import statistics
@@ -8,7 +9,8 @@ import time
 from types import SimpleNamespace
 
 import pytest
-from bench_harness import Runner, Settings, State
+from bench_harness import BudgetPlan, Runner, Settings, State, split_budget
+from bench_ladder import ladder_outcome, search_ladder
 
 pytestmark = pytest.mark.bench_contract
 
@@ -54,8 +56,9 @@ class FakeWorkload:
 
 
 class FakeCase:
-    def __init__(self, work=1.0, workload=None, reason=None):
+    def __init__(self, work=1.0, workload=None, reason=None, suite="layer"):
         self._work, self.workload, self.reason = work, workload or FakeWorkload(), reason
+        self.suite = suite
 
     def extra_info(self):
         return {"family": "moe", "suite": "layer", "impl": "pallas"}
@@ -150,3 +153,127 @@ def test_ladder_jumps_to_the_largest_size_predicted_to_fit():
     assert _jump_target(step, last, timeout=9.0, calls=3) == 2**21  # 8.6 s fits, 16x: 9.4 s
     assert _jump_target(step, dict(last, peak_bytes=None), timeout=60.0, calls=3) is None
     assert _jump_target(step, dict(last, peak_bytes=100 * gib), 60.0, 3) is None
+
+
+SIZES = [2**k for k in range(10, 18)]  # 1024 .. 131072
+
+
+def fake_step(limit, attempted):
+    """A ladder step that fits up to ``limit`` and runs out of memory above it."""
+
+    def attempt(size):
+        attempted.append(size)
+        if size > limit:
+            return {"ok": False, "error": "JaxRuntimeError: RESOURCE_EXHAUSTED: Out of memory"}
+        return {"ok": True, "times": [0.1]}
+
+    return attempt
+
+
+def never_refuse(size, last):
+    return None
+
+
+@pytest.mark.parametrize("jump", [None, 2**16, 2**17])
+@pytest.mark.parametrize("limit", [2**10, 2**13, 2**16])
+def test_ladder_bisects_after_a_failed_jump(jump, limit):
+    attempted = []
+    probes = search_ladder(SIZES, fake_step(limit, attempted), lambda last: jump, never_refuse)
+    assert [p["size"] for p in probes] == attempted
+    assert len(set(attempted)) == len(attempted)  # no size twice
+    outcome = ladder_outcome(SIZES, probes)
+    assert outcome["best"]["size"] == limit
+    assert outcome["limit_bracket"] == [limit, 2 * limit]
+    assert outcome["limit_kind"] == "out of memory" and not outcome["max_is_lower_bound"]
+    assert "RESOURCE_EXHAUSTED" in outcome["stopped_by"]
+
+
+def test_ladder_probes_the_h200_case_in_order():
+    # 2**10 ran, the jump to 2**16 ran out of memory, the limit is 2**13: bisect 2**13, 2**14
+    attempted = []
+    jumps = {2**10: 2**16}
+    probes = search_ladder(SIZES, fake_step(2**13, attempted),
+                           lambda last: jumps.get(last["size"]), never_refuse)
+    assert attempted == [2**10, 2**16, 2**13, 2**14]
+    assert [p["ok"] for p in probes] == [True, False, True, False]
+    # without a jump it climbs one size at a time
+    attempted = []
+    search_ladder(SIZES, fake_step(2**12, attempted), lambda last: None, never_refuse)
+    assert attempted == [2**10, 2**11, 2**12, 2**13]
+
+
+def test_ladder_that_never_fails_reaches_its_end():
+    attempted = []
+    probes = search_ladder(SIZES, fake_step(2**20, attempted), lambda last: None, never_refuse)
+    outcome = ladder_outcome(SIZES, probes)
+    assert attempted == SIZES and outcome["best"]["size"] == SIZES[-1]
+    assert outcome["limit_bracket"] is None and outcome["max_is_lower_bound"]
+    assert outcome["limit_kind"] == "end of ladder"
+
+
+def test_ladder_stopped_by_time_or_budget_is_a_lower_bound():
+    # sizes from 2**14 up are predicted too slow: bisect below them, then stop
+    attempted = []
+
+    def too_slow(size, last):
+        return ("time", "timeout (predicted, not attempted)") if size >= 2**14 else None
+
+    probes = search_ladder(SIZES, fake_step(2**16, attempted), lambda last: 2**16, too_slow)
+    outcome = ladder_outcome(SIZES, probes)
+    assert attempted == [2**10, 2**13]
+    assert [p["size"] for p in probes] == [2**10, 2**16, 2**13, 2**14]
+    assert outcome["best"]["size"] == 2**13 and outcome["max_is_lower_bound"]
+    assert outcome["limit_bracket"] is None and outcome["limit_kind"] == "time (predicted)"
+
+    # the budget ends after the jump ran out of memory: 2**10 ran, nothing is bracketed
+    attempted = []
+
+    def budget_after_two(size, last):
+        return ("budget", "skipped: not attempted, budget") if len(attempted) >= 2 else None
+
+    probes = search_ladder(SIZES, fake_step(2**13, attempted), lambda last: 2**16,
+                           budget_after_two)
+    outcome = ladder_outcome(SIZES, probes)
+    assert attempted == [2**10, 2**16] and probes[-1]["kind"] == "budget"
+    assert outcome["best"]["size"] == 2**10 and outcome["max_is_lower_bound"]
+    assert outcome["limit_kind"] == "budget" and outcome["stopped_by"].startswith("skipped")
+
+
+def test_ladder_whose_first_size_fails_has_no_summary_size():
+    attempted = []
+    probes = search_ladder(SIZES, fake_step(2**9, attempted), lambda last: None, never_refuse)
+    assert attempted == [2**10]
+    outcome = ladder_outcome(SIZES, probes)
+    assert outcome["best"] is None and outcome["error"].startswith("no size ran: JaxRuntime")
+
+
+def test_budget_split_keeps_time_for_every_suite():
+    plan = BudgetPlan(shares=split_budget(400.0, {"maxtok": 3.0, "layer": 4.0, "decoder": 1.0}),
+                      rows_left={"maxtok": 2, "layer": 10, "decoder": 5})
+    assert plan.shares == {"maxtok": 150.0, "layer": 200.0, "decoder": 50.0}
+    assert plan.available("maxtok", 400.0) == 150.0
+    plan.finished("maxtok", 140.0)  # a long ladder
+    assert plan.available("maxtok", 260.0) == 10.0
+    plan.finished("maxtok", 10.0)  # the suite's last row: its share is no longer reserved
+    assert plan.rows_left["maxtok"] == 0
+    assert plan.available("layer", 250.0) == 200.0  # the decoder's 50 s stay reserved
+    assert plan.available("decoder", 250.0) == 50.0
+    plan.finished("layer", 230.0)  # layer over its share, using slack nobody was owed
+    assert plan.available("decoder", 20.0) == 20.0
+    assert plan.available("layer", 20.0) == -30.0  # the decoder is still owed 50 s
+    # a ladder's even part of its suite's time, among the ladders not yet searched
+    plan.ladders_left["maxtok"] = {"a", "b", "c"}
+    assert plan.ladder_allowance("maxtok", "a", 90.0) == 30.0
+    assert plan.ladder_allowance("maxtok", "b", 60.0) == 30.0
+
+
+def test_a_suite_out_of_time_skips_while_others_run(fake_benchmark):
+    state = make_state(budget_s=100.0)
+    state.budget = BudgetPlan(shares={"layer": 50.0, "decoder": 50.0},
+                              spent={"layer": 60.0}, rows_left={"layer": 5, "decoder": 5})
+    state.settings.started -= 60.0  # the layer rows took 60 s: 40 s left, 50 s owed to decoder
+    Runner(fake_benchmark, state).run(FakeCase(suite="layer"))
+    assert fake_benchmark.extra_info["error"].startswith("skipped: not attempted, the run's time")
+    other = FakeBenchmark()
+    Runner(other, state).run(FakeCase(suite="decoder"))
+    assert "error" not in other.extra_info
