@@ -11,12 +11,6 @@ Prints (and optionally writes as JSON rows):
 4. N = M = 1,048,576 forward+backward in a fresh subprocess: peak device memory
    (``memory_stats()["peak_bytes_in_use"]``) and time.
 
-``--variants [NAME ...]`` instead times only the candidate defaults of ``tilax.rbf.api.VARIANTS``
-(all, or the named ones) against ``impl="xla"``: forward and forward+backward at N = M = 65536,
-D = 8, O = 16, float32, with their float64 errors (forward on 2048 queries, gradients on all),
-in one table sorted by forward+backward time (about 2-3 minutes on an H200 with ``--rounds 8``).
-The winner becomes the default by setting ``DEFAULT_VARIANT`` in ``src/tilax/rbf/api.py``.
-
 Timing: jit, the first call (compile) timed separately and excluded, one more warm-up call,
 then ``--rounds`` timed calls each ending in ``block_until_ready``; median with q1/q3.
 Uses only jax, numpy and the standard library (plus tilax from ``src/``).
@@ -157,8 +151,8 @@ def main_comparison(n, rounds, reference):
     shape = dict(family="rbf", suite="kernel_mv", n=n, m=n, dim=DIM, out=OUT, batch=1,
                  dtype="float32")  # fmt: skip
     xla_ms = {}
-    # precision None: the default variant's modes (api.DEFAULT_VARIANT / TILAX_RBF_VARIANT).
-    runs = [("xla", None)] + [("pallas", p) for p in (None, "high", "default", "highest")]
+    # precision None is "default" (the same kernels), so it is timed once.
+    runs = [("xla", None)] + [("pallas", p) for p in (None, "high", "highest")]
     for impl, precision in runs:
         forward, forward_backward = kernel_mv_fns(impl=impl, precision=precision)
         for op, fn in (("fwd", forward), ("fwd_bwd", forward_backward)):
@@ -209,12 +203,12 @@ def kde_comparison(n, rounds):
 
 
 def sweep(n, rounds):
-    print(f"\n== tile sweep, rbf_kernel_mv pallas precision=high N=M={n} D={DIM} O={OUT} ==")
+    print(f"\n== tile sweep, rbf_kernel_mv pallas precision=None N=M={n} D={DIM} O={OUT} ==")
     inputs = make_inputs(n, n, DIM, OUT)
     backend = "triton" if jax.default_backend() == "gpu" else "interpret"
-    base = api.default_config(backend, "high", batch=1, n=n, m=n, out=OUT)
+    base = api.default_config(backend, None, batch=1, n=n, m=n, out=OUT)
     print(f"  defaults: {base}")
-    info = dict(family="rbf", suite="kernel_mv_tiles", impl="pallas", precision="high",
+    info = dict(family="rbf", suite="kernel_mv_tiles", impl="pallas", precision=None,
                 n=n, m=n, dim=DIM, out=OUT, batch=1, dtype="float32")  # fmt: skip
     # Forward: tiles x warps (stages stay at the default).
     for block_q, block_k, warps in FWD_SWEEP:
@@ -241,74 +235,6 @@ def sweep(n, rounds):
 def grad_errors(result, ref):
     names = ("dq", "dk", "dv", "dlengthscale")
     return {n: float(f"{rel(g, r):.3g}") for n, g, r in zip(names, result[1], ref[1], strict=True)}
-
-
-def variants(n, rounds, names):
-    """Every candidate default of ``api.VARIANTS`` (or ``names``) vs XLA; one sorted table."""
-    names = names or list(api.VARIANTS)
-    print(f"\n== variants, rbf_kernel_mv N=M={n} D={DIM} O={OUT} float32 ==")
-    inputs = make_inputs(n, n, DIM, OUT)
-    subset = min(n, 2048)
-    start = time.perf_counter()
-    ref = float64_reference(inputs, subset)
-    print(f"  float64 reference: {time.perf_counter() - start:.1f} s", flush=True)
-    backend = "triton" if jax.default_backend() == "gpu" else "interpret"
-    info = dict(family="rbf", suite="kernel_mv_variants", n=n, m=n, dim=DIM, out=OUT, batch=1,
-                dtype="float32")  # fmt: skip
-    xla_ms = {}
-    for op, fn in zip(("fwd", "fwd_bwd"), kernel_mv_fns(impl="xla"), strict=True):
-        row = run_case(f"xla {op}", fn, inputs, rounds, impl="xla", op=op, **info)
-        if row is not None:
-            xla_ms[op] = row["median_ms"]
-            emit(row)
-    table = []
-    for name in names:
-        cfg = api.default_config(backend, None, batch=1, n=n, m=n, out=OUT, variant=name)
-        launches = " ".join(
-            f"{kernel}={launch.block_p}x{launch.block_l}/w{launch.num_warps}/s{launch.num_stages}"
-            for kernel, launch in (("fwd", cfg.fwd), ("dq", cfg.dq), ("dk", cfg.dk))
-        )
-        modes = cfg.modes
-        print(f"  -- {name}: {modes.distance}/{modes.values}/{modes.coords} {launches} "
-              f"fused_backward={cfg.fused_backward}", flush=True)  # fmt: skip
-        entry = dict(variant=name)
-        for op, fn in zip(("fwd", "fwd_bwd"), config_fns(cfg), strict=True):
-            row = run_case(f"{name} {op}", fn, inputs, rounds, impl="pallas", op=op,
-                           variant=name, **info)  # fmt: skip
-            if row is None:
-                entry[op] = None
-                continue
-            result = fn(*inputs)
-            if op == "fwd":
-                row["rel_err"] = float(f"{rel(result[:subset], ref[0]):.3g}")
-            else:
-                row["rel_err"] = grad_errors(result, ref)
-            if op in xla_ms:
-                row["speedup_vs_xla"] = round(xla_ms[op] / row["median_ms"], 2)
-            emit(row)
-            entry[op] = row
-        table.append(entry)
-
-    def fwd_bwd_ms(entry):
-        return entry["fwd_bwd"]["median_ms"] if entry.get("fwd_bwd") else float("inf")
-
-    print(f"\n== variants sorted by fwd_bwd (xla: fwd {xla_ms.get('fwd', float('nan')):.2f} ms, "
-          f"fwd_bwd {xla_ms.get('fwd_bwd', float('nan')):.2f} ms; target >= {TARGET_SPEEDUP}x "
-          f"each; default now {api.DEFAULT_VARIANT!r}) ==")  # fmt: skip
-    print(f"  {'variant':<24} {'fwd ms':>8} {'x':>6} {'fwd_bwd ms':>10} {'x':>6} {'err fwd':>8} "
-          f"{'dq':>8} {'dk':>8} {'dv':>8} {'dl':>8}  targets")  # fmt: skip
-    for entry in sorted(table, key=fwd_bwd_ms):
-        fwd, both = entry.get("fwd"), entry.get("fwd_bwd")
-        if fwd is None or both is None:
-            print(f"  {entry['variant']:<24} failed (see the rows above)")
-            continue
-        errs = both["rel_err"]
-        speedups = (fwd.get("speedup_vs_xla", 0.0), both.get("speedup_vs_xla", 0.0))
-        ok = min(speedups) >= TARGET_SPEEDUP
-        print(f"  {entry['variant']:<24} {fwd['median_ms']:8.3f} {speedups[0]:6.2f} "
-              f"{both['median_ms']:10.3f} {speedups[1]:6.2f} {fwd['rel_err']:8.2g} "
-              f"{errs['dq']:8.2g} {errs['dk']:8.2g} {errs['dv']:8.2g} {errs['dlengthscale']:8.2g}"
-              f"  {'PASS' if ok else 'FAIL'}")  # fmt: skip
 
 
 def peak_child(n, impl):
@@ -346,8 +272,7 @@ def peak_memory(n, impl, timeout):
 
 def summary():
     """One line per target of the issue, from the rows measured above (default precision)."""
-    print(f"\n== targets (pallas, precision=None: variant {api.current_variant()!r}, vs xla in "
-          "this process) ==")  # fmt: skip
+    print("\n== targets (pallas, precision=None, vs xla in this process) ==")
 
     def find(suite, impl, op):
         for row in ROWS:
@@ -388,20 +313,16 @@ def environment():
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, help="timed calls per case (15; 8 with --variants)")
+    parser.add_argument("--rounds", type=int, default=15, help="timed calls per case")
     parser.add_argument("--n", type=int, default=N_MAIN, help="N = M of the comparisons")
     parser.add_argument("--peak-n", type=int, default=N_PEAK, help="N = M of the memory run")
     parser.add_argument("--no-sweep", action="store_true")
     parser.add_argument("--no-reference", action="store_true", help="skip float64 errors")
     parser.add_argument("--peak-timeout", type=int, default=900)
     parser.add_argument("--json", help="also write every row to this JSON file")
-    parser.add_argument("--variants", nargs="*", metavar="NAME",
-                        help="time only these api.VARIANTS (all when none are named)")
     parser.add_argument("--child-peak", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--child-impl", default="pallas", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.rounds is None:
-        args.rounds = 8 if args.variants is not None else 15
     if args.child_peak:
         peak_child(args.child_peak, args.child_impl)
         return
@@ -409,18 +330,12 @@ def main():
     print("environment:", env)
     if jax.default_backend() != "gpu":
         print("warning: no GPU; Pallas runs in interpret mode and these sizes will take forever")
-    if args.variants is not None:
-        unknown = sorted(set(args.variants) - set(api.VARIANTS))
-        if unknown:
-            parser.error(f"unknown variants {unknown}; known: {list(api.VARIANTS)}")
-        variants(args.n, args.rounds, args.variants)
-    else:
-        main_comparison(args.n, args.rounds, reference=not args.no_reference)
-        kde_comparison(args.n, args.rounds)
-        peak_memory(args.peak_n, "pallas", args.peak_timeout)
-        summary()
-        if not args.no_sweep:
-            sweep(args.n, max(5, args.rounds // 2))
+    main_comparison(args.n, args.rounds, reference=not args.no_reference)
+    kde_comparison(args.n, args.rounds)
+    peak_memory(args.peak_n, "pallas", args.peak_timeout)
+    summary()
+    if not args.no_sweep:
+        sweep(args.n, max(5, args.rounds // 2))
     if args.json:
         Path(args.json).write_text(json.dumps(dict(environment=env, rows=ROWS), indent=1))
         print(f"\nwrote {len(ROWS)} rows to {args.json}")

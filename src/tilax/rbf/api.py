@@ -32,14 +32,7 @@ Backward of ``out = K @ v`` with cotangent ``g`` and ``A = K * (g @ v.T)``:
 ``dqs_i = sum_j A_ij (ks_j - qs_i)``, ``dks_j = sum_i A_ij (qs_i - ks_j)``, ``dv = K.T @ g``: one
 kernel over query tiles (dq) and one over key tiles (dk and, for ``O <= 64``, dv in the same
 sweep; wider ``O`` computes dv with the forward kernel with queries and keys swapped).
-Peak memory stays ``O((N + M) * (D + O))`` in both passes. Variants with ``fused_backward``
-instead run one sweep over key tiles (``pallas_triton.kernel_matmul_grad_fused``): each
-exponent once, dk and dv in registers, the query sums added into a float32 buffer by atomics.
-Variants with ``distance="direct"`` compute exponents from coordinate differences on the FMA
-units instead of the augmented dot (padded rows then contribute zero through zero values).
-
-Candidate defaults live in ``VARIANTS`` (selected by ``DEFAULT_VARIANT`` or the environment
-variable ``TILAX_RBF_VARIANT``); ``tests/rbf/gpu_timing.py --variants`` times them all.
+Peak memory stays ``O((N + M) * (D + O))`` in both passes.
 
 Second-order derivatives (``jax.hessian``, ``grad`` of ``grad``) of ``impl="pallas"`` raise a
 ``NotImplementedError`` naming the alternatives: the backward kernels have no derivative rules.
@@ -51,7 +44,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import os
 from typing import Any
 
 import jax
@@ -75,11 +67,9 @@ PRECISIONS = ("highest", "high", "default")
 class DotModes:
     """How the kernels multiply (see ``tilax.rbf.pallas_triton``): one mode per kind of dot.
 
-    ``distance``: the augmented-point dot giving each exponent, or ``"direct"``: the exponent
-    summed from coordinate differences on the FMA units (``pallas_triton.DirectDistance``;
-    float32-accurate, plain kernel sums only: the KDE falls back to ``"tf32x3"``). ``values``:
-    products with the values and cotangents (``K @ v``, ``g @ v.T``, ``K.T @ g``). ``coords``:
-    products with coordinates in the gradients (``A @ ks``), whose result is differenced with
+    ``distance``: the augmented-point dot giving each exponent. ``values``: products with the
+    values and cotangents (``K @ v``, ``g @ v.T``, ``K.T @ g``). ``coords``: products with
+    coordinates in the gradients (``A @ ks``), whose result is differenced with
     ``qs * rowsum``. Mode names as in ``pallas_triton.DOT_MODES``.
     """
 
@@ -88,10 +78,18 @@ class DotModes:
     coords: str
 
 
-#: precision name -> dot modes (see ``tilax.rbf.pallas_triton``). The distance is never a single
-#: low-precision pass: its exponent error would grow like eps * |qs|^2, a relative error of the
-#: kernel value rather than of the distance. Coordinates are never single bfloat16 either:
-#: ``sum_j A_ij ks_j - qs_i sum_j A_ij`` cancels, so their rounding would be amplified.
+#: precision name -> dot modes (see ``tilax.rbf.pallas_triton``); ``precision=None`` means
+#: ``"default"``. The distance is never a single low-precision pass: its exponent error would
+#: grow like eps * |qs|^2, a relative error of the kernel value rather than of the distance.
+#: Coordinates are never single bfloat16 either: ``sum_j A_ij ks_j - qs_i sum_j A_ij`` cancels,
+#: so their rounding would be amplified.
+#:
+#: Why ``"default"`` is the default: on an H200 (jax 0.11.2, N = M = 65536, D = 8, O = 16,
+#: float32; forward / forward+backward) it took 2.93 / 12.65 ms at ~2.5e-3 relative error (worst
+#: gradient 2.9e-3), against 4.08 / 16.41 ms for ``"high"`` (~1e-5) and 24.77 / 77.84 ms for
+#: chunked XLA, with the GPU launches below. Also measured there, and slower: a one-sweep fused
+#: backward (dq by atomics; 16-19 ms fwd+bwd), exponents from coordinate differences on the FMA
+#: units instead of the TF32 dot (6.5-7 / 25-38 ms) and single-TF32 coordinate products.
 PRECISION_MODES = {
     "highest": DotModes(distance="ieee", values="ieee", coords="ieee"),
     "high": DotModes(distance="tf32x3", values="bf16x3", coords="bf16x3"),
@@ -120,9 +118,7 @@ class PallasConfig:
     ``fwd`` is the forward kernel (programs over query tiles, loop over key tiles; the KDE's
     log-sum-exp too), ``dq`` the query-gradient kernel (the same roles) and ``dk`` the key-
     gradient kernel (programs over *key* tiles, loop over query tiles; also dv). ``block_o``
-    tiles the value columns. ``fused_backward``: ``rbf_kernel_mv``'s backward is one sweep
-    (``pallas_triton.kernel_matmul_grad_fused``, launched with ``dk``; dq by float32 atomics)
-    when all value columns fit one tile of at most 64.
+    tiles the value columns.
     """
 
     backend: _pallas.Backend
@@ -131,7 +127,6 @@ class PallasConfig:
     fwd: Launch
     dq: Launch
     dk: Launch
-    fused_backward: bool = False
 
     def query_rows(self, n: int, *, backward: bool) -> int:
         """``n`` padded to every query tile of the pass."""
@@ -146,110 +141,10 @@ class PallasConfig:
         return _pallas.round_up(m, max(self.dq.block_l, self.dk.block_p))
 
 
-@dataclasses.dataclass(frozen=True)
-class Variant:
-    """A candidate default for GPUs: dot modes of ``precision=None`` (float32/float64 inputs),
-    preferred launches of the three kernels, and whether the backward is one fused sweep.
-
-    Explicit ``precision=`` names keep their ``PRECISION_MODES`` but use the variant's tiles and
-    backward. The launches are preferences: tiles still shrink to the problem (see
-    ``default_config``).
-    """
-
-    modes: DotModes
-    fwd: Launch
-    dq: Launch
-    dk: Launch
-    fused_backward: bool = False
-
-
-_HIGH, _DEFAULT = PRECISION_MODES["high"], PRECISION_MODES["default"]
-_FWD_BEST = Launch(128, 32, num_warps=4, num_stages=2)  # best of the H200 forward sweep
-_BWD_BEST = Launch(64, 128, num_warps=4, num_stages=3)  # best of the H200 backward sweep
-# Fused backward: programs of 64 keys, 64 or 32-query steps. (Programs of 128 or 256 keys in
-# 64-row sub-tiles spill 1.5-4 KB per thread in Triton 3.6 sm_90a builds, with 4 or 8 warps.)
-_FUSED_64 = Launch(64, 64, num_warps=4, num_stages=3)
-_FUSED_64_W8 = Launch(64, 64, num_warps=8, num_stages=3)
-_FUSED_64_L32 = Launch(64, 32, num_warps=4, num_stages=3)
-
-#: Candidate defaults, timed against each other by ``tests/rbf/gpu_timing.py --variants``.
-#: Every backward kernel below builds without register spills in Triton 3.6 for sm_90a
-#: (ptxas -v) except those of "tiles", "tiles_bf16v", "direct" and "direct_fused" (40-410 B).
-#: Comments: what changes, and the predicted H200 time (N = M = 65536, D = 8, O = 16, float32;
-#: fwd / fwd+bwd in ms; XLA is 24.2 / 77.5, the targets 3.0 / 9.7).
-VARIANTS = {
-    # The tiles of the branch before the sweep: 128 x 64 everywhere, 8-warp backward. 4.1 / 28
-    "branch": Variant(_HIGH, Launch(128, 64), Launch(128, 64, 8), Launch(128, 64, 8)),
-    # (a) The measured best tiles with "high" modes. 3.9 / 15.7 (measured)
-    "tiles": Variant(_HIGH, _FWD_BEST, _BWD_BEST, _BWD_BEST),
-    # (c) + single-bfloat16 value products ("default" modes). 3.4 / 12.5
-    "tiles_bf16v": Variant(_DEFAULT, _FWD_BEST, _BWD_BEST, _BWD_BEST),
-    # (c) + coordinate products in one TF32 pass instead of three bfloat16 passes. 3.4 / 11
-    "tf32c": Variant(DotModes("tf32x3", "bf16", "tf32"), _FWD_BEST, _BWD_BEST, _BWD_BEST),
-    # (b) FMA-unit distances (no tf32x3 dot, exact to float32), "high" value modes. 3.3 / 14
-    "direct": Variant(DotModes("direct", "bf16x3", "bf16x3"), _FWD_BEST, _BWD_BEST, _BWD_BEST),
-    # (b + c) FMA-unit distances, single bfloat16 values, TF32 coordinates. 2.8 / 10
-    "direct_fast": Variant(DotModes("direct", "bf16", "tf32"), _FWD_BEST, _BWD_BEST, _BWD_BEST),
-    # (b + c + e) as direct_fast with 64-key forward tiles. 2.9 / 10
-    "direct_fast_k64": Variant(
-        DotModes("direct", "bf16", "tf32"), Launch(128, 64), _BWD_BEST, _BWD_BEST
-    ),
-    # (d) One fused backward sweep (each exponent once, dq by atomics), "high" modes. 3.9 / 11
-    "fused": Variant(_HIGH, _FWD_BEST, _BWD_BEST, _FUSED_64, fused_backward=True),
-    # (c + d) fused, single bfloat16 values, TF32 coordinates. 3.4 / 8.5
-    "fused_fast": Variant(
-        DotModes("tf32x3", "bf16", "tf32"), _FWD_BEST, _BWD_BEST, _FUSED_64, fused_backward=True
-    ),
-    # (b + c + d) direct distances, fused backward, fast value/coordinate modes. 2.8 / 7.5
-    "direct_fused_fast": Variant(
-        DotModes("direct", "bf16", "tf32"), _FWD_BEST, _BWD_BEST, _FUSED_64, fused_backward=True
-    ),
-    # (b + c + d) direct_fused_fast with 8 warps (two warpgroups hide latency). 2.8 / 7.5
-    "direct_fused_fast_w8": Variant(
-        DotModes("direct", "bf16", "tf32"), _FWD_BEST, _BWD_BEST, _FUSED_64_W8,
-        fused_backward=True,
-    ),  # fmt: skip
-    # (b + c + d + e) direct_fused_fast with 32-query steps (fewer live registers). 2.8 / 8
-    "direct_fused_fast_l32": Variant(
-        DotModes("direct", "bf16", "tf32"), _FWD_BEST, _BWD_BEST, _FUSED_64_L32,
-        fused_backward=True,
-    ),  # fmt: skip
-    # (b + d) direct distances, fused backward, "high" value/coordinate modes. 3.3 / 10
-    "direct_fused": Variant(
-        DotModes("direct", "bf16x3", "bf16x3"), _FWD_BEST, _BWD_BEST, _FUSED_64,
-        fused_backward=True,
-    ),  # fmt: skip
-    # (b + c + d) direct_fused_fast_l32 with single TF32 values (~10x less error). 2.9 / 8
-    "direct_fused_tf32": Variant(
-        DotModes("direct", "tf32", "tf32"), _FWD_BEST, _BWD_BEST, _FUSED_64_L32,
-        fused_backward=True,
-    ),
-    # (c + d) TF32-part distances as now, single TF32 values and coordinates, fused. 3.4 / 8.5
-    "fused_tf32": Variant(
-        DotModes("tf32x3", "tf32", "tf32"), _FWD_BEST, _BWD_BEST, _FUSED_64, fused_backward=True
-    ),
-    # (b + c + d + e) direct_fused_fast with 64-key forward tiles, 3 stages. 2.8 / 7.5
-    "direct_fused_fast_k64s3": Variant(
-        DotModes("direct", "bf16", "tf32"), Launch(128, 64, num_warps=4, num_stages=3), _BWD_BEST,
-        _FUSED_64, fused_backward=True,
-    ),  # fmt: skip
-    # Everything single bfloat16 after a direct distance, fused backward (least accurate). 2.8 / 7
-    "direct_fused_bf16": Variant(
-        DotModes("direct", "bf16", "bf16"), _FWD_BEST, _BWD_BEST, _FUSED_64, fused_backward=True
-    ),
-}
-
-#: The variant ``rbf_kernel_mv``/``rbf_kde_density`` use; the environment variable
-#: ``TILAX_RBF_VARIANT`` (read when a call is traced) overrides it, for tuning runs.
-DEFAULT_VARIANT = "tiles"
-
-
-def current_variant() -> str:
-    """``TILAX_RBF_VARIANT`` when set, else ``DEFAULT_VARIANT``."""
-    name = os.environ.get("TILAX_RBF_VARIANT") or DEFAULT_VARIANT
-    if name not in VARIANTS:
-        raise ValueError(f"TILAX_RBF_VARIANT must be one of {tuple(VARIANTS)}, got {name!r}")
-    return name
+#: Preferred GPU launches on large problems, the best of the H200 tile sweeps: forward (programs
+#: over query tiles) and both backward kernels (dq over query tiles, dk over key tiles).
+GPU_FWD_LAUNCH = Launch(128, 32, num_warps=4, num_stages=2)
+GPU_BWD_LAUNCH = Launch(64, 128, num_warps=4, num_stages=3)
 
 
 # ------------------------------------------------------------------------------------------
@@ -267,22 +162,13 @@ def _fit_tile(preferred: int, size: int) -> int:
     return max(16, min(preferred, _pallas.next_power_of_2(size)))
 
 
-def _occupancy_tile(
-    preferred: int, size: int, other_programs: int, smallest: int, per_sm: int = 2
-) -> int:
-    """Largest tile <= ``preferred`` (down to ``smallest``) giving >= ``per_sm`` programs per
-    GPU SM."""
+def _occupancy_tile(preferred: int, size: int, other_programs: int, smallest: int) -> int:
+    """Largest tile <= ``preferred`` (down to ``smallest``) giving >= 2 programs per GPU SM."""
     tile = _fit_tile(preferred, size)
-    target = per_sm * _gpu_sm_count()
+    target = 2 * _gpu_sm_count()
     while tile > smallest and other_programs * (-(-size // tile)) < target:
         tile //= 2
     return tile
-
-
-def _gpu_launch(preferred: Launch, block_p: int, block_l: int) -> Launch:
-    """``preferred``'s launch settings on the fitted tiles (at most 4 warps on a shrunk tile)."""
-    warps = preferred.num_warps if block_p >= preferred.block_p else min(preferred.num_warps, 4)
-    return Launch(block_p, block_l, num_warps=warps, num_stages=preferred.num_stages)
 
 
 def default_config(
@@ -296,23 +182,20 @@ def default_config(
     block_q: int | None = None,
     block_k: int | None = None,
     block_o: int | None = None,
-    variant: str | None = None,
 ) -> PallasConfig:
     """The settings ``rbf_kernel_mv``/``rbf_kde_density`` use unless told otherwise.
 
-    ``variant`` (default ``current_variant()``) gives the dot modes of ``precision=None``, the
-    preferred GPU launches and the backward's shape (see ``VARIANTS``); an explicit
-    ``precision`` name gives the modes instead. On GPUs (Triton) a program tile halves while
-    the grid would have fewer than two programs per SM (small ``N`` or ``M``), down to 32 rows
-    forward and 64 backward (below 64 rows the backward loses the Hopper tensor-core path), and
-    no tile exceeds the next power of two of its dimension (min 16); value tile
+    ``precision`` names the dot modes (``PRECISION_MODES``; ``None`` is ``"default"``). On GPUs
+    (Triton) the launches start from ``GPU_FWD_LAUNCH`` and ``GPU_BWD_LAUNCH``; a program tile
+    halves while the grid would have fewer than two programs per SM (small ``N`` or ``M``), down
+    to 32 rows forward and 64 backward (below 64 rows the backward loses the Hopper tensor-core
+    path), and no tile exceeds the next power of two of its dimension (min 16); value tile
     ``min(64, next_power_of_2(O))``. In interpret mode (CPU) every tile is
     ``min(128, next_power_of_2(size))``: fewer, larger tiles interpret faster. Explicit
     ``block_q``/``block_k`` set the query/key tiles of all three kernels, ``block_o`` the value
     tile.
     """
-    chosen = VARIANTS[variant or current_variant()]
-    modes = chosen.modes if precision is None else PRECISION_MODES[precision]
+    modes = PRECISION_MODES[precision or "default"]
     value_tile = block_o or _fit_tile(64, out)
     if backend == "interpret":
         q_tile = block_q or _fit_tile(128, n)
@@ -321,33 +204,23 @@ def default_config(
         dk = Launch(k_tile, q_tile)
     else:
         o_tiles = -(-out // value_tile)
-        pf, pq, pk = chosen.fwd, chosen.dq, chosen.dk
-        fwd = _gpu_launch(
+        pf, pb = GPU_FWD_LAUNCH, GPU_BWD_LAUNCH
+        fwd = dataclasses.replace(
             pf,
-            block_q or _occupancy_tile(pf.block_p, n, batch * o_tiles, min(32, pf.block_p)),
-            block_k or _fit_tile(pf.block_l, m),
+            block_p=block_q or _occupancy_tile(pf.block_p, n, batch * o_tiles, 32),
+            block_l=block_k or _fit_tile(pf.block_l, m),
         )
-        dq = _gpu_launch(
-            pq,
-            block_q or _occupancy_tile(pq.block_p, n, batch, min(64, pq.block_p)),
-            block_k or _fit_tile(pq.block_l, m),
+        dq = dataclasses.replace(
+            pb,
+            block_p=block_q or _occupancy_tile(pb.block_p, n, batch, 64),
+            block_l=block_k or _fit_tile(pb.block_l, m),
         )
-        dk = _gpu_launch(
-            pk,
-            # A fused backward program does both sweeps' work: one per SM is enough.
-            block_k or _occupancy_tile(pk.block_p, m, batch, min(64, pk.block_p),
-                                       per_sm=1 if chosen.fused_backward else 2),  # fmt: skip
-            block_q or _fit_tile(pk.block_l, n),
+        dk = dataclasses.replace(
+            pb,
+            block_p=block_k or _occupancy_tile(pb.block_p, m, batch, 64),
+            block_l=block_q or _fit_tile(pb.block_l, n),
         )
-    return PallasConfig(
-        backend=backend,
-        modes=modes,
-        block_o=value_tile,
-        fwd=fwd,
-        dq=dq,
-        dk=dk,
-        fused_backward=chosen.fused_backward,
-    )
+    return PallasConfig(backend=backend, modes=modes, block_o=value_tile, fwd=fwd, dq=dq, dk=dk)
 
 
 # ------------------------------------------------------------------------------------------
@@ -421,10 +294,10 @@ def _resolve_impl(impl: Any, dtype: jnp.dtype) -> str:
     return "pallas" if _pallas.platform() == "gpu" and dtype != jnp.float64 else "xla"
 
 
-def _resolve_precision(precision: Any, dtype: jnp.dtype) -> str | None:
-    """The precision name, or ``None``: the current variant's modes (float32/float64 inputs)."""
+def _resolve_precision(precision: Any) -> str | None:
+    """The precision name (``None``: the default, as ``"default"``)."""
     if precision is None:
-        return "default" if dtype in (jnp.bfloat16, jnp.float16) else None
+        return None
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS} or None, got {precision!r}")
     return precision
@@ -480,31 +353,10 @@ def _forward_distance(modes: DotModes) -> tuple[bool, str]:
     return False, modes.distance
 
 
-# exp2 exponent -0.5 log2(e) |qs - ks|^2 = -sum_d (s qs_d - s ks_d)^2; key rows hold log2(e) ks.
-_DIRECT_QUERY_SCALE = math.sqrt(0.5 * LOG2E)
-_DIRECT_KEY_SCALE = _DIRECT_QUERY_SCALE * LN2
-
-
-def _distance(mode: str, dim: int, *, program_rows: str):
-    """The kernels' distance argument; ``program_rows`` ("queries"/"keys") is the ``x`` role."""
-    if mode != "direct":
-        return mode
-    q, k = _DIRECT_QUERY_SCALE, _DIRECT_KEY_SCALE
-    scales = (q, k) if program_rows == "queries" else (k, q)
-    return pallas_triton.DirectDistance(dim, *scales)
-
-
 def _value_operand(a: jax.Array, modes: DotModes) -> jax.Array:
     """Values and cotangents as the kernels read them: stored in bfloat16 when every product
     with them rounds to bfloat16 anyway (the same numbers, half the bytes moved per tile)."""
     return a.astype(jnp.bfloat16) if modes.values == "bf16" else a
-
-
-def _kde_modes(modes: DotModes) -> DotModes:
-    """The KDE's exponents carry weights and shifts, which direct distances ignore."""
-    if modes.distance == "direct":
-        return dataclasses.replace(modes, distance="tf32x3")
-    return modes
 
 
 _SECOND_ORDER_MESSAGE = (
@@ -559,7 +411,7 @@ def _kernel_mv_pallas_fwd(qs, ks, v, cfg: PallasConfig):
     matmul = _launcher("rbf_kernel_mv", pallas_triton.kernel_matmul, cfg, cfg.fwd)
     parts, distance = _forward_distance(cfg.modes)
     rows_k = cfg.key_rows(m, backward=False)
-    # Padded keys: zero values (and, for dots, the -1e30 exponent) make them contribute 0.
+    # Padded keys have the -1e30 exponent (and zero values): they contribute exactly 0.
     out = matmul(
         _augment_queries(qs, cfg.query_rows(n, backward=False), parts=parts),
         _augment_keys(ks, rows_k, parts=parts),
@@ -567,7 +419,7 @@ def _kernel_mv_pallas_fwd(qs, ks, v, cfg: PallasConfig):
             _pad_rows_cols(v, rows_k, _pallas.round_up(out_dim, cfg.block_o)), cfg.modes
         ),
         block_o=cfg.block_o,
-        distance=_distance(distance, qs.shape[2], program_rows="queries"),
+        distance=distance,
         values=cfg.modes.values,
     )
     return out[:, :n, :out_dim], (qs, ks, v)
@@ -575,41 +427,27 @@ def _kernel_mv_pallas_fwd(qs, ks, v, cfg: PallasConfig):
 
 def _kernel_mv_pallas_bwd(cfg: PallasConfig, residuals, g):
     qs, ks, v = residuals
-    (_, n, dim), m, out_dim = qs.shape, ks.shape[1], v.shape[2]
+    n, m, out_dim = qs.shape[1], ks.shape[1], v.shape[2]
     modes = cfg.modes
     # Padded queries have zero cotangents and padded keys zero values: their A_ij are 0.
-    by_query = _distance(modes.distance, dim, program_rows="queries")
-    by_key = _distance(modes.distance, dim, program_rows="keys")
-    fused_cols = max(16, _pallas.next_power_of_2(out_dim))  # one power-of-two value tile
-    if cfg.fused_backward and fused_cols <= 64:
-        # One sweep over key tiles: queries only pad to its loop tile.
-        rows_q, rows_k = _pallas.round_up(n, cfg.dk.block_l), _pallas.round_up(m, cfg.dk.block_p)
-        x, y = _augment_queries(qs, rows_q), _augment_keys(ks, rows_k)
-        g_pad = _value_operand(_pad_rows_cols(g.astype(jnp.float32), rows_q, fused_cols), modes)
-        v_pad = _value_operand(_pad_rows_cols(v, rows_k, fused_cols), modes)
-        fused = _launcher("rbf_kernel_mv", pallas_triton.kernel_matmul_grad_fused, cfg, cfg.dk)
-        c, dv, r = fused(y, x, v_pad, g_pad, distance=by_key, values=modes.values,
-                         coords=modes.coords)  # fmt: skip
-        return _kernel_mv_grads(qs, ks, r, c, dv, out_dim)
     rows_q, rows_k = cfg.query_rows(n, backward=True), cfg.key_rows(m, backward=True)
     cols = _pallas.round_up(out_dim, cfg.block_o)
     x = _augment_queries(qs, rows_q)
     y = _augment_keys(ks, rows_k)
     g_pad = _value_operand(_pad_rows_cols(g.astype(jnp.float32), rows_q, cols), modes)
     v_pad = _value_operand(_pad_rows_cols(v, rows_k, cols), modes)
-    dots = dict(block_o=cfg.block_o, values=modes.values)
+    dots = dict(block_o=cfg.block_o, distance=modes.distance, values=modes.values)
     grad_q = _launcher("rbf_kernel_mv", pallas_triton.kernel_matmul_grad, cfg, cfg.dq)
     grad_k = _launcher("rbf_kernel_mv", pallas_triton.kernel_matmul_grad, cfg, cfg.dk)
-    r = grad_q(x, y, g_pad, v_pad, with_pw=False, coords=modes.coords, distance=by_query, **dots)
+    r = grad_q(x, y, g_pad, v_pad, with_pw=False, coords=modes.coords, **dots)
     # dv = K.T @ g rides along in the dk sweep while its accumulator fits in registers.
     fuse_dv = cols <= 64
-    c = grad_k(y, x, v_pad, g_pad, with_pw=fuse_dv, coords=modes.coords, distance=by_key, **dots)
+    c = grad_k(y, x, v_pad, g_pad, with_pw=fuse_dv, coords=modes.coords, **dots)
     if fuse_dv:
         c, dv = c
     else:
-        dv = _launcher("rbf_kernel_mv", pallas_triton.kernel_matmul, cfg, cfg.dk)(
-            y, x, g_pad, distance=by_key, **dots
-        )
+        dv_kernel = _launcher("rbf_kernel_mv", pallas_triton.kernel_matmul, cfg, cfg.dk)
+        dv = dv_kernel(y, x, g_pad, **dots)
     return _kernel_mv_grads(qs, ks, r, c, dv, out_dim)
 
 
@@ -720,38 +558,32 @@ def rbf_kernel_mv(
         ``"pallas"`` (fused tiled kernel; Triton on GPU, interpret mode on CPU, which is slow and
         meant for tests), ``"xla"`` (plain XLA in chunks of queries, memory ``O((N + M) * chunk)``,
         differentiable to any order) or ``"dense"`` (materialises the ``N x M`` matrix).
-      precision: how the Pallas kernels multiply; accumulation is always float32. Relative
-        errors vs float64 below were measured in interpret mode, which reproduces the GPU's
-        roundings (N = M = 512, D = 8, O = 16, points N(5, 2^2) per dimension, lengthscales
-        0.8-1.6); ``tests/rbf/gpu_timing.py`` prints the GPU numbers.
+      precision: how the Pallas kernels multiply; accumulation is always float32 and distances
+        are always float32-accurate (three-pass TF32). Relative errors vs float64 for float32
+        inputs, measured on an H200 (N = M = 65536, D = 8, O = 16, standard normal points,
+        lengthscales 0.8-1.6; ``tests/rbf/gpu_timing.py`` prints them):
 
-        * ``"highest"``: every dot in IEEE float32 on the FMA units, no tensor cores. Output and
-          gradients ~1e-6. Several times slower than ``"high"``.
-        * ``None`` (the default): for float32 and float64 inputs the dot modes of the default
-          variant (``api.DEFAULT_VARIANT``, see ``api.VARIANTS``; currently ``"tiles"``, whose
-          modes are those of ``"high"``), for bfloat16 and float16 inputs ``"default"``.
-          Faster candidates measured in interpret mode (same setup as below; output / worst
-          gradient): direct FMA distances + single-bfloat16 values + single-TF32 coordinates
-          ~2.7e-3 / 2.4e-3; single-TF32 values and coordinates ~3e-4 / 7e-4 (the GPU numbers
-          come from ``tests/rbf/gpu_timing.py --variants``).
-        * ``"high"``: distances from 3-pass TF32 dots
-          (operands split into TF32 ``hi + lo``, float32-accurate), value and gradient products
-          from 3-pass bfloat16 dots (``hi + lo`` parts, ~2**-16 per product). Output ~5e-6,
-          gradients 1e-5 to 3e-5. The default because every product runs on tensor cores
-          while the result stays close to float32: the kernel is then limited by ``exp``
-          throughput, and the splits cost a few instructions per pair.
-        * ``"default"``: as ``"high"`` but the value
-          products in single bfloat16 (8-bit mantissa): output and gradients ~3e-3. Fastest.
+        * ``None`` (the default) or ``"default"``: value and cotangent products from single
+          bfloat16 operands (8-bit mantissa) on tensor cores: output and gradients ~2.5e-3.
+          This mirrors JAX's own default float32 matmul precision on GPUs, which also rounds
+          the operands (to TF32); the fastest setting.
+        * ``"high"``: value products from three bfloat16 passes (operands split into ``hi + lo``
+          parts): ~1e-5, about 1.3x the time of the default.
+        * ``"highest"``: every product in IEEE float32 on the FMA units, no tensor cores:
+          ~5e-6, several times slower. Use it (or ``"high"``) for full float32 accuracy, e.g.
+          in linear solves that repeat the product many times.
 
-        Distances are never computed in a single low-precision pass: the expansion
-        ``|q|^2 + |k|^2 - 2 q.k`` would turn its rounding into a relative error of the kernel
-        value. ``impl="xla"``/``"dense"`` use ``HIGHEST`` dots for distances, and for the
-        value product ``HIGHEST`` with ``"highest"``, else XLA's default (TF32 on recent GPUs).
-      block_q, block_k, block_o: tile sizes of queries, keys and value columns (powers of two
-        >= 16) for ``impl="pallas"``, in the forward and both backward kernels; ``None`` picks
-        them per problem and device (see ``default_config`` and ``VARIANTS``; on GPUs, for
-        large problems with the ``"tiles"`` variant, 128 queries x 32 keys forward, 64 x 128
-        in each backward kernel with 3 pipeline stages, value tile ``min(64, O)``).
+        ``impl="xla"`` and ``"dense"`` compute distances with ``HIGHEST`` dots and multiply by
+        ``v`` at ``HIGHEST`` precision with ``"highest"``, else at XLA's default (TF32 on
+        recent GPUs).
+      block_q: query tile size of the forward and both backward kernels for ``impl="pallas"``
+        (a power of two, at least 16); ``None`` picks it per problem and device (see
+        ``default_config``; on GPUs, for large problems, 128 queries forward and 64 in the
+        backward kernels).
+      block_k: key tile size (a power of two, at least 16); ``None`` picks it (for large
+        problems on GPUs, 32 keys forward and 128 in the backward kernels).
+      block_o: value column tile size (a power of two, at least 16); ``None`` gives
+        ``min(64, next_power_of_2(O))``, at least 16.
 
     Returns:
       ``[..., N, O]`` in the result dtype of ``q``, ``k`` and ``v`` (bfloat16 in, bfloat16 out).
@@ -765,7 +597,7 @@ def rbf_kernel_mv(
         ``impl`` or ``precision``, a block size that is not a power of two >= 16.
       NotImplementedError: second-order differentiation of ``impl="pallas"`` (use ``"xla"``).
 
-    Example:
+    Examples:
       >>> import jax, jax.numpy as jnp, tilax
       >>> q = jax.random.normal(jax.random.key(0), (1000, 3))
       >>> k = jax.random.normal(jax.random.key(1), (2000, 3))
@@ -798,7 +630,7 @@ def rbf_kernel_mv(
         _check_block(name, block)
     out_dtype = jnp.result_type(q, k, v)
     impl = _resolve_impl(impl, out_dtype)
-    precision = _resolve_precision(precision, out_dtype)
+    precision = _resolve_precision(precision)
 
     batch_shape, (n, m, out_dim) = q.shape[:-2], (q.shape[-2], k.shape[-2], v.shape[-1])
     if m == 0 or n == 0 or out_dim == 0 or math.prod(batch_shape) == 0:
@@ -858,10 +690,12 @@ def rbf_kde_density(
         maximum and rescaled sum per query), so the log density is finite and accurate far from
         all data, where ``p(x)`` itself underflows to 0; ``log=False`` exponentiates it.
       impl: as in ``rbf_kernel_mv`` (``"auto"``: Pallas on GPU, XLA on CPU or for float64).
-      precision: as in ``rbf_kernel_mv``. The KDE has no value product, so ``"high"`` and
-        ``"default"`` coincide: distances in 3-pass TF32, backward sums in 3-pass bfloat16
-        (log density ~2e-7 relative, gradients ~1e-5); ``"highest"``: IEEE float32 (~1e-6).
-      block_q, block_k: tile sizes (powers of two >= 16) for ``impl="pallas"``.
+      precision: as in ``rbf_kernel_mv``. The KDE has no value product, so ``None``,
+        ``"default"`` and ``"high"`` coincide: distances in three-pass TF32, backward sums in
+        three-pass bfloat16 (log density ~2e-7 relative, gradients ~1e-5); ``"highest"``:
+        IEEE float32 (~1e-6).
+      block_q: query tile size (a power of two, at least 16) for ``impl="pallas"``.
+      block_k: data point tile size (a power of two, at least 16) for ``impl="pallas"``.
 
     Returns:
       ``[..., N]`` in the result dtype of ``query`` and ``data``. Empty ``M`` gives density 0
@@ -875,7 +709,7 @@ def rbf_kde_density(
         ``precision``; bad block sizes.
       NotImplementedError: second-order differentiation of ``impl="pallas"``.
 
-    Example:
+    Examples:
       >>> import jax, tilax
       >>> data = jax.random.normal(jax.random.key(0), (5000, 2))
       >>> grid = jax.random.uniform(jax.random.key(1), (100, 2), minval=-40.0, maxval=40.0)
@@ -911,7 +745,7 @@ def rbf_kde_density(
         _check_block(name, block)
     out_dtype = jnp.result_type(query, data)
     impl = _resolve_impl(impl, out_dtype)
-    precision = _resolve_precision(precision, out_dtype)
+    precision = _resolve_precision(precision)
 
     if m == 0 or n == 0 or math.prod(batch_shape) == 0:
         return jnp.full((*batch_shape, n), -jnp.inf if log else 0.0, out_dtype)
@@ -931,7 +765,6 @@ def rbf_kde_density(
         _pallas.resolve_backend("pallas"), precision, batch=batch, n=n, m=m, out=dim + 1,
         block_q=block_q, block_k=block_k,
     )  # fmt: skip
-    cfg = dataclasses.replace(cfg, modes=_kde_modes(cfg.modes))
     xq, xd = reference.centered_scaled(query, data, bandwidth, dtype)
     log_sum = _kde_log_sum_pallas(
         xq.astype(jnp.float32).reshape(batch, n, dim),

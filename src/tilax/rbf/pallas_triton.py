@@ -29,15 +29,7 @@ Dots take a *mode* naming how float32 operands are multiplied (accumulation is f
   per-pair operand (kernel values, gradient weights): splitting a float32 tile into bfloat16
   parts is ~3 instructions per element, and a bfloat16 tile feeds the next tensor-core dot
   straight from registers (a float32/TF32 one needs shuffles);
-* ``"bf16"``: operands rounded to bfloat16 (8-bit mantissa), relative error ~2**-9 per product;
-* ``"tf32"``: one TF32 pass on tensor cores (10-bit mantissa, ~2**-11 per product), float32
-  operands straight from registers, no split.
-
-The distance may instead be a ``DirectDistance``: the exponent summed from coordinate
-differences on the FMA units, ``-sum_d (a x_d - b y_d)^2`` over the first ``dim`` columns, with
-no ``|x|^2 + |y|^2 - 2 x.y`` cancellation (float32-accurate) and no tensor-core dot to wait for.
-It ignores the augmented columns (norms, KDE weights, shifts, the padding exponent), so callers
-use it only for the plain kernel sum and make padded rows contribute zero through zero values.
+* ``"bf16"``: operands rounded to bfloat16 (8-bit mantissa), relative error ~2**-9 per product.
 
 The splits are written out here (not left to Triton's ``tf32x3``, which adds a NaN select per
 output element), so the interpret mode on CPU computes the same rounded parts as the GPU.
@@ -45,30 +37,16 @@ output element), so the interpret mode on CPU computes the same rounded parts as
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
 
 from tilax._pallas import Backend, pallas_call
 
-DOT_MODES = ("ieee", "tf32x3", "tf32_parts", "bf16x3", "bf16", "tf32")
-
-
-@dataclasses.dataclass(frozen=True)
-class DirectDistance:
-    """Exponent ``-sum_{d < dim} (x_scale x_d - y_scale y_d)^2`` from the first ``dim`` columns.
-
-    Two FP32 instructions (a subtract and a fused multiply-add) per pair and coordinate.
-    """
-
-    dim: int
-    x_scale: float
-    y_scale: float
+DOT_MODES = ("ieee", "tf32x3", "tf32_parts", "bf16x3", "bf16")
 
 
 def _round_to_tf32(x: jax.Array) -> jax.Array:
@@ -90,7 +68,7 @@ def _round_to_bf16(x: jax.Array) -> jax.Array:
 
 def _split(a: jax.Array, mode: str) -> tuple[jax.Array, ...]:
     """The parts a ``mode`` dot multiplies: ``(a,)``, ``(bf16(a),)`` or ``(hi, lo)``."""
-    if mode in ("ieee", "tf32_parts", "tf32"):
+    if mode in ("ieee", "tf32_parts"):
         return (a,)
     if mode == "bf16":
         return (a.astype(jnp.bfloat16),)
@@ -121,12 +99,8 @@ def _dot(a_parts, b_parts, mode: str, backend: Backend, *, b_transposed: bool = 
     dims = (((1,), (1,) if b_transposed else (0,)), ((), ()))
     if mode == "ieee":
         precision = lax.Precision.HIGHEST
-    elif mode in ("tf32x3", "tf32_parts", "tf32") and backend != "interpret":
+    elif mode in ("tf32x3", "tf32_parts") and backend != "interpret":
         precision = lax.DotAlgorithmPreset.TF32_TF32_F32
-    elif mode == "tf32":  # interpret mode: round as the tensor cores would, then exact products
-        precision = lax.Precision.HIGHEST
-        a_parts = tuple(_round_to_tf32(a) for a in a_parts)
-        b_parts = tuple(_round_to_tf32(b) for b in b_parts)
     elif mode in ("tf32x3", "tf32_parts"):
         precision = lax.Precision.HIGHEST  # the parts are exact TF32 values already
     else:
@@ -146,29 +120,9 @@ def _tile(index: jax.Array, size: int) -> pl.Slice:
     return pl.ds(pl.multiple_of(index * size, size), size)
 
 
-def _program_points(x_ref, distance, rows=slice(None)):
-    """What the exponent needs of the program's ``rows``: dot parts, or scaled columns."""
-    if isinstance(distance, DirectDistance):
-        return [x_ref[rows, d] * distance.x_scale for d in range(distance.dim)]
-    return _split(x_ref[rows, :], distance)
-
-
-def _loop_points(y_ref, rows, distance):
-    """What the exponent needs of the loop's ``rows``: dot parts, or scaled columns."""
-    if isinstance(distance, DirectDistance):
-        return [y_ref[rows, d] * distance.y_scale for d in range(distance.dim)]
-    return _split(y_ref[rows, :], distance)
-
-
-def _exponent(x, y, distance, backend):
-    """``t[i, l]`` (base-2 exponents) from ``_program_points`` ``x`` and ``_loop_points`` ``y``."""
-    if isinstance(distance, DirectDistance):
-        t = None
-        for x_d, y_d in zip(x, y, strict=True):
-            diff = x_d[:, None] - y_d[None, :]
-            t = -(diff * diff) if t is None else t - diff * diff
-        return t
-    return _dot(x, y, distance, backend, b_transposed=True)
+def _exponent(x_parts, y_parts, distance: str, backend: Backend) -> jax.Array:
+    """``t[i, l] = x_i . y_l`` (base-2 exponents) from ``_split`` parts."""
+    return _dot(x_parts, y_parts, distance, backend, b_transposed=True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -176,12 +130,12 @@ def _exponent(x, y, distance, backend):
 
 
 def _kernel_matmul_kernel(x_ref, y_ref, v_ref, out_ref, *, block_l, distance, values, backend):
-    x = _program_points(x_ref, distance)
+    x = _split(x_ref[...], distance)
     num_tiles = y_ref.shape[0] // block_l
 
     def body(j, acc):
         rows = _tile(j, block_l)
-        p = jnp.exp2(_exponent(x, _loop_points(y_ref, rows, distance), distance, backend))
+        p = jnp.exp2(_exponent(x, _split(y_ref[rows, :], distance), distance, backend))
         return acc + _dot(_split(p, values), _split(v_ref[rows, :], values), values, backend)
 
     acc = jnp.zeros(out_ref.shape, jnp.float32)
@@ -196,7 +150,7 @@ def kernel_matmul(
     block_p: int,
     block_l: int,
     block_o: int,
-    distance: str | DirectDistance,
+    distance: str,
     values: str,
     backend: Backend,
     num_warps: int | None = 4,
@@ -237,7 +191,7 @@ def kernel_matmul(
 def _kernel_matmul_grad_kernel(
     x_ref, y_ref, u_ref, w_ref, r_ref, *pw_refs, block_l, block_o, distance, values, coords, backend
 ):
-    x = _program_points(x_ref, distance)
+    x = _split(x_ref[...], distance)
     num_tiles = y_ref.shape[0] // block_l
     chunks = [pl.ds(o * block_o, block_o) for o in range(u_ref.shape[1] // block_o)]
     # Narrow value tiles stay in registers for the whole loop; wide ones are re-read per tile.
@@ -249,7 +203,7 @@ def _kernel_matmul_grad_kernel(
         r_acc, pw_acc = carry
         rows = _tile(j, block_l)
         y = y_ref[rows, :]
-        p = jnp.exp2(_exponent(x, _loop_points(y_ref, rows, distance), distance, backend))
+        p = jnp.exp2(_exponent(x, _split(y, distance), distance, backend))
         p_parts = _split(p, values) if pw_refs else None
         uw = None  # not zeros: 0.0 + x costs an add per pair (it is not x for x = -0.0)
         new_pw = []
@@ -282,7 +236,7 @@ def kernel_matmul_grad(
     block_p: int,
     block_l: int,
     block_o: int,
-    distance: str | DirectDistance,
+    distance: str,
     values: str,
     coords: str,
     backend: Backend,
@@ -333,115 +287,6 @@ def kernel_matmul_grad(
 
 
 # --------------------------------------------------------------------------------------------
-# One backward sweep: programs over x (key) tiles give r and pw; y (query) rows get s by atomics
-
-
-def _kernel_matmul_grad_fused_kernel(
-    x_ref, y_ref, u_ref, w_ref, s_in_ref, r_ref, pw_ref, s_ref, *, block_l, block_sub, distance,
-    values, coords, backend,
-):  # fmt: skip
-    del s_in_ref  # aliased to s_ref: the zeros the atomics add into
-    # The program's rows in sub-tiles of block_sub: each y tile's s contributions are summed
-    # over all of them before one atomic add (fewer atomics), while each dot stays small.
-    subs = [pl.ds(i * block_sub, block_sub) for i in range(x_ref.shape[0] // block_sub)]
-    xs = [_program_points(x_ref, distance, sub) for sub in subs]
-    x_coords = [_split(x_ref[sub, :], coords) for sub in subs]
-    us = [_split(u_ref[sub, :], values) for sub in subs]
-    num_tiles = y_ref.shape[0] // block_l
-
-    def body(j, carry):
-        r_accs, pw_accs = carry
-        rows = _tile(j, block_l)
-        y = _split(y_ref[rows, :], coords)
-        w = _split(w_ref[rows, :], values)
-        y_points = _loop_points(y_ref, rows, distance)
-        s_tile, new_r, new_pw = None, [], []
-        for x, x_c, u, r_acc, pw_acc in zip(xs, x_coords, us, r_accs, pw_accs, strict=True):
-            p = jnp.exp2(_exponent(x, y_points, distance, backend))
-            a = _split(p * _dot(u, w, values, backend, b_transposed=True), coords)
-            # s[l] += sum_i a[i, l] x_i: the y rows' sums, as a second sweep would give them.
-            s_sub = _dot_lhs_transposed(a, x_c, coords, backend)
-            s_tile = s_sub if s_tile is None else s_tile + s_sub
-            new_r.append(r_acc + _dot(a, y, coords, backend))
-            new_pw.append(pw_acc + _dot(_split(p, values), w, values, backend))
-        pltriton.atomic_add(s_ref, (rows, slice(None)), s_tile)
-        return tuple(new_r), tuple(new_pw)
-
-    def zeros(ref):
-        return tuple(jnp.zeros((block_sub, ref.shape[1]), jnp.float32) for _ in subs)
-
-    r_accs, pw_accs = lax.fori_loop(0, num_tiles, body, (zeros(r_ref), zeros(pw_ref)))
-    for sub, r_acc, pw_acc in zip(subs, r_accs, pw_accs, strict=True):
-        r_ref[sub, :] = r_acc
-        pw_ref[sub, :] = pw_acc
-
-
-def _dot_lhs_transposed(a_parts, b_parts, mode: str, backend: Backend):
-    """``a.T @ b`` from ``_split`` parts (the transpose happens in the dot's operand layout)."""
-    a_parts = tuple(a.T for a in a_parts)
-    return _dot(a_parts, b_parts, mode, backend)
-
-
-def kernel_matmul_grad_fused(
-    x: jax.Array,
-    y: jax.Array,
-    u: jax.Array,
-    w: jax.Array,
-    *,
-    block_p: int,
-    block_l: int,
-    distance: str | DirectDistance,
-    values: str,
-    coords: str,
-    backend: Backend,
-    block_sub: int = 64,
-    num_warps: int | None = 4,
-    num_stages: int | None = 2,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """``kernel_matmul_grad(x, y, u, w, with_pw=True)`` and the same sums for ``y``, one sweep.
-
-    Returns ``(r, pw, s)`` with ``A[i, l] = exp2(x_i . y_l) (u_i . w_l)``: ``r[i] = sum_l A y_l``,
-    ``pw[i] = sum_l exp2(x_i . y_l) w_l`` and ``s[l] = sum_i A[i, l] x_i`` (``[B, L, Dp]``, float32
-    atomic adds, so its summation order varies between runs). Every exponent is computed once
-    (the two-sweep backward computes each twice). All ``O`` value columns are one tile. A
-    program's ``block_p`` rows are worked in sub-tiles of ``min(block_sub, block_p)`` rows; one
-    atomic add per ``y`` tile serves them all. Grid: (P tiles, batch).
-    """
-    batch, num_p, dim = x.shape
-    num_l, num_o = y.shape[1], u.shape[2]
-    kernel = functools.partial(
-        _kernel_matmul_grad_fused_kernel, block_l=block_l, block_sub=min(block_sub, block_p),
-        distance=distance, values=values, coords=coords, backend=backend,
-    )  # fmt: skip
-    return pallas_call(
-        kernel,
-        backend=backend,
-        num_warps=num_warps,
-        num_stages=num_stages,
-        grid=(num_p // block_p, batch),
-        in_specs=[
-            pl.BlockSpec((pl.squeezed, block_p, dim), lambda i, b: (b, i, 0)),
-            pl.BlockSpec((pl.squeezed, num_l, dim), lambda i, b: (b, 0, 0)),
-            pl.BlockSpec((pl.squeezed, block_p, num_o), lambda i, b: (b, i, 0)),
-            pl.BlockSpec((pl.squeezed, num_l, num_o), lambda i, b: (b, 0, 0)),
-            pl.BlockSpec((pl.squeezed, num_l, dim), lambda i, b: (b, 0, 0)),
-        ],
-        out_specs=[
-            pl.BlockSpec((pl.squeezed, block_p, dim), lambda i, b: (b, i, 0)),
-            pl.BlockSpec((pl.squeezed, block_p, num_o), lambda i, b: (b, i, 0)),
-            pl.BlockSpec((pl.squeezed, num_l, dim), lambda i, b: (b, 0, 0)),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((batch, num_p, dim), jnp.float32),
-            jax.ShapeDtypeStruct((batch, num_p, num_o), jnp.float32),
-            jax.ShapeDtypeStruct((batch, num_l, dim), jnp.float32),
-        ],
-        input_output_aliases={4: 2},
-        name="rbf_kernel_matmul_grad_fused",
-    )(x, y, u, w, jnp.zeros((batch, num_l, dim), jnp.float32))
-
-
-# --------------------------------------------------------------------------------------------
 # lse[i] = log2 sum_l exp2(x_i . y_l), streaming over tiles of y (running max and rescaled sum)
 
 
@@ -451,8 +296,7 @@ def _kernel_logsumexp_kernel(x_ref, y_ref, out_ref, *, block_l, distance, backen
 
     def body(j, carry):
         running_max, running_sum = carry
-        y = _split(y_ref[_tile(j, block_l), :], distance)
-        t = _dot(x, y, distance, backend, b_transposed=True)
+        t = _exponent(x, _split(y_ref[_tile(j, block_l), :], distance), distance, backend)
         new_max = jnp.maximum(running_max, jnp.max(t, axis=1))
         rescaled = running_sum * jnp.exp2(running_max - new_max)
         return new_max, rescaled + jnp.sum(jnp.exp2(t - new_max[:, None]), axis=1)
