@@ -1,14 +1,31 @@
-"""Fixtures for the report-generator tests: the stored data, loaded once, read-only."""
+"""Fixtures for the report-generator tests.
+
+Most tests pin numbers of the four seed files, so they read a session copy of ``data/`` that
+holds only those files: results added to ``data/results/`` later (append-only, so there will be
+more) cannot change what they check. ``real_data_dir`` is the repository's own ``data/``, for
+the test that every stored file, whatever was added, is read.
+"""
 
 import json
+import shutil
 
 import pytest
-from report_fixtures import REPO
+from report_fixtures import REPO, SEED_FILES
 
 
 @pytest.fixture(scope="session")
-def data_dir():
+def real_data_dir():
     return REPO / "data"
+
+
+@pytest.fixture(scope="session")
+def data_dir(tmp_path_factory, real_data_dir):
+    """A read-only-by-convention copy of data/ with the four seed files only."""
+    copy = tmp_path_factory.mktemp("seed-data")
+    (copy / "results").mkdir()
+    for name in SEED_FILES:
+        shutil.copy2(real_data_dir / "results" / name, copy / "results" / name)
+    return copy
 
 
 @pytest.fixture(scope="session")
