@@ -7,6 +7,7 @@ is done separately and labelled as such (`across_devices`).
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
 
@@ -227,4 +228,99 @@ def describe_case(row: pd.Series, fields: Sequence[str]) -> str:
 def ms_with_spread(row: pd.Series, prefix: str = "") -> str:
     return fmt_ms(row[f"{prefix}median_ms"], row.get(f"{prefix}q1_ms"),
                   row.get(f"{prefix}q3_ms"))
+
+
+
+def extra_info(value: object) -> dict:
+    """The ``extra`` column of one row as a dict (empty when the row has none)."""
+    if not isinstance(value, str) or not value.startswith("{"):
+        return {}
+    try:
+        parsed = json.loads(value)
+    except ValueError:
+        return {}
+    return parsed if isinstance(parsed, dict) else {}
+
+
+def _not_attempted(message: object) -> bool:
+    """A failure row for a size the ladder never tried (budget, predicted time)."""
+    text = str(message).lower()
+    return text.startswith("skipped") or "not attempted" in text
+
+
+def ladder_limits(ladder: pd.DataFrame, summary: pd.DataFrame, size: str, stated: str,
+                  keys: Sequence[str]) -> pd.DataFrame:
+    """How well each ladder's limit is known, from its own rows in the same run.
+
+    One row per ladder (``keys``): ``ran`` the largest ``size`` that ran, ``failed`` the
+    smallest larger size that failed and ``kind`` how (out of memory, timeout, error),
+    ``lower_bound`` True when ``ran`` is only a lower bound of the limit: the failing size is
+    more than double the one that ran (the ladder jumped past sizes it never tried) or no
+    larger size failed. A summary row's ``limit_bracket`` / ``max_is_lower_bound`` (newer runs
+    record them in ``extra``) take precedence; its ``stated`` value (max_tokens, max_n) counts
+    as a size that ran. Also ``peak_mb`` and ``run_s`` of the largest size that ran, and
+    ``summary`` (the summary row's index, or None).
+    """
+    keys = list(keys)
+    summaries = {}
+    for index, row in summary.iterrows():
+        summaries[tuple(row[k] for k in keys)] = index
+    groups = {key: group for key, group in ladder.groupby(keys, sort=False, dropna=False)}
+    out = []
+    for key in list(groups) + [k for k in summaries if k not in groups]:
+        group = groups.get(key, ladder.iloc[0:0])
+        row = summary.loc[summaries[key]] if key in summaries else None
+        ran = group[group["status"] == "ok"].sort_values(size)
+        largest = ran[size].max() if not ran.empty else pd.NA
+        if row is not None and pd.notna(row[stated]) and (
+                pd.isna(largest) or row[stated] > largest):
+            largest = row[stated]
+        failed = group[(group["status"] != "ok") & ~group["error"].map(_not_attempted)]
+        if pd.notna(largest):
+            failed = failed[failed[size] > largest]
+        failed = failed.sort_values(size)
+        record = dict(zip(keys, key, strict=True))
+        last = ran[ran[size] == largest].tail(1) if pd.notna(largest) else ran.iloc[0:0]
+        record.update(
+            ran=largest,
+            failed=failed[size].iloc[0] if not failed.empty else pd.NA,
+            kind=failure_kind(failed["error"].iloc[0]) if not failed.empty else "",
+            failure=failed["error_short"].iloc[0] if not failed.empty else "",
+            peak_mb=last["peak_mb"].iloc[0] if not last.empty else float("nan"),
+            run_s=last["run_s"].iloc[0] if not last.empty else float("nan"),
+            summary=summaries.get(key), stopped="",
+        )
+        record["lower_bound"] = pd.notna(largest) and (
+            pd.isna(record["failed"]) or record["failed"] > 2 * largest)
+        extra = extra_info(row["extra"]) if row is not None else {}
+        bracket = extra.get("limit_bracket")
+        if isinstance(bracket, list) and len(bracket) == 2:
+            record.update(ran=bracket[0], failed=bracket[1], lower_bound=False)
+            record["kind"] = extra.get("limit_kind") or record["kind"] or "error"
+        elif extra.get("max_is_lower_bound") is True:
+            record["lower_bound"] = pd.notna(record["ran"])
+            record["stopped"] = extra.get("limit_kind") or ""
+        out.append(record)
+    columns = [*keys, "ran", "failed", "kind", "failure", "peak_mb", "run_s", "summary",
+               "lower_bound", "stopped"]
+    return pd.DataFrame(out, columns=columns)
+
+
+def limit_text(record) -> str:
+    """The ``limit`` cell of one :func:`ladder_limits` row, in words."""
+    ran, failed, kind = record["ran"], record["failed"], record["kind"] or "failed"
+    if pd.isna(ran):
+        return f"no size ran ({kind} at {fmt_int(failed)})" if pd.notna(failed) else "no size ran"
+    if pd.isna(failed):
+        why = f"stopped: {record['stopped']}" if record["stopped"] else "no larger size failed"
+        return f"≥ {fmt_int(ran)} (ran; {why})"
+    return f"between {fmt_int(ran)} (ran) and {fmt_int(failed)} ({kind})"
+
+
+def largest_text(record) -> str:
+    """The largest size that ran, with '≥' when it is only a lower bound of the limit."""
+    if pd.isna(record["ran"]):
+        return "none"
+    return ("≥ " if record["lower_bound"] else "") + fmt_int(record["ran"])
+
 

@@ -16,6 +16,12 @@ TITLE = "MoE internals"
 PIECE_ORDER = ["route", "sort_permute", "experts_grouped_swiglu", "unpermute_combine"]
 # A/B runs say so in their note ("A/B rep 2, ..."); the rep number pairs before with final.
 AB_NOTE = re.compile(r"A/B rep (\d+)")
+LOWER_BOUND_NOTE = (
+    "The limit lies between the largest size that ran and the smallest larger size that "
+    "failed. **≥** marks a lower bound: the failing size is more than double the one that "
+    "ran (the ladder skipped the sizes between) or no larger size failed, so the real limit "
+    "may be higher."
+)
 
 
 def build(results: StoredResults) -> str:
@@ -163,25 +169,22 @@ def _maxtok(page: Page, ladder: pd.DataFrame, summary: pd.DataFrame) -> None:
     )
     page.chart(chart, ladder, "A cross on the top edge marks the size that failed "
                               "(hover for the error).")
-    firsts = (analysis.failures(ladder).sort_values("tokens")
-              .drop_duplicates(["source_file", "run", "label"]))
-    display = summary.merge(firsts[["source_file", "run", "label", "tokens", "error_short"]],
-                            on=["source_file", "run", "label"], how="left",
-                            suffixes=("", "_failed"))
-    peak = ladder[ladder["status"] == "ok"].sort_values("tokens").drop_duplicates(
-        ["source_file", "run", "label"], keep="last")
-    display = display.merge(peak[["source_file", "run", "label", "peak_mb"]],
-                            on=["source_file", "run", "label"], how="left",
-                            suffixes=("_summary", ""))
+    keys = ["source_file", "run", "gpu", "code", "label"]
+    limits = analysis.ladder_limits(ladder.assign(code=ladder["code"].fillna("")),
+                                    summary.assign(code=summary["code"].fillna("")),
+                                    size="tokens", stated="max_tokens", keys=keys)
+    page.md(LOWER_BOUND_NOTE)
     display = pd.DataFrame({
-        "GPU": display["gpu"], "run": display["run"], "code": display["code"].fillna(""),
-        "impl": display["label"], "largest tokens that ran": display["max_tokens"].map(fmt_int),
-        "peak MiB there": display["peak_mb"].map(fmt_num),
-        "failed at tokens": display["tokens_failed"].map(fmt_int),
-        "failure": display["error_short_failed"].fillna(""),
+        "GPU": limits["gpu"], "run": limits["run"], "code": limits["code"],
+        "impl": limits["label"],
+        "largest tokens that ran": limits.apply(analysis.largest_text, axis=1),
+        "limit": limits.apply(analysis.limit_text, axis=1),
+        "peak MiB there": limits["peak_mb"].map(fmt_num),
+        "failure": limits["failure"].fillna(""),
     }).sort_values(["GPU", "run", "impl"])
-    page.table(display, pd.concat([summary, ladder]), "From the `maxtok_summary` rows; the "
-                                                     "failure is the ladder's first failed step.",
+    page.table(display, pd.concat([summary, ladder]),
+               "From each ladder's own rows (and its `maxtok_summary` row); the failure is the "
+               "smallest size above the largest that ran that failed.",
                name="moe-maxtok-summary")
 
 

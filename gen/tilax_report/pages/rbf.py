@@ -13,6 +13,11 @@ from ..render import Page, fmt_int, fmt_ms, fmt_num, fmt_ratio, join_names, plur
 SLUG = "rbf"
 TITLE = "RBF kernels"
 CASE = ["config", "op", "n"]
+LOWER_BOUND_NOTE = (
+    "The limit lies between the largest n that ran and the smallest larger n that failed. "
+    "**≥** marks a lower bound: the failing n is more than double the one that ran (the "
+    "ladder skipped the sizes between) or no larger n failed, so the real limit may be higher."
+)
 
 
 def build(results: StoredResults) -> str:
@@ -226,7 +231,8 @@ def _max_n(page: Page, rows: pd.DataFrame) -> None:
         "n doubled until the call failed or ran past the time limit, each size in a fresh "
         "process; peak memory of the sizes that ran, and the subprocess wall time."
     )
-    ladder = rows[rows["max_n"].isna()]
+    stated = rows[rows["max_n"].notna() | rows["extra"].map(_is_summary)]
+    ladder = rows.drop(stated.index)
     for _, device, group in _per_device(ladder):
         chart = charts.ladder(
             group, x="n", x_title="n (= m)", color="label", color_title="implementation",
@@ -235,38 +241,24 @@ def _max_n(page: Page, rows: pd.DataFrame) -> None:
         )
         page.chart(chart, group, "A cross marks the size that failed or timed out.")
     keys = ["source_file", "run", "device", "label", "op", "config"]
-    out = []
-    for key, group in ladder.groupby(keys, sort=False):
-        ran = group[group["status"] == "ok"].sort_values("n")
-        failed = group[group["status"] != "ok"].sort_values("n")
-        record = dict(zip(keys, key, strict=True))
-        record.update(
-            largest=ran["n"].max() if not ran.empty else pd.NA,
-            peak=ran["peak_mb"].iloc[-1] if not ran.empty else None,
-            run_s=ran["run_s"].iloc[-1] if not ran.empty else None,
-            failed_at=failed["n"].iloc[0] if not failed.empty else pd.NA,
-            failure=failed["error_short"].iloc[0] if not failed.empty else "",
-        )
-        out.append(record)
-    summary = pd.DataFrame(out)
-    stated = rows[rows["max_n"].notna()]
+    limits = analysis.ladder_limits(ladder, stated, size="n", stated="max_n", keys=keys)
+    page.md(LOWER_BOUND_NOTE)
     display = pd.DataFrame({
-        "GPU": summary["device"].map(analysis.short_gpu), "run": summary["run"],
-        "impl": summary["label"],
-        "op": summary["op"], "config": summary["config"],
-        "largest n that ran": summary["largest"].map(fmt_int),
-        "peak MiB there": summary["peak"].map(fmt_num),
-        "wall s there": summary["run_s"].map(fmt_num),
-        "first failure at n": summary["failed_at"].map(fmt_int),
-        "failure": summary["failure"],
+        "GPU": limits["device"].map(analysis.short_gpu), "run": limits["run"],
+        "impl": limits["label"], "op": limits["op"], "config": limits["config"],
+        "largest n that ran": limits.apply(analysis.largest_text, axis=1),
+        "limit": limits.apply(analysis.limit_text, axis=1),
+        "peak MiB there": limits["peak_mb"].map(fmt_num),
+        "wall s there": limits["run_s"].map(fmt_num),
+        "failure": limits["failure"].fillna(""),
     })
-    page.table(display, ladder, name="rbf-max-n")
-    if not stated.empty:
-        page.table(pd.DataFrame({
-            "GPU": stated["gpu"], "run": stated["run"], "impl": stated["label"],
-            "op": stated["op"], "config": stated["config"],
-            "max_n (stated by the run)": stated["max_n"].map(fmt_int),
-        }), stated, "Summary rows the benchmark wrote itself.")
+    page.table(display, rows, "From each ladder's own rows (and its summary row, where the run "
+                              "wrote one).", name="rbf-max-n")
+
+
+def _is_summary(extra: object) -> bool:
+    """Summary rows of newer runs say how the ladder was searched, even when no size ran."""
+    return "probed_sizes" in analysis.extra_info(extra)
 
 
 def _numerics(page: Page, rbf: pd.DataFrame) -> None:
