@@ -1,0 +1,82 @@
+"""`mkdocs build --strict` of the report site: pages, nav, raw files, offline assets, and a
+failed build for an unreadable stored file."""
+
+import json
+import re
+
+import pytest
+from site_build import DATA, PYTEST_BENCHMARK_FIXTURE, REPORT_PAGES, build_site, copy_data
+
+pytestmark = pytest.mark.site
+
+
+def html(site_dir, page):
+    return (site_dir / "reports" / f"{page}.html").read_text()
+
+
+def test_every_report_page_is_built_and_in_the_nav(built_site):
+    index = (built_site / "index.html").read_text()
+    for page in [*REPORT_PAGES, "schema"]:
+        assert (built_site / "reports" / f"{page}.html").is_file()
+        assert f'href="reports/{page}.html"' in index, page
+
+
+def test_stored_files_are_copied_byte_for_byte(built_site):
+    for path in sorted((DATA / "results").iterdir()):
+        assert (built_site / "reports" / "data" / path.name).read_bytes() == path.read_bytes()
+    assert 'href="data/rtx3090-moe-layer.json"' in html(built_site, "raw-data")
+
+
+def test_vega_is_vendored_and_nothing_loads_from_another_host(built_site):
+    bundle = built_site / "assets" / "vendor" / "vega-bundle.js"
+    assert bundle.stat().st_size > 500_000
+    assert "window.vegaEmbed" in bundle.read_text()
+    for page in built_site.rglob("*.html"):
+        text = page.read_text()
+        external = re.findall(r'<(?:script|link|img|iframe)[^>]+(?:src|href)="(https?:)?//',
+                              text)
+        assert not external, page
+        assert "fonts.googleapis" not in text and "fonts.gstatic" not in text
+
+
+def test_charts_are_embedded_as_vega_lite_specs(built_site):
+    text = html(built_site, "moe-layer")
+    specs = re.findall(r'<script type="application/json" data-chart-for="([^"]+)">(.*?)</script>',
+                       text)
+    charts = re.findall(r'<div class="tilax-chart" id="([^"]+)"', text)
+    assert charts and [chart_id for chart_id, _ in specs] == charts
+    for _, spec in specs:
+        assert json.loads(spec.replace("<\\/", "</"))["$schema"].endswith("v6.4.1.json")
+
+
+def test_headline_answers_are_on_the_overview(built_site):
+    text = html(built_site, "index")
+    assert "Fastest MoE layer: 32k-token bf16 train step" in text
+    assert "<strong>pallas/sorted</strong> was fastest at 16.01 ms" in text
+    assert "how peak memory grows with n" in text
+
+
+def test_new_pytest_benchmark_run_shows_up(built_site_with_h200):
+    assert (built_site_with_h200 / "reports" / "data" / PYTEST_BENCHMARK_FIXTURE.name
+            ).read_bytes() == PYTEST_BENCHMARK_FIXTURE.read_bytes()
+    overview = html(built_site_with_h200, "index")
+    assert "h200-20260115-0a1b2c3" in overview and "<strong>NVIDIA H200</strong>" in overview
+    for page in ("moe-layer", "rbf"):
+        text = html(built_site_with_h200, page)
+        section = text[text.index('id="same-implementation-on-different-gpus"'):]
+        assert "Different machines" in section and "H200" in section, page
+        assert "was measured on more than one GPU yet" not in section, page
+
+
+@pytest.mark.parametrize("name,content,reason", [
+    ("broken.json", '{"benchmarks": [', "malformed JSON at line 1 column 17"),
+    ("mystery.json", json.dumps({"rows": [1, 2]}), "unknown format"),
+])
+def test_unreadable_stored_file_fails_the_build(tmp_path, name, content, reason):
+    data_dir = copy_data(tmp_path / "data")
+    (data_dir / "results" / name).write_text(content)
+    result = build_site(tmp_path / "site", data_dir)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert f"cannot read stored result file {data_dir / 'results' / name}" in output
+    assert reason in output
