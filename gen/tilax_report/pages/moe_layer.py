@@ -8,7 +8,8 @@ import pandas as pd
 
 from .. import analysis, charts, headlines
 from ..load import StoredResults
-from ..render import Page, case_label, fmt_int, fmt_ms, fmt_num, fmt_ratio, join_names, plural
+from ..render import Page, case_label, fmt_int, fmt_num, fmt_ratio, join_names, plural
+from .across_gpus import render_across_gpus
 
 SLUG = "moe-layer"
 TITLE = "MoE layer"
@@ -252,37 +253,13 @@ def _numerics(page: Page, layer: pd.DataFrame) -> None:
 
 
 def _across_gpus(page: Page, table: pd.DataFrame) -> None:
-    page.md("## Same implementation on different GPUs\n")
-    page.md(
-        "!!! warning \"Different machines\"\n"
-        "    These rows come from different runs on different machines (GPU, driver, software "
-        "and load all differ). They show what each GPU measured; they are not a controlled "
-        "comparison, and no ratio is computed across them.\n"
-    )
     moe = table[(table["family"] == "moe") & table["suite"].isin(["layer", "decoder"])]
     rows = analysis.across_devices(moe, ["suite", "config", *CASE_LABEL])
-    if rows.empty:
-        devices = sorted(moe["device"].dropna().unique())
-        page.md(
-            f"No MoE layer case was measured on more than one GPU yet (GPUs with MoE layer "
-            f"rows: {join_names(devices) or 'none'}). A run on another GPU with the same suite "
-            "and configuration will appear here."
-        )
-        return
-    rows = rows.assign(case=rows["suite"] + " · " + rows["config"] + " · " + rows["dtype"]
-                       + " " + rows["op"] + " " + rows["tokens"].map(fmt_int))
-    chart = charts.bars(
-        rows, category="gpu", category_title=None, color="gpu", color_title="GPU (run)",
-        log=True, row=alt.Row("case:N", title=None, header=alt.Header(labelAngle=0,
-                                                                      labelAlign="left")),
-        column=alt.Column("label:N", title=None), tips=["run", "q1_ms", "q3_ms"], width=160,
-        title="Same case, different GPUs (different machines and runs)",
-    )
-    page.chart(chart, rows, "Each bar is one run on one machine.")
-    display = rows[["case", "label", "gpu", "run"]].assign(
-        median=[fmt_ms(r.median_ms, r.q1_ms, r.q3_ms) for r in rows.itertuples()])
-    page.table(display.rename(columns={"median": "median ms (q1–q3)", "label": "impl",
-                                       "gpu": "GPU"}), rows)
+    if not rows.empty:
+        rows = rows.assign(case=rows["suite"] + " · " + rows["config"] + " · " + rows["dtype"]
+                           + " " + rows["op"] + " " + rows["tokens"].map(fmt_int))
+    devices = sorted(moe["device"].dropna().unique())
+    render_across_gpus(page, rows, "MoE layer case", devices)
 
 
 def _failures(page: Page, layer: pd.DataFrame) -> None:

@@ -9,6 +9,7 @@ import pandas as pd
 from .. import analysis, charts, headlines
 from ..load import StoredResults
 from ..render import Page, fmt_int, fmt_ms, fmt_num, fmt_ratio, join_names, plural
+from .across_gpus import render_across_gpus
 
 SLUG = "rbf"
 TITLE = "RBF kernels"
@@ -300,29 +301,12 @@ def _numerics(page: Page, rbf: pd.DataFrame) -> None:
 
 
 def _across_gpus(page: Page, rbf: pd.DataFrame) -> None:
-    page.md("## Same implementation on different GPUs\n")
-    page.md(
-        "!!! warning \"Different machines\"\n"
-        "    These rows come from different runs on different machines. They show what each "
-        "GPU measured; they are not a controlled comparison, and no ratio is computed across "
-        "them.\n"
-    )
     rows = analysis.across_devices(rbf, ["suite", *CASE])
-    if rows.empty:
-        devices = sorted(rbf["device"].dropna().unique())
-        page.md(f"No RBF case was measured on more than one GPU yet (GPUs with RBF rows: "
-                f"{join_names(devices)}).")
-        return
-    rows = rows.assign(case=rows["suite"] + " · " + rows["config"] + " · " + rows["op"]
-                       + " · n " + rows["n"].map(fmt_int))
-    chart = charts.bars(
-        rows, category="gpu", category_title=None, color="gpu", color_title="GPU (run)",
-        log=True, row=alt.Row("case:N", title=None, header=alt.Header(labelAngle=0,
-                                                                      labelAlign="left")),
-        column=alt.Column("label:N", title=None), tips=["run", "q1_ms", "q3_ms"], width=160,
-        title="Same case, different GPUs (different machines and runs)",
-    )
-    page.chart(chart, rows, "Each bar is one run on one machine.")
+    if not rows.empty:
+        rows = rows.assign(case=rows["suite"] + " · " + rows["config"] + " · " + rows["op"]
+                           + " · n " + rows["n"].map(fmt_int))
+    devices = sorted(rbf["device"].dropna().unique())
+    render_across_gpus(page, rows, "RBF case", devices)
 
 
 def _failed_note(rows: pd.DataFrame) -> str:
