@@ -115,7 +115,7 @@ def bench(session: nox.Session) -> None:
 # tokamax's Requires-Dist minus those; typing-extensions rides along because pydantic needs a
 # newer one than the host may have. pykeops/keopscore are source releases built into wheels.
 WHEELHOUSE_DOWNLOADS = [
-    "tokamax==0.0.12", "einshape==1.0", "qwix==0.1.8", "immutabledict==4.3.1",
+    "tokamax==0.0.17", "einshape==1.0", "qwix==0.1.8", "immutabledict==4.3.1",
     "tensorboardx==2.6.5", "typeguard==2.13.3", "pydantic==2.14.4", "pydantic-core==2.50.5",
     "annotated-types==0.8.0", "typing-inspection==0.4.5", "typing-extensions==4.16.0",
 ]

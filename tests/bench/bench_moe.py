@@ -4,7 +4,9 @@ Suites (``extra_info["suite"]``) mirror the stored seed files:
 
 - ``layer``: the E8 top-2 d512 h1024 layer at 4k/32k/131k tokens, E64 top-4 h256 at 32k, and
   skewed routing (skew 0.9) at 32k; every impl x dispatch x routing; float32 and bfloat16;
-  ``forward`` and ``train_step``.
+  ``forward`` and ``train_step``. The peers (``tokamax``, ``torch_grouped_mm``,
+  ``torch_grouped_mm_compile``: see ``bench_tokamax`` and ``bench_torch_moe``) run bfloat16
+  only, the one dtype their grouped matmuls take.
 - ``decoder``: the decoder layer of the H100 seed (E64 top-8, expert width 128, shared expert
   1024, d512) at 16k/131k/1M tokens, bfloat16.
 - ``pieces``: the train-step cost split of the sorted Pallas path (route, sort_permute,
@@ -40,6 +42,9 @@ from typing import Any
 from bench_harness import Unavailable, jax_device_memory
 
 MOE_IMPLS_WITH_DISPATCH = ("pallas", "triton", "mosaic", "blocked", "ragged_dot")
+TORCH_IMPLS = ("torch_grouped_mm", "torch_grouped_mm_compile")
+# peers whose grouped matmuls take bfloat16/float16 only: no float32 rows are made for them
+BF16_ONLY_IMPLS = ("tokamax",) + TORCH_IMPLS
 PIECES = ("route", "sort_permute", "experts_grouped_swiglu", "unpermute_combine")
 NUMERICS_MAX_BYTES = 40 * 2**30
 # The tokamax peer's ragged_dot backend (its Mosaic GPU kernel); "xla" lets the layer code be
@@ -52,7 +57,7 @@ class MoECase:
     """One MoE benchmark row (see the module docstring for the suites)."""
 
     suite: str
-    impl: str  # "pallas", "triton", "mosaic", "blocked", "ragged_dot", "tokamax", "dense"
+    impl: str  # "pallas", "triton", "blocked", "ragged_dot", "dense", or a peer (see above)
     dispatch: str | None
     routing: str  # "dropless", "capacity", "dense"
     dtype: str  # "float32" | "bfloat16"
@@ -136,6 +141,8 @@ class MoECase:
     def unavailable_reason(self) -> str | None:
         if self.impl == "tokamax" and importlib.util.find_spec("tokamax") is None:
             return "unavailable: tokamax is not installed here"
+        if self.impl in TORCH_IMPLS and importlib.util.find_spec("torch") is None:
+            return "unavailable: torch is not installed here"
         return None
 
     def precheck(self, state) -> str | None:
@@ -203,6 +210,8 @@ def _layer_cases(suite, impls, tokens, dtypes, ops, shape, priority, skew=0.0):
     for t in tokens:
         for dtype in dtypes:
             for impl, dispatch, routing in impls:
+                if dtype == "float32" and impl in BF16_ONLY_IMPLS:
+                    continue
                 for op in ops:
                     cases.append(MoECase(
                         suite=suite, impl=impl, dispatch=dispatch, routing=routing, dtype=dtype,
@@ -227,14 +236,16 @@ P_GATHER = ("pallas", "gather", "dropless")
 P_FUSED = ("pallas", "fused", "dropless")
 P_GSUM = ("pallas", "fused_gsum", "dropless")
 TRITON = ("triton", "sorted", "dropless")
-MOSAIC = ("mosaic", "sorted", "dropless")
 BLOCKED = ("blocked", "sorted", "dropless")
 RAGGED = ("ragged_dot", "sorted", "dropless")
 TOKAMAX = ("tokamax", None, "dropless")
+TORCH = ("torch_grouped_mm", None, "dropless")
+TORCH_COMPILE = ("torch_grouped_mm_compile", None, "dropless")
 DENSE = ("dense", None, "dense")
 CAPACITY = ("pallas", "sorted", "capacity")
 
-LAYER_ALL = (P_SORTED, P_GATHER, P_FUSED, P_GSUM, BLOCKED, RAGGED, TOKAMAX, DENSE, CAPACITY)
+LAYER_ALL = (P_SORTED, P_GATHER, P_FUSED, P_GSUM, BLOCKED, RAGGED, TOKAMAX, TORCH, TORCH_COMPILE,
+             DENSE, CAPACITY)
 LAYER_CORE = (P_SORTED, P_GSUM, RAGGED, TOKAMAX, DENSE)
 
 
@@ -244,8 +255,9 @@ def layer_cases(mode: str) -> list[MoECase]:
         return (
             _layer_cases("layer", (P_SORTED, RAGGED, DENSE), [64], ["float32"], BOTH_OPS,
                          shape, 10)
-            + _layer_cases("layer", (P_GSUM, TRITON, MOSAIC, BLOCKED, TOKAMAX, CAPACITY), [64],
-                           ["float32"], ["forward"], shape, 10)
+            + _layer_cases("layer", (P_GSUM, TRITON, BLOCKED, CAPACITY), [64], ["float32"],
+                           ["forward"], shape, 10)
+            + _layer_cases("layer", (TOKAMAX, TORCH), [64], ["bfloat16"], BOTH_OPS, shape, 10)
             + _layer_cases("layer", (P_SORTED,), [64], ["bfloat16"], ["forward"], shape, 10)
             + _layer_cases("layer", (P_SORTED,), [64], ["bfloat16"], ["forward"], shape, 10,
                            skew=0.9)
@@ -256,7 +268,7 @@ def layer_cases(mode: str) -> list[MoECase]:
     return (
         # the headline comparison first: every impl at 32k and 131k, both dtypes and ops
         _layer_cases("layer", LAYER_ALL, [32768, 131072], BOTH_DTYPES, BOTH_OPS, SEED_LAYER, 10)
-        + _layer_cases("layer", (TRITON, MOSAIC), [32768, 131072], ["bfloat16"], BOTH_OPS,
+        + _layer_cases("layer", (TRITON,), [32768, 131072], ["bfloat16"], BOTH_OPS,
                        SEED_LAYER, 11)
         + _layer_cases("layer", LAYER_CORE, [4096], BOTH_DTYPES, BOTH_OPS, SEED_LAYER, 30)
         + _layer_cases("layer", (P_SORTED, P_GSUM, BLOCKED, RAGGED, TOKAMAX, DENSE), [32768],
@@ -266,8 +278,8 @@ def layer_cases(mode: str) -> list[MoECase]:
     )
 
 
-DECODER_IMPLS = (TRITON, ("triton", "fused_gsum", "dropless"), MOSAIC, P_SORTED, RAGGED, TOKAMAX,
-                 DENSE)
+DECODER_IMPLS = (TRITON, ("triton", "fused_gsum", "dropless"), P_SORTED, RAGGED, TOKAMAX, TORCH,
+                 TORCH_COMPILE, DENSE)
 # the H100 seed's other Triton dispatches, after the rest
 DECODER_MORE = (("triton", "gather", "dropless"), ("triton", "fused", "dropless"))
 
@@ -275,10 +287,11 @@ DECODER_MORE = (("triton", "gather", "dropless"), ("triton", "fused", "dropless"
 def decoder_cases(mode: str) -> list[MoECase]:
     if mode == "smoke":  # numerics are the layer's code path, checked there
         return [dataclasses.replace(case, numerics=False) for case in _layer_cases(
-            "decoder", (P_SORTED, TOKAMAX), [64], ["bfloat16"], ["forward"], SMOKE_DECODER, 20)]
+            "decoder", (P_SORTED, TOKAMAX, TORCH_COMPILE), [64], ["bfloat16"], ["forward"],
+            SMOKE_DECODER, 20)]
     if mode == "quick":
-        return _layer_cases("decoder", (P_SORTED, RAGGED, TOKAMAX), [16384], ["bfloat16"],
-                            BOTH_OPS, SEED_DECODER, 20)
+        return _layer_cases("decoder", (P_SORTED, RAGGED, TOKAMAX, TORCH_COMPILE), [16384],
+                            ["bfloat16"], BOTH_OPS, SEED_DECODER, 20)
     return (_layer_cases("decoder", DECODER_IMPLS, [16384, 131072], ["bfloat16"], BOTH_OPS,
                          SEED_DECODER, 20)
             + _layer_cases("decoder", DECODER_IMPLS, [1048576], ["bfloat16"], BOTH_OPS,
@@ -485,26 +498,38 @@ class JaxWorkload:
         self.args = None
 
 
-def build_layer(case: MoECase, state) -> JaxWorkload:
+def numerics_info(case: MoECase, state, inputs: MoEInputs, y, grad_x=None,
+                  grad_params=None) -> dict:
+    """Router statistics, and the errors against the float32 dense reference where wanted
+    (``grad_x``/``grad_params`` for train steps; arrays of any framework, as float32)."""
+    info = dict(inputs.stats)
+    if not case.numerics:
+        return info
+    ref = state.references.get(_inputs_key(case), lambda: reference(case, inputs))
+    info["rel_err_out"] = rel_err(y, ref["y"])
+    if grad_x is not None:
+        info["rel_err_grad_x"] = rel_err(grad_x, ref["grad_x"])
+        info["rel_err_grad_params"] = rel_err(grad_params, ref["grad_params"])
+    return info
+
+
+def build_layer(case: MoECase, state):
     import jax
     import jax.numpy as jnp
 
-    apply = layer_apply_fn(case)
     inputs = state.inputs.get(_inputs_key(case), lambda: make_inputs(case))
+    if case.impl in TORCH_IMPLS:
+        import bench_torch_moe
+
+        return bench_torch_moe.TorchMoEWorkload(
+            case, inputs, lambda *out: numerics_info(case, state, inputs, *out))
+    apply = layer_apply_fn(case)
 
     def numerics(out) -> dict:
-        info = dict(inputs.stats)
-        if not case.numerics:
-            return info
-        ref = state.references.get(_inputs_key(case), lambda: reference(case, inputs))
         if case.op == "forward":
-            info["rel_err_out"] = rel_err(out[0], ref["y"])
-            return info
+            return numerics_info(case, state, inputs, out[0])
         (_, y), (grad_params, grad_x) = out
-        info["rel_err_out"] = rel_err(y, ref["y"])
-        info["rel_err_grad_x"] = rel_err(grad_x, ref["grad_x"])
-        info["rel_err_grad_params"] = rel_err(grad_params, ref["grad_params"])
-        return info
+        return numerics_info(case, state, inputs, y, grad_x, grad_params)
 
     if case.op == "forward":
         return JaxWorkload(jax.jit(apply), (inputs.params, inputs.x), numerics)

@@ -31,7 +31,8 @@ RBF_SUITES = {
     "kernel_mv", "kde_density", "kernel_mv_tiles", "kernel_mv_crossover", "kernel_mv_peak",
     "kernel_mv_max_n",
 }
-MOE_IMPLS = {"pallas", "triton", "mosaic", "blocked", "ragged_dot", "tokamax", "dense"}
+MOE_IMPLS = {"pallas", "triton", "mosaic", "blocked", "ragged_dot", "tokamax", "torch_grouped_mm",
+             "torch_grouped_mm_compile", "dense"}
 RBF_IMPLS = {"pallas", "xla", "dense", "torch_dense", "keops"}
 MOE_PIECES = {"route", "sort_permute", "experts_grouped_swiglu", "unpermute_combine"}
 RBF_GRAD_KEYS = {"dq", "dk", "dv", "dlengthscale"}

@@ -66,9 +66,10 @@ suite            full grid (rows)                                           rows
 ===============  =========================================================  ====  =======
 maxtok           7 impls, bf16 train step, 256k..32M tokens (powers of two);  ~35   ~3
                  jumps to the largest size predicted to fit, then bisects
-layer            9 impls x 32k/131k x fp32/bf16 x fwd/train (first), then   136   ~4
-                 triton/mosaic bf16, 5 impls at 4k, E64 top4 h256, skew 0.9
-decoder          9 impl x dispatch x 16k/131k/1M x fwd/train, bf16          54    ~2
+layer            11 impls x 32k/131k x fp32/bf16 x fwd/train (first; peers   132   ~6
+                 bf16 only), then triton bf16, 5 impls at 4k, E64 top4
+                 h256, skew 0.9
+decoder          10 impl x dispatch x 16k/131k/1M x fwd/train, bf16         60    ~4
 pieces           4 pieces x 4k/32k x fp32/bf16 (32k bf16 first)             16    ~0.3
 blockm           block_m 32/64/128 x 32k x fp32/bf16 x fwd/train            12    ~0.4
 moe              all five (``--bench-suite moe``)                           ~240  ~9.5

@@ -65,7 +65,7 @@ def test_side_file_survives_a_torn_last_line_and_merges(tmp_path):
 SMOKE_SELECTION = [
     "tests/bench/test_bench_rbf.py::test_kernel_mv_max_n",
     "tests/bench/test_bench_moe.py::test_layer[layer-pallas-sorted-f32-T64-E4k2-d32h64-forward]",
-    "tests/bench/test_bench_moe.py::test_layer[layer-mosaic-sorted-f32-T64-E4k2-d32h64-forward]",
+    "tests/bench/test_bench_moe.py::test_layer[layer-tokamax-bf16-T64-E4k2-d32h64-forward]",
     "tests/bench/test_bench_rbf.py::test_kernel_mv[kernel_mv-xla-n64-d3-o1-fwd_bwd]",
     "tests/bench/test_bench_rbf.py::test_kernel_mv[kernel_mv-keops-n64-d3-o1-fwd]",
 ]
@@ -94,7 +94,7 @@ def test_smoke_run_writes_contract_rows(tmp_path):
     assert document["machine_info"]["commit"] == "test"
 
     failures = [info for info in rows.values() if "error" in info]
-    assert {info["impl"] for info in failures} >= {"mosaic"}
+    assert {info["impl"] for info in failures} >= {"tokamax"}
     layer = next(info for name, info in rows.items() if "pallas-sorted-f32" in name)
     assert layer["tflops"] > 0 and layer["rel_err_out"] < 1e-4
     assert 0 < layer["max_expert_frac"] <= 1
