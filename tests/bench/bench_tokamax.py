@@ -2,9 +2,10 @@
 
 Same math and parameters as ``tilax.moe_apply`` (dropless top-k, renormalised weights, SwiGLU
 experts, optional shared expert): route in float32, sort the token copies by expert and gather
-them (XLA), run the three expert projections with ``tokamax.ragged_dot`` (its Mosaic GPU kernel
-by default, ``implementation="mosaic"``), then scatter-add the weighted copies back to their
-tokens (XLA, float32 sum). Gradients come from tokamax's own ``ragged_dot`` VJP.
+them (XLA), run the expert projections with ``tokamax.ragged_dot`` (its Mosaic GPU kernel by
+default, ``implementation="mosaic"``), gate and up as one ragged matmul against the two weights
+side by side, then gather each token's copies back and sum them weighted (XLA, float32), the
+way tilax's own XLA glue combines. Gradients come from tokamax's own ``ragged_dot`` VJP.
 
 tokamax 0.0.17 is the first release that runs on jax 0.11.2 (0.0.12 fails there); its import
 needs xprof, which the GPU host lacks, hence ``_stub_xprof``. Only the benchmark uses this; it
@@ -27,7 +28,9 @@ def _stub_xprof() -> None:
         return
 
     def missing(name):
-        raise ImportError(f"xprof is not installed (tilax's bench stubs it for tokamax): {name}")
+        # AttributeError keeps hasattr() and import machinery (which probe __file__, __path__)
+        # working; only a real use of the tool reaches this message
+        raise AttributeError(f"xprof is not installed (tilax's bench stands in for it): {name}")
 
     names = ("xprof", "xprof.cli", "xprof.cli.tools", "xprof.cli.tools.get_kernel_stats_tool")
     modules = [sys.modules.setdefault(name, types.ModuleType(name)) for name in names]
@@ -66,19 +69,20 @@ def make_apply(case, implementation: str = "mosaic"):
 
         flat_expert = expert_ids.reshape(-1)
         order = jnp.argsort(flat_expert, stable=True)
+        row_of_copy = jnp.argsort(order)  # the inverse permutation
         token_of_row = order // top_k
         bounds = jnp.searchsorted(flat_expert[order], jnp.arange(num_experts + 1))
         group_sizes = jnp.diff(bounds).astype(jnp.int32)
 
         rows = jnp.take(x, token_of_row, axis=0)
-        gate = ragged(rows, params["w_gate"], group_sizes)
-        up = ragged(rows, params["w_up"], group_sizes)
-        hidden = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(x.dtype)
+        gate_up = ragged(rows, jnp.concatenate([params["w_gate"], params["w_up"]], axis=2),
+                         group_sizes).astype(jnp.float32)
+        gate, up = jnp.split(gate_up, 2, axis=1)
+        hidden = (jax.nn.silu(gate) * up).astype(x.dtype)
         out = ragged(hidden, params["w_down"], group_sizes)
 
-        row_weight = jnp.take(weights.reshape(-1), order)
-        y = jnp.zeros((num_tokens, x.shape[1]), jnp.float32).at[token_of_row].add(
-            out.astype(jnp.float32) * row_weight[:, None])
+        copies = jnp.take(out, row_of_copy, axis=0).reshape(num_tokens, top_k, -1)
+        y = jnp.sum(copies.astype(jnp.float32) * weights[:, :, None], axis=1)
         if "shared" in params:
             shared = params["shared"]
             shared_hidden = jax.nn.silu(x @ shared["w_gate"]) * (x @ shared["w_up"])
