@@ -4,9 +4,11 @@ Shared by ``nox -s bench`` and the plain ``python -m pytest`` route so both name
 way. Imports no JAX: the GPU name comes from ``nvidia-smi`` (or ``TILAX_BENCH_GPU``), so naming
 a file does not initialise a GPU.
 
-Command line (prints the path)::
+Command line (prints the path, or with ``--commit`` the commit a run is filed under, for
+``TILAX_BENCH_COMMIT`` on a host whose copy of the tree has no git history)::
 
     python tests/bench/bench_naming.py --dir "$OUT" [--tag moe]
+    python tests/bench/bench_naming.py --commit
 """
 
 from __future__ import annotations
@@ -54,19 +56,27 @@ def nvidia_smi_gpu_name() -> str | None:
     return names[0] if names else None
 
 
+# What a benchmark measures: the package and the bench code. A commit that changes neither
+# (docs, site, stored data) measures the same thing, so results keep the commit of these paths
+# and the files of one code state, made in several sessions, form one run.
+MEASURED_PATHS = ("src", "tests/bench")
+
+
 def short_commit(repo: Path = REPO_ROOT) -> str:
     """``TILAX_BENCH_COMMIT`` if set (for copies of the tree without .git), else the short sha
-    of HEAD with "+dirty" when tracked files changed, else "nogit"."""
+    of the last commit that changed ``MEASURED_PATHS``, with "+dirty" when tracked files there
+    have uncommitted changes, else "nogit"."""
     override = os.environ.get("TILAX_BENCH_COMMIT")
     if override:
         return override
     try:
         sha = subprocess.run(
-            ["git", "-C", str(repo), "rev-parse", "--short", "HEAD"],
+            ["git", "-C", str(repo), "log", "-1", "--format=%h", "--", *MEASURED_PATHS],
             capture_output=True, text=True, timeout=30, check=True,
         ).stdout.strip()
         dirty = subprocess.run(
-            ["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"],
+            ["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no", "--",
+             *MEASURED_PATHS],
             capture_output=True, text=True, timeout=30, check=True,
         ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
@@ -97,8 +107,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dir", default=str(REPO_ROOT / "data" / "results"))
     parser.add_argument("--tag", default=None, help="suffix, e.g. the suites run")
+    parser.add_argument("--commit", action="store_true",
+                        help="print the commit results are filed under and exit")
     args = parser.parse_args()
-    print(result_path(args.dir, args.tag))
+    print(short_commit() if args.commit else result_path(args.dir, args.tag))
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ import sys
 from typing import Any
 
 import numpy as np
-from bench_harness import Unavailable, describe_error, jax_device_memory
+from bench_harness import Unavailable, jax_device_memory
 
 NUMERICS_ROWS = 1024
 REFERENCE_CHUNK_ELEMENTS = 1 << 24
@@ -422,8 +422,9 @@ def build_jax(case: RbfCase, state) -> JaxRbfWorkload:
 def _import_torch():
     try:
         import torch
-    except Exception as exc:  # noqa: BLE001 - any import failure makes a failure row
-        raise Unavailable(f"unavailable: torch is not importable ({describe_error(exc)})") from exc
+    except ModuleNotFoundError as exc:  # not installed: not attempted; any other error fails
+        raise Unavailable(
+            f"unavailable: torch or a module it needs is not installed here ({exc})") from exc
     return torch
 
 

@@ -15,7 +15,7 @@ backward). Only the benchmark uses this; it is not part of the package.
 from __future__ import annotations
 
 import numpy as np
-from bench_harness import Unavailable, describe_error
+from bench_harness import Unavailable
 
 TORCH_IMPLS = ("torch_grouped_mm", "torch_grouped_mm_compile")
 PARAM_NAMES = ("router", "w_gate", "w_up", "w_down")
@@ -25,8 +25,9 @@ SHARED_NAMES = ("w_gate", "w_up", "w_down")
 def _import_torch():
     try:
         import torch
-    except Exception as exc:  # noqa: BLE001 - any import failure makes a failure row
-        raise Unavailable(f"unavailable: torch is not importable ({describe_error(exc)})") from exc
+    except ModuleNotFoundError as exc:  # not installed: not attempted; any other error fails
+        raise Unavailable(
+            f"unavailable: torch or a module it needs is not installed here ({exc})") from exc
     if not hasattr(torch, "_grouped_mm"):
         raise Unavailable(f"unavailable: torch {torch.__version__} has no torch._grouped_mm")
     return torch

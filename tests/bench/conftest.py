@@ -17,11 +17,18 @@ plainly)::
     PYTHONPATH=src python -m pytest tests/bench -p no:cacheprovider -q \\
         --bench-suite moe --benchmark-json "$OUT_JSON"
 
-Extra wheels (tokamax and its pure-Python needs, pykeops, keopscore) come from
+Extra wheels (tokamax 0.0.17 and its pure-Python needs, pykeops, keopscore) come from
 ``nox -s wheelhouse`` (``.wheelhouse/``); on the host::
 
     pip install --no-index --no-deps --target /tmp/site .wheelhouse/*.whl
     export PYTHONPATH=src:/tmp/site
+
+tokamax's import wants xprof, which ``tokamax.ragged_dot`` never uses; ``bench_tokamax`` stands
+in for the one xprof module it imports when xprof is missing. The PyTorch peer
+(``bench_torch_moe``) uses the host's torch. A copy of the tree without git history names its
+commit with ``TILAX_BENCH_COMMIT=$(python tests/bench/bench_naming.py --commit)``, run where the
+history is: results are filed under the last commit that changed ``src/`` or ``tests/bench/``,
+so every file made from one code state, in any number of calls, belongs to one run.
 
 Options (each also read from the environment variable in brackets):
 
@@ -45,7 +52,7 @@ unseen; about a minute on 2 cores), ``quick`` (every suite at one or two realist
 ``full`` (the grids of the seed files, see ``bench_moe`` and ``bench_rbf``).
 
 Budget and order: each selected suite is given a share of ``--bench-budget`` in proportion to
-``SUITE_WEIGHTS`` (the minutes column below: maxtok 3, layer 4, decoder 2, pieces 0.5, blockm
+``SUITE_WEIGHTS`` (the minutes column below: maxtok 3, layer 10, decoder 6, pieces 0.5, blockm
 0.5, kernel_mv_max_n 1.5, kernel_mv_peak 1.5, kernel_mv 4, kde_density 0.7, kernel_mv_tiles
 0.5). A suite's share is reserved for it until its last row has run; a row may use its own
 suite's share plus whatever no other suite is still owed (shares of finished suites, time they
@@ -66,13 +73,13 @@ suite            full grid (rows)                                           rows
 ===============  =========================================================  ====  =======
 maxtok           7 impls, bf16 train step, 256k..32M tokens (powers of two);  ~35   ~3
                  jumps to the largest size predicted to fit, then bisects
-layer            11 impls x 32k/131k x fp32/bf16 x fwd/train (first; peers   132   ~6
+layer            11 impls x 32k/131k x fp32/bf16 x fwd/train (first; peers   132   ~10
                  bf16 only), then triton bf16, 5 impls at 4k, E64 top4
                  h256, skew 0.9
-decoder          10 impl x dispatch x 16k/131k/1M x fwd/train, bf16         60    ~4
+decoder          10 impl x dispatch x 16k/131k/1M x fwd/train, bf16         60    ~6
 pieces           4 pieces x 4k/32k x fp32/bf16 (32k bf16 first)             16    ~0.3
 blockm           block_m 32/64/128 x 32k x fp32/bf16 x fwd/train            12    ~0.4
-moe              all five (``--bench-suite moe``)                           ~240  ~9.5
+moe              all five (``--bench-suite moe``)                           ~255  ~20
 kernel_mv_max_n  pallas/xla/dense fwd_bwd d8 o16, 64k..8M (jumping)         ~10   ~1.5
 kernel_mv_peak   pallas/xla/dense x 4k/64k x fwd/fwd_bwd, subprocess each   12    ~1.5
 kernel_mv        5 impls x n 1k..1M x (dim, out) x fwd/fwd_bwd; (8, 16) at  200   ~4
@@ -83,8 +90,19 @@ rbf              all five (``--bench-suite rbf``)                           ~280
 quick            every suite at one or two sizes (``--bench-quick``)        ~60   ~3
 ===============  =========================================================  ====  =======
 
-So on the GPU: ``--bench-quick`` (~3 min), then ``--bench-suite moe`` and ``--bench-suite rbf``
-in separate calls (each capped at 480 s by the budget); ``bench_rows.py merge`` joins files.
+Measured on the H200 (commit 4cab2a4): the layer suite's 32k and 4k rows took 185 s, its 131k,
+E64 and skew rows 388 s, the decoder's 16k and 131k rows 221 s. A run of everything is longer
+than one 10-minute GPU call, so split it: one suite, or part of one chosen with pytest's ``-k``
+on the row ids, per call, each into its own file (``--tag`` names the part), with a budget that
+the part fits well inside, so that no row is left as a budget skip::
+
+    --bench-suite layer -k "(T32768 and E8k2 and not skew) or T4096"    # ~3 min
+    --bench-suite layer -k "not ((T32768 and E8k2 and not skew) or T4096)"  # ~6.5 min
+    --bench-suite decoder -k "T16384 or T131072"                        # ~4 min
+    --bench-suite decoder -k T1048576
+
+The files of one commit on one GPU are one run on the report site; ``bench_rows.py merge``
+can still join files into one.
 
 Rows: one pytest-benchmark benchmark per (suite, impl, dispatch, routing, dtype, shape, op),
 ``extra_info`` per the contract in ``bench_rows`` (family, suite, impl, dtype, op, compile_s,
@@ -141,7 +159,7 @@ MODE_SETTINGS = {
 # Each suite's share of the budget, in proportion to its estimated full-run minutes (the table
 # in the module docstring); a share is reserved for its suite until the suite's last row ran.
 SUITE_WEIGHTS = {
-    "maxtok": 3.0, "layer": 4.0, "decoder": 2.0, "pieces": 0.5, "blockm": 0.5,
+    "maxtok": 3.0, "layer": 10.0, "decoder": 6.0, "pieces": 0.5, "blockm": 0.5,
     "kernel_mv_max_n": 1.5, "kernel_mv_peak": 1.5, "kernel_mv": 4.0, "kde_density": 0.7,
     "kernel_mv_tiles": 0.5,
 }

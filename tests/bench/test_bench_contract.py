@@ -118,3 +118,30 @@ def test_a_failed_ladder_summary_conforms():
                "tokens": 262144, "d_model": 512, "d_hidden": 1024, "experts": 8, "top_k": 2,
                "shared_hidden": 0, "skew": 0.0, "error": "no size ran: unavailable: tokamax"}
     assert check_extra_info(summary) == []
+
+
+def test_results_are_filed_under_the_commit_of_the_measured_code(tmp_path, monkeypatch):
+    """A commit outside src/ and tests/bench/ (docs, stored data) keeps the run's commit; an
+    uncommitted change of measured code marks it dirty."""
+    from bench_naming import short_commit
+
+    monkeypatch.delenv("TILAX_BENCH_COMMIT", raising=False)
+
+    def git(*args):
+        return subprocess.run(["git", "-C", str(tmp_path), *args], check=True,
+                              capture_output=True, text=True).stdout.strip()
+
+    git("init", "-q")
+    git("config", "user.email", "bench@example.com")
+    git("config", "user.name", "bench")
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "kernel.py").write_text("x = 1\n")
+    git("add", ".")
+    git("commit", "-qm", "kernel")
+    measured = git("rev-parse", "--short", "HEAD")
+    (tmp_path / "docs.md").write_text("words\n")
+    git("add", ".")
+    git("commit", "-qm", "docs")
+    assert short_commit(tmp_path) == measured
+    (tmp_path / "src" / "kernel.py").write_text("x = 2\n")
+    assert short_commit(tmp_path) == f"{measured}+dirty"
