@@ -47,7 +47,8 @@ class Page:
         spec = slim_datasets(chart.to_dict(validate=False))
         if not has_data(spec):
             sentence = empty or nothing_to_draw(spec_title(spec), rows)
-            self.parts.append(f'<p class="tilax-empty" id="{chart_id}">{html.escape(sentence)}'
+            self.parts.append(f'<p class="tilax-empty" id="{chart_id}">'
+                              f"{html.escape(sentence, quote=False)}"
                               f"</p>\n\n{source_line(rows)}\n")
             return
         spec_json = json.dumps(spec, separators=(",", ":"), allow_nan=False, default=str)
