@@ -1,7 +1,6 @@
 """Largest-size tables (MoE maxtok, RBF max-n): the limit is bracketed from each ladder's own
 rows, and a jump past untried sizes shows as a lower bound."""
 
-import json
 import shutil
 
 import pandas as pd

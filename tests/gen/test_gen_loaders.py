@@ -4,7 +4,6 @@ import json
 import math
 from collections import Counter
 
-import pandas as pd
 import pytest
 from report_fixtures import PYTEST_BENCHMARK_FIXTURE, SEED_FILES
 from tilax_report import schema

@@ -10,7 +10,8 @@ from report_fixtures import PYTEST_BENCHMARK_FIXTURE, REPO
 from slower_run import write_slower_copy
 from tilax_report import analysis, history, runs, site
 from tilax_report.load import load_results
-from tilax_report.pages import PAGES, history as history_page, overview, raw_data, rbf
+from tilax_report.pages import PAGES, overview, raw_data, rbf
+from tilax_report.pages import history as history_page
 from tilax_report.pages import runs as runs_page
 
 H200_MOE = "h200-20261130-b95aa18-moe.json"
