@@ -50,12 +50,13 @@ def render_across_gpus(page: Page, rows: pd.DataFrame, what: str, devices: list[
                      "runs with the same time overlap. Click a GPU in the legend to "
                      "highlight it.")
     display = pd.DataFrame({
-        "impl": rows["label"], "case": rows["case"], "GPU": rows["gpu"],
+        "impl": rows["label"], "case": rows["case"],
         "median ms (q1–q3)": [fmt_ms(r.median_ms, r.q1_ms, r.q3_ms) for r in rows.itertuples()],
+        "GPU": rows["gpu"],
         "rounds": rows["rounds"].map(rounds_cell),
         "run": rows["run"],
     })
-    page.table(display, rows, name=f"{page.slug}-across-gpus", key_columns=4,
+    page.table(display, rows, name=f"{page.slug}-across-gpus", key_columns=3,
                collapsed=f"All {len(display)} rows" if len(display) > 30 else None)
 
 

@@ -136,7 +136,7 @@ def _flagged(page: Page, change_rows: pd.DataFrame, table: pd.DataFrame) -> None
     })
     runs_behind = table[table["run"].isin(set(flagged["before_run"]) | set(flagged["after_run"]))]
     page.table(display, runs_behind, "Before: the earlier run; after: the next run on the same "
-               "GPU that measured the case.", name="history-flagged", key_columns=4,
+               "GPU that measured the case.", name="history-flagged", key_columns=3,
                collapsed=f"All {len(flagged)} flagged changes" if len(flagged) > OPEN_ROWS
                else None)
 
@@ -176,7 +176,7 @@ def _timeline(page: Page, device: str, points: pd.DataFrame, change_rows: pd.Dat
     cases = list(points.groupby("case")["median_ms"].count().sort_index().index)
     biggest = change_rows.assign(size=(change_rows["ratio"] - 1).abs()).sort_values(
         "size", ascending=False)["case"].iloc[0]
-    choose = alt.param(name="case", value=biggest,
+    choose = alt.param(name="shown_case", value=biggest,
                        bind=alt.binding_select(options=cases, name="case "))
     base = alt.Chart(points).transform_filter(alt.datum.case == choose).encode(
         alt.X("run_label:N", title="run (date · commit)", sort=run_labels,
