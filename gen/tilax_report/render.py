@@ -369,3 +369,21 @@ def run_anchor(run: str) -> str:
 def run_link(run: str) -> str:
     """Markdown link to a run's panel on the runs page (from a page under reports/)."""
     return f"[`{run}`](runs.md#{run_anchor(run)})"
+
+
+def ms_cell(median: float | None, q1: float | None, q3: float | None, rounds: object) -> str:
+    """A grid cell: '1.234 (1.200–1.250) · 10 rounds', marked '· few rounds' below
+    verdict.FEW_ROUNDS and '· wide spread' when q3 - q1 exceeds verdict.WIDE_SPREAD of the
+    median."""
+    from .verdict import FEW_ROUNDS, WIDE_SPREAD
+
+    text = fmt_ms(median, q1, q3)
+    if rounds is None or pd.isna(rounds):
+        return text
+    marks = [f"{int(rounds)} rounds"]
+    if rounds < FEW_ROUNDS:
+        marks.append("few rounds")
+    if q1 is not None and q3 is not None and not pd.isna(q1) and not pd.isna(q3) and (
+            q3 - q1) > WIDE_SPREAD * median:
+        marks.append("wide spread")
+    return " · ".join([text, *marks])

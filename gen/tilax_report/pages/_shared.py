@@ -220,8 +220,8 @@ def not_measured(page: Page, rows: pd.DataFrame, what: str, columns: dict[str, s
     if not failed.empty:
         display = pd.DataFrame({header: _column(failed, column)
                                 for column, header in columns.items()})
-        display["error"] = failed["error"].map(short_error).to_numpy()
         display["run"] = failed["run"].to_numpy()
+        display["error"] = failed["error"].map(short_error).to_numpy()
         page.table(display, failed, "Failed: errors shortened to their first line; the "
                    "stored file has the full message.", name=f"{name}-failed",
                    key_columns=min(3, len(columns)),

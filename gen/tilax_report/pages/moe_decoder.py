@@ -13,10 +13,10 @@ from ..render import (
     Page,
     case_label,
     fmt_int,
-    fmt_ms,
     fmt_num,
     fmt_ratio,
     fmt_size,
+    ms_cell,
     plural,
     run_link,
     skip_gist,
@@ -84,7 +84,7 @@ def _run_section(page: Page, rows: pd.DataFrame) -> None:
     if not spread:
         page.md("This file stored one time per case (no quartiles).")
     cell = [
-        fmt_ms(r.median_ms, r.q1_ms, r.q3_ms) if r.status == "measured" else
+        ms_cell(r.median_ms, r.q1_ms, r.q3_ms, r.rounds) if r.status == "measured" else
         f"failed ({analysis.failure_kind(r.error)})" if r.status == "failed" else "skipped"
         for r in rows.itertuples()
     ]
@@ -95,7 +95,7 @@ def _run_section(page: Page, rows: pd.DataFrame) -> None:
     display = display.reindex(columns=[c for c in order if c in display.columns]).reset_index()
     page.table(display.rename(columns={"label": "impl/dispatch"}).fillna(""), rows,
                "Milliseconds per call, median (q1–q3), by op and tokens.",
-               name=f"decoder-grid-{run}", key_columns=4)
+               name=f"decoder-grid-{run}", key_columns=3)
     good = analysis.timed(rows)
     good = good.assign(tokens_label=good["tokens"].map(fmt_size))
     chart = charts.bars(

@@ -8,7 +8,7 @@ import pandas as pd
 
 from .. import analysis, charts
 from ..load import StoredResults
-from ..render import Page, fmt_int, fmt_ms, fmt_time, plural, short_error, verdict_phrase
+from ..render import Page, fmt_int, fmt_time, ms_cell, plural, short_error, verdict_phrase
 from . import _shared
 
 PATH = "reports/nn-suites.md"
@@ -76,7 +76,7 @@ def _suite_section(page: Page, suite: str, rows: pd.DataFrame, notes: pd.DataFra
             title=f"{rows['device'].iloc[0]}: {suite} median time vs {size}",
         )
         page.chart(chart, rows, _failed_note(rows))
-    cells = [fmt_ms(r.median_ms, r.q1_ms, r.q3_ms) if r.status == "measured" else
+    cells = [ms_cell(r.median_ms, r.q1_ms, r.q3_ms, r.rounds) if r.status == "measured" else
              f"failed ({analysis.failure_kind(r.error)})" if r.status == "failed" else
              "skipped" for r in rows.itertuples()]
     grid = rows.assign(cell=cells, column=rows["dtype"] + " · " + rows["op"])
