@@ -2,6 +2,9 @@
 
 import importlib.util
 import os
+import shutil
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import nox
@@ -32,11 +35,35 @@ def tests(session: nox.Session) -> None:
 
 @nox.session
 def docs(session: nox.Session) -> None:
-    """Build the site from the stored results into site/ (open site/index.html)."""
+    """Build the site from the stored results into site/ (open site/index.html).
+
+    The build goes to a temporary folder that replaces site/ only when it succeeds: a failed
+    build (e.g. a corrupt stored file, named in the error) keeps the previous site.
+    """
     install_groups(session, "docs")
-    session.run(
-        "mkdocs", "build", "--strict", "--site-dir", "site", *session.posargs, env=QUIET_MKDOCS
-    )
+    publish_site(lambda folder: session.run(
+        "mkdocs", "build", "--strict", "--site-dir", str(folder), *session.posargs,
+        env=QUIET_MKDOCS,
+    ), Path("site"))
+
+
+def publish_site(build: Callable[[Path], object], target: Path) -> None:
+    """Run ``build(folder)`` into a fresh folder beside ``target``, then swap it in; if the
+    build raises, ``target`` is left as it was and the partial build is removed."""
+    target = target.resolve()
+    folder = Path(tempfile.mkdtemp(prefix=f".{target.name}-build-", dir=target.parent))
+    folder.chmod(0o755)  # mkdtemp makes it private; the site is meant to be read
+    try:
+        build(folder)
+    except BaseException:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
+    old = target.with_name(f".{target.name}-old")
+    shutil.rmtree(old, ignore_errors=True)
+    if target.exists():
+        target.rename(old)
+    folder.rename(target)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 @nox.session

@@ -1,40 +1,40 @@
 """Derived tables the report pages share: labels, within-run comparisons, growth fits.
 
-Speed is only ever compared within one run (one file's run id on one device): every ratio here
-is computed inside a group keyed by (source_file, run, ...case). Comparing runs on different GPUs
-is done separately and labelled as such (`across_devices`).
+Numbers and keys only: the pages (pages/) put them into words. Speed is only ever compared
+within one file (one process, one run, one device): every ratio here is computed inside a group
+keyed by (source_file, run, device, ...case), with a noise-aware verdict (`verdict`). Runs on
+different GPUs are put side by side separately and labelled as such (`across_devices`); runs
+over time are in `history`.
 """
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Sequence
 
 import numpy as np
 import pandas as pd
 
-from .render import fmt_int, fmt_ms, short_error
+from . import verdict
 
 RUN_KEYS = ["source_file", "run", "device"]
 MOE_CONFIG = ["d_model", "d_hidden", "experts", "top_k", "shared_hidden", "skew"]
 MOE_CASE = [*MOE_CONFIG, "dtype", "op", "tokens"]
 RBF_CONFIG = ["dim", "out", "batch"]
 RBF_CASE = ["suite", *RBF_CONFIG, "op", "n", "m"]
-# Codes in order of preference when one run has to stand for a device in a headline.
+# Codes in order of preference when undated runs of one file stand for a device in a headline.
 CODE_RANK = {"final": 0, "intermediate": 1, "sweep": 2, "before": 3}
 
 
 def with_labels(table: pd.DataFrame) -> pd.DataFrame:
-    """Add display columns: ``label`` (impl as compared), ``config``, ``gpu`` and
-    ``error_short`` (and name a missing device 'unknown GPU')."""
+    """Add key columns: ``label`` (impl as compared), ``config`` and ``gpu`` (the short GPU
+    name), and name a missing device 'unknown GPU'."""
     frame = table.copy()
     # Pages group by device: a run that did not record its GPU still gets a group.
     frame["device"] = frame["device"].fillna("unknown GPU")
     frame["label"] = [_impl_label(r) for r in frame.itertuples(index=False)]
     frame["config"] = [_config_label(r) for r in frame.itertuples(index=False)]
     frame["gpu"] = frame["device"].map(short_gpu)
-    frame["error_short"] = frame["error"].map(short_error)
     return frame
 
 
@@ -105,12 +105,25 @@ def failure_kind(message: object) -> str:
 
 
 def timed(frame: pd.DataFrame) -> pd.DataFrame:
-    """Rows with a usable time: status ok and a median."""
-    return frame[(frame["status"] == "ok") & frame["median_ms"].notna()]
+    """Rows with a usable time: measured, with a median."""
+    return frame[(frame["status"] == "measured") & frame["median_ms"].notna()]
 
 
 def failures(frame: pd.DataFrame) -> pd.DataFrame:
-    return frame[frame["status"] != "ok"]
+    """Rows that were attempted and failed (out of memory, timeout, error)."""
+    return frame[frame["status"] == "failed"]
+
+
+def skipped(frame: pd.DataFrame) -> pd.DataFrame:
+    """Rows that were never attempted (time budget, predicted failure, peer not installed)."""
+    return frame[frame["status"] == "skipped"]
+
+
+def status_counts(frame: pd.DataFrame, keys: Sequence[str]) -> pd.DataFrame:
+    """Rows per ``keys`` and status: columns measured, failed, skipped (zeros filled in)."""
+    counts = frame.groupby([*keys, "status"], dropna=False).size().unstack("status")
+    counts = counts.reindex(columns=["measured", "failed", "skipped"]).fillna(0).astype(int)
+    return counts.reset_index()
 
 
 def _group(frame: pd.DataFrame, keys: Sequence[str]):
@@ -118,8 +131,9 @@ def _group(frame: pd.DataFrame, keys: Sequence[str]):
 
 
 def rank_within_run(frame: pd.DataFrame, case: Sequence[str]) -> pd.DataFrame:
-    """One row per (run, case) measured with at least two labels: the fastest label, the
-    runner-up and their ratio. Failed labels of the case are counted, not ranked."""
+    """One row per (file, run, case) measured with at least two labels: the fastest label, the
+    runner-up, their ratio and whether the noise allows calling it (``clear``, ``method``;
+    see `verdict`). Failed and skipped labels of the case are counted, not ranked."""
     keys = [*RUN_KEYS, *case]
     out = []
     for key, rows in _group(frame, keys):
@@ -127,19 +141,25 @@ def rank_within_run(frame: pd.DataFrame, case: Sequence[str]) -> pd.DataFrame:
         if good["label"].nunique() < 2:
             continue
         best, second, worst = good.iloc[0], good.iloc[1], good.iloc[-1]
+        lead = verdict.compare(best, second)
         out.append({
             **dict(zip(keys, key, strict=True)),
             "code": best["code"], "config": best["config"],
             "fastest": best["label"], "fastest_ms": best["median_ms"],
             "fastest_q1": best["q1_ms"], "fastest_q3": best["q3_ms"],
+            "fastest_rounds": best["rounds"],
             "runner_up": second["label"], "runner_up_ms": second["median_ms"],
-            "ratio": second["median_ms"] / best["median_ms"],
+            "runner_up_q1": second["q1_ms"], "runner_up_q3": second["q3_ms"],
+            "runner_up_rounds": second["rounds"],
+            "ratio": lead["ratio"], "clear": lead["clear"], "method": lead["method"],
             "slowest": worst["label"], "slowest_ratio": worst["median_ms"] / best["median_ms"],
             "labels": good["label"].nunique(),
-            "failed": int((rows["status"] != "ok").sum()),
+            "failed": int((rows["status"] == "failed").sum()),
+            "skipped": int((rows["status"] == "skipped").sum()),
         })
     if not out:
-        return pd.DataFrame(columns=[*keys, "code", "config", "fastest", "fastest_ms", "labels"])
+        return pd.DataFrame(columns=[*keys, "code", "config", "fastest", "fastest_ms", "labels",
+                                     "ratio", "clear"])
     return pd.DataFrame(out).astype({k: frame[k].dtype for k in keys})
 
 
@@ -150,24 +170,31 @@ def speedups(frame: pd.DataFrame, case: Sequence[str], baseline: str) -> pd.Data
     left out."""
     keys = [*RUN_KEYS, *case]
     good = timed(frame)
-    base = good[good["label"] == baseline][[*keys, "median_ms", "q1_ms", "q3_ms"]]
+    base = good[good["label"] == baseline][[*keys, "median_ms", "q1_ms", "q3_ms", "round_ms"]]
     base = base.drop_duplicates(subset=keys)
     merged = good.merge(base, on=keys, how="inner", suffixes=("", "_base"))
     merged["speedup"] = merged["median_ms_base"] / merged["median_ms"]
     merged["speedup_lo"] = merged["q1_ms_base"] / merged["q3_ms"]
     merged["speedup_hi"] = merged["q3_ms_base"] / merged["q1_ms"]
+    base_rows = merged[["median_ms_base", "q1_ms_base", "q3_ms_base", "round_ms_base"]]
+    base_rows.columns = ["median_ms", "q1_ms", "q3_ms", "round_ms"]
+    merged["clear"] = verdict.compare_frames(base_rows, merged)["clear"]
     merged["baseline"] = baseline
     return merged
 
 
-def primary_runs(ranked: pd.DataFrame) -> pd.DataFrame:
-    """Per device, the ranked case that best stands for it: latest code, most labels."""
+def newest_per_device(ranked: pd.DataFrame, run_order: pd.Series) -> pd.DataFrame:
+    """Per device, the ranked case of its newest run (``run_order``: run -> position in time,
+    missing for undated runs, which rank after every dated one); among undated runs and among
+    one run's cases, the latest code and the most labels."""
     if ranked.empty:
         return ranked
     order = ranked.assign(
-        _code=ranked["code"].map(CODE_RANK).fillna(0), _labels=-ranked["labels"]
-    ).sort_values(["_code", "_labels", "source_file", "run"])
-    return order.drop_duplicates(subset=["device"]).drop(columns=["_code", "_labels"])
+        _when=-ranked["run"].map(run_order).fillna(-1),
+        _code=ranked["code"].map(CODE_RANK).fillna(0), _labels=-ranked["labels"],
+    ).sort_values(["_when", "_code", "_labels", "source_file", "run"])
+    order = order.drop_duplicates(subset=["device"]).drop(columns=["_when", "_code", "_labels"])
+    return order.sort_values("run", key=lambda r: -r.map(run_order).fillna(-1))
 
 
 def growth_exponent(n: pd.Series, value: pd.Series) -> float:
@@ -189,8 +216,8 @@ def memory_growth(frame: pd.DataFrame) -> pd.DataFrame:
     out = []
     for key, group in _group(rows, keys):
         group = group.sort_values("n")
-        ran = group[(group["status"] == "ok") & group["peak_mb"].notna()]
-        failed = group[group["status"] != "ok"]
+        ran = group[(group["status"] == "measured") & group["peak_mb"].notna()]
+        failed = group[group["status"] == "failed"]
         first_fail = failed.iloc[0] if not failed.empty else None
         record = dict(zip(keys, key, strict=True))
         record.update(
@@ -200,7 +227,7 @@ def memory_growth(frame: pd.DataFrame) -> pd.DataFrame:
             peak_max=ran["peak_mb"].iloc[-1] if not ran.empty else math.nan,
             exponent=growth_exponent(ran["n"], ran["peak_mb"]),
             failed_at=first_fail["n"] if first_fail is not None else pd.NA,
-            failure=first_fail["error_short"] if first_fail is not None else "",
+            failure=first_fail["error"] if first_fail is not None else "",
             steps=len(group),
         )
         out.append(record)
@@ -215,39 +242,6 @@ def across_devices(frame: pd.DataFrame, case: Sequence[str]) -> pd.DataFrame:
     return good[counts >= 2]
 
 
-def describe_case(row: pd.Series, fields: Sequence[str]) -> str:
-    parts = []
-    for field in fields:
-        value = row.get(field)
-        if value is None or pd.isna(value) or value == "":
-            continue
-        parts.append(fmt_int(value) if field in ("tokens", "n") else str(value))
-    return " ".join(parts)
-
-
-def ms_with_spread(row: pd.Series, prefix: str = "") -> str:
-    return fmt_ms(row[f"{prefix}median_ms"], row.get(f"{prefix}q1_ms"),
-                  row.get(f"{prefix}q3_ms"))
-
-
-
-def extra_info(value: object) -> dict:
-    """The ``extra`` column of one row as a dict (empty when the row has none)."""
-    if not isinstance(value, str) or not value.startswith("{"):
-        return {}
-    try:
-        parsed = json.loads(value)
-    except ValueError:
-        return {}
-    return parsed if isinstance(parsed, dict) else {}
-
-
-def _not_attempted(message: object) -> bool:
-    """A failure row for a size the ladder never tried (budget, predicted time)."""
-    text = str(message).lower()
-    return text.startswith("skipped") or "not attempted" in text
-
-
 def ladder_limits(ladder: pd.DataFrame, summary: pd.DataFrame, size: str, stated: str,
                   keys: Sequence[str]) -> pd.DataFrame:
     """How well each ladder's limit is known, from its own rows in the same run.
@@ -256,10 +250,10 @@ def ladder_limits(ladder: pd.DataFrame, summary: pd.DataFrame, size: str, stated
     smallest larger size that failed and ``kind`` how (out of memory, timeout, error),
     ``lower_bound`` True when ``ran`` is only a lower bound of the limit: the failing size is
     more than double the one that ran (the ladder jumped past sizes it never tried) or no
-    larger size failed. A summary row's ``limit_bracket`` / ``max_is_lower_bound`` (newer runs
-    record them in ``extra``) take precedence; its ``stated`` value (max_tokens, max_n) counts
-    as a size that ran. Also ``peak_mb`` and ``run_s`` of the largest size that ran, and
-    ``summary`` (the summary row's index, or None).
+    larger size failed. A summary row's ``limit_ran``/``limit_failed`` bracket and
+    ``max_is_lower_bound`` (newer runs record them) take precedence; its ``stated`` value
+    (max_tokens, max_n) counts as a size that ran. Also ``peak_mb`` and ``run_s`` of the
+    largest size that ran, and ``summary`` (the summary row's index, or None).
     """
     keys = list(keys)
     summaries = {}
@@ -270,12 +264,12 @@ def ladder_limits(ladder: pd.DataFrame, summary: pd.DataFrame, size: str, stated
     for key in list(groups) + [k for k in summaries if k not in groups]:
         group = groups.get(key, ladder.iloc[0:0])
         row = summary.loc[summaries[key]] if key in summaries else None
-        ran = group[group["status"] == "ok"].sort_values(size)
+        ran = group[group["status"] == "measured"].sort_values(size)
         largest = ran[size].max() if not ran.empty else pd.NA
         if row is not None and pd.notna(row[stated]) and (
                 pd.isna(largest) or row[stated] > largest):
             largest = row[stated]
-        failed = group[(group["status"] != "ok") & ~group["error"].map(_not_attempted)]
+        failed = group[group["status"] == "failed"]
         if pd.notna(largest):
             failed = failed[failed[size] > largest]
         failed = failed.sort_values(size)
@@ -285,42 +279,21 @@ def ladder_limits(ladder: pd.DataFrame, summary: pd.DataFrame, size: str, stated
             ran=largest,
             failed=failed[size].iloc[0] if not failed.empty else pd.NA,
             kind=failure_kind(failed["error"].iloc[0]) if not failed.empty else "",
-            failure=failed["error_short"].iloc[0] if not failed.empty else "",
+            failure=failed["error"].iloc[0] if not failed.empty else "",
             peak_mb=last["peak_mb"].iloc[0] if not last.empty else float("nan"),
             run_s=last["run_s"].iloc[0] if not last.empty else float("nan"),
             summary=summaries.get(key), stopped="",
         )
         record["lower_bound"] = pd.notna(largest) and (
             pd.isna(record["failed"]) or record["failed"] > 2 * largest)
-        extra = extra_info(row["extra"]) if row is not None else {}
-        bracket = extra.get("limit_bracket")
-        if isinstance(bracket, list) and len(bracket) == 2:
-            record.update(ran=bracket[0], failed=bracket[1], lower_bound=False)
-            record["kind"] = extra.get("limit_kind") or record["kind"] or "error"
-        elif extra.get("max_is_lower_bound") is True:
+        if row is not None and pd.notna(row["limit_ran"]) and pd.notna(row["limit_failed"]):
+            record.update(ran=row["limit_ran"], failed=row["limit_failed"], lower_bound=False)
+            record["kind"] = (row["limit_kind"] if isinstance(row["limit_kind"], str)
+                              else record["kind"] or "error")
+        elif row is not None and pd.notna(row["max_is_lower_bound"]) and row["max_is_lower_bound"]:
             record["lower_bound"] = pd.notna(record["ran"])
-            record["stopped"] = extra.get("limit_kind") or ""
+            record["stopped"] = row["limit_kind"] if isinstance(row["limit_kind"], str) else ""
         out.append(record)
     columns = [*keys, "ran", "failed", "kind", "failure", "peak_mb", "run_s", "summary",
                "lower_bound", "stopped"]
     return pd.DataFrame(out, columns=columns)
-
-
-def limit_text(record) -> str:
-    """The ``limit`` cell of one :func:`ladder_limits` row, in words."""
-    ran, failed, kind = record["ran"], record["failed"], record["kind"] or "failed"
-    if pd.isna(ran):
-        return f"no size ran ({kind} at {fmt_int(failed)})" if pd.notna(failed) else "no size ran"
-    if pd.isna(failed):
-        why = f"stopped: {record['stopped']}" if record["stopped"] else "no larger size failed"
-        return f"≥ {fmt_int(ran)} (ran; {why})"
-    return f"between {fmt_int(ran)} (ran) and {fmt_int(failed)} ({kind})"
-
-
-def largest_text(record) -> str:
-    """The largest size that ran, with '≥' when it is only a lower bound of the limit."""
-    if pd.isna(record["ran"]):
-        return "none"
-    return ("≥ " if record["lower_bound"] else "") + fmt_int(record["ran"])
-
-

@@ -12,6 +12,8 @@ from collections.abc import Sequence
 import altair as alt
 import pandas as pd
 
+from .render import short_error
+
 # Ratio heatmaps saturate their colours at this factor either way (the cell text is exact).
 MAX_COLOUR_RATIO = 4.0
 # One colour per implementation across every chart of the site (labels as analysis.with_labels
@@ -32,8 +34,11 @@ IMPL_COLOURS = {
     "jax_cudnn": "#e45756", "mamba": "#4c78a8", "ssd": "#f58518", "mamba2": "#54a24b",
     "gdn": "#e45756", "lru": "#b279a2",
 }
-SPARE_COLOURS = ["#ff9d98", "#83bcb6", "#f2cf5b", "#bab0ac", "#d67195", "#fcbfd2", "#ffbf79",
-                 "#1f77b4", "#8c564b", "#17becf"]
+# Vega's tableau20: labels without a colour of their own (and any label whose colour another
+# label of the same chart already has) take the first of these not yet used in the chart.
+PALETTE = ["#4c78a8", "#f58518", "#54a24b", "#e45756", "#b279a2", "#9e765f", "#439894",
+           "#b79a20", "#79706e", "#d67195", "#9ecae9", "#ffbf79", "#88d27a", "#ff9d98",
+           "#d6a5c9", "#d8b5a5", "#83bcb6", "#f2cf5b", "#bab0ac", "#fcbfd2"]
 FONT = "system-ui, -apple-system, 'Segoe UI', Roboto, sans-serif"
 
 
@@ -69,14 +74,28 @@ def finish(chart: alt.TopLevelMixin, title: str | None = None) -> alt.TopLevelMi
 
 
 def colour(field: str, title: str | None, data: pd.DataFrame, **kwargs) -> alt.Color:
-    """Colour by ``field``; implementation labels keep their site-wide colours."""
+    """Colour by ``field``, one distinct colour per value: implementation labels keep their
+    site-wide colours, other values (and clashes) take unused palette colours."""
     values = sorted(str(v) for v in data[field].dropna().unique()) if field in data else []
-    if values and any(v in IMPL_COLOURS for v in values):
-        spare = iter(SPARE_COLOURS * 4)
-        scale = alt.Scale(domain=values,
-                          range=[IMPL_COLOURS.get(v) or next(spare) for v in values])
-        return alt.Color(f"{field}:N", title=title, scale=scale, **kwargs)
-    return alt.Color(f"{field}:N", title=title, **kwargs)
+    if not values:
+        return alt.Color(f"{field}:N", title=title, **kwargs)
+    used: list[str] = []
+    for value in values:
+        own = IMPL_COLOURS.get(value)
+        spare = [c for c in PALETTE if c not in used] or PALETTE
+        used.append(own if own and own not in used else spare[0])
+    return alt.Color(f"{field}:N", title=title, scale=alt.Scale(domain=values, range=used),
+                     **kwargs)
+
+
+def positive(data: pd.DataFrame, *fields: str) -> pd.DataFrame:
+    """Rows whose ``fields`` are all above zero: a log axis cannot place zero (Vega fails with
+    'Infinite extent')."""
+    mask = pd.Series(True, index=data.index)
+    for field in fields:
+        if field in data:
+            mask &= pd.to_numeric(data[field], errors="coerce") > 0
+    return data[mask]
 
 
 def _scale(log: bool, **kwargs) -> alt.Scale:
@@ -120,6 +139,7 @@ def lines(
     title: str | None = None,
 ) -> alt.TopLevelMixin:
     """Median vs a size, one line per ``color`` value, q1–q3 rules, log axes by default."""
+    data = positive(data, *([x] if log_x else []), *([y] if log_y else []))
     select = alt.selection_point(fields=[color], bind="legend")
     x_enc = alt.X(f"{x}:Q", title=x_title, scale=_scale(log_x),
                   axis=alt.Axis(format=x_format) if x_format else alt.Axis())
@@ -166,6 +186,7 @@ def bars(
 ) -> alt.TopLevelMixin:
     """Horizontal bars of ``value`` per ``category`` (q1–q3 rules on times); an optional
     vertical reference rule (e.g. ratio 1)."""
+    data = positive(data, value) if log else data
     legend = color is not None and color != category
     color = color or category
     # With one colour per bar the bars are their own legend: click a bar to highlight it.
@@ -226,6 +247,7 @@ def heatmap(
     title: str | None = None,
 ) -> alt.TopLevelMixin:
     """Cells coloured by ``value`` with the formatted ``text`` written in them."""
+    data = positive(data, value) if log else data
     scale_kwargs = {"scheme": scheme, "reverse": reverse}
     if log:
         scale_kwargs["type"] = "log"
@@ -241,7 +263,8 @@ def heatmap(
             scale_kwargs["clamp"] = True
     base = alt.Chart().encode(
         alt.X(f"{x}:O", title=x_title, sort=list(x_sort) if x_sort is not None else "ascending",
-              axis=alt.Axis(labelAngle=0, orient="top", labelLimit=cell)),
+              axis=alt.Axis(labelAngle=0 if _fits(data[x], cell) else -35, orient="top",
+                            labelLimit=220)),
         alt.Y(f"{y}:O", title=y_title, sort=list(y_sort) if y_sort is not None else "ascending"),
     )
     rect = base.mark_rect().encode(
@@ -256,6 +279,13 @@ def heatmap(
     else:
         chart = _facet(alt.layer(rect, label).properties(**size), data, row, column)
     return finish(chart, title)
+
+
+def _fits(labels: pd.Series, width: int) -> bool:
+    """Whether the longest label fits a column of ``width`` px at 11 px type (about 6.5 px a
+    character): wider labels are angled rather than cut."""
+    longest = max((len(str(v)) for v in labels.dropna().unique()), default=0)
+    return longest * 6.5 <= width
 
 
 def ladder(
@@ -275,8 +305,10 @@ def ladder(
 ) -> alt.TopLevelMixin:
     """A size ladder: ``y`` vs ``x`` on log axes per series; a failed step (OOM, timeout) is a
     cross in the series' colour along the top edge (hover it for the error)."""
-    data = data.copy()
-    ok = data["status"] == "ok"
+    # Skipped sizes were never attempted: not a failure, not drawn.
+    data = data[data["status"] != "skipped"].copy()
+    data["error_short"] = data["error"].map(short_error)
+    ok = data["status"] == "measured"
     top = data.loc[ok, y].max() if data.loc[ok, y].notna().any() else 1.0
     data["failed_at"] = top * 1.6
     select = alt.selection_point(fields=[color], bind="legend")
@@ -285,7 +317,7 @@ def ladder(
     y_scale = _scale(True)
     color_enc = colour(color, color_title, data)
     opacity = alt.condition(select, alt.value(1.0), alt.value(0.12))
-    good = alt.Chart().transform_filter("datum.status == 'ok'").encode(
+    good = alt.Chart().transform_filter("datum.status == 'measured'").encode(
         x_enc, alt.Y(f"{y}:Q", title=y_title, scale=y_scale), color_enc, opacity=opacity)
     layers = [
         good.mark_line(strokeWidth=1.6),
@@ -294,7 +326,7 @@ def ladder(
     ]
     if not ok.all():
         layers.append(
-            alt.Chart().transform_filter("datum.status != 'ok'").mark_point(
+            alt.Chart().transform_filter("datum.status == 'failed'").mark_point(
                 shape="cross", size=130, filled=True, strokeWidth=1).encode(
                 x_enc, alt.Y("failed_at:Q", scale=y_scale), color_enc, opacity=opacity,
                 tooltip=tooltip([color, x, "status", "error_short"]),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -101,10 +102,7 @@ def read_result_file(path: Path) -> tuple[str, dict, pd.DataFrame]:
         ) from None
     try:
         name = detect_format(doc)
-        if name == pytest_benchmark.NAME:
-            rows = pytest_benchmark.load(doc, run=path.stem)
-        else:
-            rows = {fmt.NAME: fmt for fmt in FORMATS}[name].load(doc)
+        rows = {fmt.NAME: fmt for fmt in FORMATS}[name].load(doc, path.stem)
         frame = pd.DataFrame.from_records(rows) if rows else pd.DataFrame()
         frame["source_file"] = path.name
         frame["source_format"] = name
@@ -129,7 +127,8 @@ def load_results(directory: Path | None = None) -> StoredResults:
         if name == moe_layer_seed.NAME:
             listed[path.name] = moe_layer_seed.listed_runs(doc)
     table = pd.concat(frames, ignore_index=True) if frames else schema.empty_table()
-    results = StoredResults(directory, schema.conform(table), pd.DataFrame(files), listed)
+    results = StoredResults(directory, assign_runs(schema.conform(table)), pd.DataFrame(files),
+                            listed)
     _CACHE[directory] = (key, results)
     return results
 
@@ -137,9 +136,43 @@ def load_results(directory: Path | None = None) -> StoredResults:
 _CACHE: dict[Path, tuple[tuple, StoredResults]] = {}
 
 
+def assign_runs(table: pd.DataFrame) -> pd.DataFrame:
+    """Our own runs: the files of one commit on one GPU are one run (one file per device call),
+    named ``<gpu>-<yyyymmdd>-<commit>`` after the GPU, the first file's date and the commit.
+    A file without a commit stays a run of its own (its file name). Seed files keep their own
+    run ids."""
+    ours = ((table["source_format"] == pytest_benchmark.NAME) & table["commit"].notna()
+            & table["device"].notna())
+    if not ours.any():
+        return table
+    table = table.copy()
+    first_date = table[ours].groupby(["device", "commit"])["date"].transform("min")
+    stamp = first_date.fillna("").str.replace("-", "")
+    table.loc[ours, "run"] = [
+        "-".join(part for part in (gpu_slug(device), day, commit) if part)
+        for device, day, commit in zip(table.loc[ours, "device"], stamp,
+                                       table.loc[ours, "commit"], strict=True)
+    ]
+    return table
+
+
+def gpu_slug(device_name: str) -> str:
+    """'NVIDIA H200' -> 'h200', 'NVIDIA GeForce RTX 3090' -> 'rtx3090': the GPU part of the
+    result file names (tests/bench/bench_naming.py names files the same way)."""
+    vendor = {"nvidia", "geforce", "tesla", "amd", "radeon", "instinct"}
+    tokens = [t for t in re.split(r"[\s_\-]+", device_name.lower()) if t and t not in vendor]
+    if not tokens:
+        return "gpu"
+    model = tokens[0]
+    if model in {"rtx", "gtx", "quadro", "titan"} and len(tokens) > 1:
+        model += tokens[1]
+    return re.sub(r"[^a-z0-9]", "", model) or "gpu"
+
+
 def _describe_file(path: Path, fmt: str, doc: dict, frame: pd.DataFrame) -> dict:
     stored_rows = doc.get("benchmarks", doc.get("results", []))
-    failed = frame.loc[frame["status"] != "ok", "source_row"].nunique()
+    # Counted per stored row (the H100 file stores two ops in one row).
+    per_row = frame.drop_duplicates("source_row")["status"].value_counts()
     return {
         "source_file": path.name,
         "source_format": fmt,
@@ -147,7 +180,8 @@ def _describe_file(path: Path, fmt: str, doc: dict, frame: pd.DataFrame) -> dict
         "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
         "stored_rows": len(stored_rows),
         "table_rows": len(frame),
-        "failed_rows": int(failed),
-        "runs": frame["run"].nunique(),
+        "measured_rows": int(per_row.get("measured", 0)),
+        "failed_rows": int(per_row.get("failed", 0)),
+        "skipped_rows": int(per_row.get("skipped", 0)),
         "devices": ", ".join(sorted(frame["device"].dropna().unique())),
     }

@@ -4,7 +4,8 @@ A chart is an Altair chart embedded as its Vega-Lite JSON spec in a ``<script
 type="application/json">`` next to an empty ``div.tilax-chart``; the vendored vega-embed renders
 it in the browser (docs/assets/tilax-charts.js). Tables are pandas frames written as Markdown.
 Every chart and table is followed by a ``.tilax-source`` line naming and linking the stored
-files (and runs) its rows come from.
+files (and runs) its rows come from. A chart with nothing to draw is replaced by one sentence
+saying why (``p.tilax-empty``).
 """
 
 from __future__ import annotations
@@ -36,11 +37,20 @@ class Page:
     def md(self, text: str) -> None:
         self.parts.append(text.strip("\n") + "\n")
 
-    def chart(self, chart: alt.TopLevelMixin, rows: pd.DataFrame, caption: str = "") -> None:
-        """Embed ``chart``; ``rows`` are the table rows it shows (for the source line)."""
+    def chart(self, chart: alt.TopLevelMixin, rows: pd.DataFrame, caption: str = "",
+              empty: str | None = None) -> None:
+        """Embed ``chart``; ``rows`` are the table rows behind it (for the source line). When
+        the chart has no data to draw, write one sentence instead: ``empty`` if given, else
+        one built from the status of ``rows``."""
         self._count += 1
         chart_id = f"{self.slug}-chart-{self._count}"
         spec = slim_datasets(chart.to_dict(validate=False))
+        if not has_data(spec):
+            sentence = empty or nothing_to_draw(spec_title(spec), rows)
+            self.parts.append(f'<p class="tilax-empty" id="{chart_id}">'
+                              f"{html.escape(sentence, quote=False)}"
+                              f"</p>\n\n{source_line(rows)}\n")
+            return
         spec_json = json.dumps(spec, separators=(",", ":"), allow_nan=False, default=str)
         spec_json = spec_json.replace("</", "<\\/")
         files = " ".join(source_files(rows))
@@ -53,16 +63,18 @@ class Page:
 
     def table(self, frame: pd.DataFrame, rows: pd.DataFrame, caption: str = "",
               name: str | None = None, collapsed: str | None = None,
-              markdown_columns: Iterable[str] = ()) -> None:
+              markdown_columns: Iterable[str] = (), key_columns: int = 3) -> None:
         """A pandas table; ``rows`` are the tidy rows behind it. ``collapsed``: a summary line
         to fold the table under (for long tables). ``markdown_columns`` hold Markdown (links)
-        written as is."""
+        written as is. The first ``key_columns`` columns are the ones a reader needs to see
+        without scrolling (the browser tests check they fit at 1280 px)."""
         self._count += 1
         table_id = name or f"{self.slug}-table-{self._count}"
         files = " ".join(source_files(rows))
         body = (
             f'<div class="tilax-table" id="{table_id}" data-sources="{html.escape(files)}" '
-            f'markdown="1">\n\n{markdown_table(frame, markdown_columns)}\n\n</div>\n\n'
+            f'data-key-columns="{key_columns}" markdown="1">\n\n'
+            f"{markdown_table(frame, markdown_columns)}\n\n</div>\n\n"
             f"{source_line(rows, caption)}\n"
         )
         if collapsed:
@@ -72,6 +84,53 @@ class Page:
 
     def render(self) -> str:
         return "\n".join(self.parts)
+
+
+def has_data(spec: dict) -> bool:
+    """Whether a chart spec has any data row to draw (inline datasets or values)."""
+    datasets = spec.get("datasets") or {}
+    values = (spec.get("data") or {}).get("values")
+    return any(len(rows) for rows in datasets.values()) or bool(values)
+
+
+def spec_title(spec: dict) -> str:
+    title = spec.get("title") or ""
+    if isinstance(title, dict):
+        title = title.get("text", "")
+    return " ".join(title) if isinstance(title, list) else str(title)
+
+
+def nothing_to_draw(title: str, rows: pd.DataFrame) -> str:
+    """'No chart for "T": none of the 54 cases behind it was measured (54 skipped: not
+    attempted).' from the status of the chart's rows."""
+    what = f'No chart for "{title}"' if title else "No chart here"
+    if rows.empty:
+        return f"{what}: no stored row has these cases."
+    counts = rows.drop_duplicates(["source_file", "source_row"])["status"].value_counts()
+    parts = [f"{counts[s]} {s}" for s in ("failed", "skipped") if counts.get(s)]
+    if counts.get("measured"):
+        parts.insert(0, f"{counts['measured']} measured but with no value to plot here")
+    reasons = ""
+    skipped = rows[rows["status"] == "skipped"]["error"].dropna()
+    if not skipped.empty:
+        reasons = f"; skipped because: {skip_gist(skipped.mode().iloc[0])}"
+    n = int(counts.sum())
+    return (f"{what}: none of the {plural(n, 'case')} behind it has a time to draw ("
+            + ", ".join(parts) + reasons + "). The tables below list them.")
+
+
+def skip_gist(message: object) -> str:
+    """Why a row was not attempted, without the 'skipped: not attempted,' prefix and the
+    numbers that differ per row: 'the run's time budget was spent before this row'."""
+    text = str(message).strip()
+    text = re.sub(r"^skipped:\s*(not attempted,\s*)?", "", text)
+    text = re.sub(r"\s*\(measured [^)]*\)", "", text)
+    text = re.sub(r" of \d+(\.\d+)? s", "", text)
+    text = re.sub(r"predicted [\d.e+]+ s per call", "predicted time per call", text)
+    text = re.sub(r"times \d+ calls ", "", text)
+    text = re.sub(r"about \d+ GiB", "too much memory", text)
+    text = re.sub(r"\(n=\d+\)", "", text)
+    return short_error(text, limit=100)
 
 
 def slim_datasets(spec: dict) -> dict:
@@ -246,3 +305,85 @@ def plural(count: int, noun: str) -> str:
 def join_names(names: Iterable[str]) -> str:
     names = list(names)
     return ", ".join(names[:-1]) + " and " + names[-1] if len(names) > 1 else "".join(names)
+
+
+def fmt_time(median: float | None, q1: float | None = None, q3: float | None = None,
+             rounds: object = None) -> str:
+    """'16.01 ms (q1–q3 15.95–16.10, 10 rounds)': a median in a sentence, with its spread and
+    rounds where stored."""
+    if median is None or pd.isna(median):
+        return ""
+    places = decimals_for(median)
+    details = []
+    if q1 is not None and q3 is not None and not pd.isna(q1) and not pd.isna(q3):
+        details.append(f"q1–q3 {q1:.{places}f}–{q3:.{places}f}")
+    if rounds is not None and not pd.isna(rounds):
+        details.append(plural(int(rounds), "round"))
+    if not details:
+        details.append("one time stored, no spread")
+    return f"{median:.{places}f} ms ({', '.join(details)})"
+
+
+def rounds_cell(rounds: object, few: bool = False, wide: bool = False) -> str:
+    """The rounds column beside a median: '10', '3 · few rounds', '10 · wide spread'."""
+    text = fmt_int(rounds) if rounds is not None and not pd.isna(rounds) else "—"
+    marks = [m for m, on in (("few rounds", few), ("wide spread", wide)) if on]
+    return " · ".join([text, *marks])
+
+
+def verdict_phrase(ratio: float, clear: object, other: str) -> str:
+    """How a row compares with ``other`` (``ratio`` = other's median / this one's, above 1:
+    this one is faster): '1.64× faster than X', 'no clear difference from X (1.01×)', or
+    '1.21× faster than X (noise unknown: one time stored)'."""
+    if ratio is None or pd.isna(ratio):
+        return ""
+    if clear is None or pd.isna(clear):
+        word = "faster than" if ratio >= 1 else "slower than"
+        shown = ratio if ratio >= 1 else 1 / ratio
+        return f"{fmt_ratio(shown)} {word} {other} (noise unknown: one time stored)"
+    if not clear:
+        return f"no clear difference from {other} ({fmt_ratio(ratio)}, within the noise)"
+    if ratio >= 1:
+        return f"{fmt_ratio(ratio)} faster than {other}"
+    return f"{fmt_ratio(1 / ratio)} slower than {other}"
+
+
+def change_phrase(ratio: float, clear: object) -> str:
+    """A change from one run to the next (``ratio`` = after / before): 'slower by 30%',
+    'faster by 12%', 'no clear change (+0.4%)' or '+3% (noise unknown)'."""
+    if ratio is None or pd.isna(ratio):
+        return ""
+    percent = (ratio - 1) * 100
+    if clear is None or pd.isna(clear):
+        return f"{percent:+.0f}% (noise unknown)"
+    if not clear:
+        return f"no clear change ({percent:+.1f}%)"
+    return f"slower by {percent:.0f}%" if ratio > 1 else f"faster by {-percent:.0f}%"
+
+
+def run_anchor(run: str) -> str:
+    """The id of a run's panel on the runs page."""
+    return "run-" + re.sub(r"[^A-Za-z0-9_-]+", "-", str(run)).strip("-").lower()
+
+
+def run_link(run: str) -> str:
+    """Markdown link to a run's panel on the runs page (from a page under reports/)."""
+    return f"[`{run}`](runs.md#{run_anchor(run)})"
+
+
+def ms_cell(median: float | None, q1: float | None, q3: float | None, rounds: object) -> str:
+    """A grid cell: '1.234 (1.200–1.250) · 10 rounds', marked '· few rounds' below
+    verdict.FEW_ROUNDS and '· wide spread' when q3 - q1 exceeds verdict.WIDE_SPREAD of the
+    median."""
+    from .verdict import FEW_ROUNDS, WIDE_SPREAD
+
+    text = fmt_ms(median, q1, q3)
+    if rounds is None or pd.isna(rounds):
+        return text
+    marks = [f"{int(rounds)} rounds"]
+    if rounds < FEW_ROUNDS:
+        marks.append("few rounds")
+    if q1 is not None and q3 is not None and not pd.isna(q1) and not pd.isna(q3) and (
+            q3 - q1) > WIDE_SPREAD * median:
+        marks.append("wide spread")
+    return " · ".join([text, *marks])

@@ -15,15 +15,34 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "source_format": ("str", "loader that read it: moe_layer_seed, nn_suites_seed, "
                              "h100_decoder_seed, rbf_seed or pytest_benchmark"),
     "source_row": ("Int64", "index of the row in the file's results[] or benchmarks[] list"),
-    "run": ("str", "run id: one benchmark invocation on one machine"),
+    "run": ("str", "run id: everything measured at one commit on one GPU (our runs: "
+                   "<gpu>-<yyyymmdd>-<commit>, from its files; seed files: the file's own run "
+                   "ids)"),
     "code": ("str", "which code a run measured, where the file says: before, final, sweep, "
                     "intermediate"),
     "run_note": ("str", "the file's note about the run"),
     "device": ("str", "GPU name"),
     "gpu_memory_gb": ("float64", "GPU memory in GB"),
-    "jax": ("str", "jax version"),
-    "date": ("str", "date of the run (YYYY-MM-DD) where the file records it"),
+    "date": ("str", "date the file was written (YYYY-MM-DD) where it records it"),
+    "started": ("str", "time the file's run started (ISO 8601, UTC) where it records it"),
     "commit": ("str", "tilax commit measured (pytest-benchmark runs)"),
+    # The software and hardware of the run (machine_info; the seed files' device block).
+    "gpu_driver": ("str", "NVIDIA driver version"),
+    "compute_capability": ("str", "GPU compute capability"),
+    "cuda": ("str", "CUDA version"),
+    "jax": ("str", "jax version"),
+    "jaxlib": ("str", "jaxlib version"),
+    "jax_cuda_plugin": ("str", "jax CUDA plugin version"),
+    "triton": ("str", "Triton version"),
+    "torch": ("str", "PyTorch version"),
+    "tokamax": ("str", "tokamax version"),
+    "pykeops": ("str", "pykeops version"),
+    "numpy": ("str", "numpy version"),
+    "python": ("str", "Python version"),
+    "bench_mode": ("str", "bench mode of the call that wrote the file (full, quick, smoke)"),
+    "bench_suites": ("str", "suites the call was asked to run, comma-separated"),
+    "bench_budget_s": ("float64", "time budget of the call, s"),
+    "bench_part": ("str", "which part of a split suite the file holds, e.g. 1/3"),
     # What was measured.
     "family": ("str", "moe, rbf or nn"),
     "suite": ("str", "benchmark suite (MoE: layer, decoder, pieces, blockm, maxtok, "
@@ -65,7 +84,8 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "median_ms": ("float64", "median time of one call, ms"),
     "q1_ms": ("float64", "first quartile, ms"),
     "q3_ms": ("float64", "third quartile, ms"),
-    "rounds": ("Int64", "timed rounds (pytest-benchmark)"),
+    "rounds": ("Int64", "timed rounds"),
+    "round_ms": ("object", "the time of every round, ms (a tuple; pytest-benchmark stats.data)"),
     "inner": ("Int64", "calls per timed sample (seed files: inner; pytest-benchmark: iterations)"),
     "compile_s": ("float64", "first call including compilation, s"),
     "run_s": ("float64", "wall time of the fresh subprocess (memory ladders), s"),
@@ -80,6 +100,13 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "xla_out_mb": ("float64", "XLA output size, MiB"),
     "max_tokens": ("Int64", "largest token count that ran (suite maxtok_summary)"),
     "max_n": ("Int64", "largest n that ran (suite kernel_mv_max_n summary rows)"),
+    "summary": ("boolean", "a ladder's summary row (largest size that ran): it times nothing"),
+    "limit_ran": ("Int64", "ladder summary: largest size that ran, when the limit is bracketed"),
+    "limit_failed": ("Int64", "ladder summary: the size above it that failed"),
+    "limit_kind": ("str", "ladder summary: how the limit was found (out of memory, timeout, "
+                          "budget, ...)"),
+    "max_is_lower_bound": ("boolean", "ladder summary: the largest size is only a lower bound"),
+    "stopped_by": ("str", "ladder summary: the error or reason that stopped the ladder"),
     # Numerics.
     "rel_err": ("float64", "RBF forward relative error"),
     "rel_err_dq": ("float64", "RBF gradient relative error, dq"),
@@ -92,9 +119,11 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "rel_err_ref": ("str", "what the relative errors compare against"),
     "finite": ("boolean", "outputs were finite (NN suites)"),
     # Outcome.
-    "status": ("str", "ok, error or timeout"),
-    "error": ("str", "the failure's message (failure rows only)"),
-    "extra": ("str", "JSON of extra_info keys the schema does not know (pytest-benchmark)"),
+    "status": ("str", "measured, failed (attempted, with the error) or skipped (not attempted, "
+                      "with why)"),
+    "error": ("str", "failed rows: the error; skipped rows: why it was not attempted"),
+    "extra": ("str", "extra_info keys the schema does not know, as JSON, shown as stored and "
+                     "never read by the reports (pytest-benchmark)"),
 }
 
 COLUMN_NAMES = list(COLUMNS)
@@ -134,4 +163,6 @@ def _cast(column: pd.Series, dtype: str) -> pd.Series:
         return pd.to_numeric(column, errors="raise").astype("float64")
     if dtype == "boolean":
         return column.astype("boolean")
+    if dtype == "object":
+        return column.astype("object")
     return column.astype("str")

@@ -1,26 +1,23 @@
-"""What the gen/ scripts call: write the report pages and assets into the mkdocs build."""
+"""What the gen/ script calls: write the report pages, their nav and the assets into the build.
+
+One way through: stored files -> `load` (one loader per format) -> the tidy table -> analysis
+modules (numbers) -> `pages` (all wording) -> Markdown files in the mkdocs build.
+"""
 
 from __future__ import annotations
 
 import importlib
+from pathlib import PurePosixPath
 
 import mkdocs_gen_files
 import vl_convert
 from mkdocs.exceptions import PluginError
 
 from .load import StoredResults, UnreadableResultFile, load_results
+from .pages import HAND_WRITTEN, PAGES
 
-# Page module -> generated page, relative to docs/. The nav in mkdocs.yml lists the same paths.
-PAGES = {
-    "overview": "reports/index.md",
-    "moe_layer": "reports/moe-layer.md",
-    "moe_internals": "reports/moe-internals.md",
-    "moe_decoder": "reports/moe-decoder.md",
-    "rbf": "reports/rbf.md",
-    "nn_suites": "reports/nn-suites.md",
-    "raw_data": "reports/raw-data.md",
-}
 RAW_DATA_DIR = "reports/data"
+NAV_FILE = "reports/SUMMARY.md"
 VEGA_BUNDLE = "assets/vendor/vega-bundle.js"
 VEGA_LITE_VERSION = "6.4"  # matches the Vega-Lite schema Altair 6 writes
 
@@ -33,16 +30,39 @@ def stored_results() -> StoredResults:
         raise PluginError(str(exc)) from None
 
 
-def write_page(module_name: str) -> None:
-    module = importlib.import_module(f"tilax_report.pages.{module_name}")
-    markdown = module.build(stored_results())
-    with mkdocs_gen_files.open(PAGES[module_name], "w") as page:
-        page.write(markdown)
+def page_module(name: str):
+    return importlib.import_module(f"tilax_report.pages.{name}")
 
 
-def write_raw_data() -> None:
+def write_site() -> None:
+    """Everything generated: raw copies, the Vega bundle, every page in `PAGES`, the nav."""
+    results = stored_results()  # first: an unreadable stored file fails the build at once
+    write_raw_data(results)
+    write_vega_bundle()
+    for name in PAGES:
+        module = page_module(name)
+        with mkdocs_gen_files.open(module.PATH, "w") as page:
+            page.write(module.build(results))
+    write_nav()
+
+
+def nav_lines() -> list[str]:
+    """The literate-nav list of the reports section: `PAGES` in order, then the hand-written
+    pages (links relative to reports/)."""
+    entries = [(page_module(name).TITLE, page_module(name).PATH) for name in PAGES]
+    entries += list(HAND_WRITTEN.items())
+    folder = PurePosixPath(NAV_FILE).parent
+    return [f"* [{title}]({PurePosixPath(path).relative_to(folder)})"
+            for title, path in entries]
+
+
+def write_nav() -> None:
+    with mkdocs_gen_files.open(NAV_FILE, "w") as nav:
+        nav.write("\n".join(nav_lines()) + "\n")
+
+
+def write_raw_data(results: StoredResults) -> None:
     """Byte-for-byte copies of every stored file, for download from the raw-data page."""
-    results = stored_results()
     for name in results.files["source_file"]:
         with mkdocs_gen_files.open(f"{RAW_DATA_DIR}/{name}", "wb") as copy:
             copy.write((results.data_dir / "results" / name).read_bytes())

@@ -1,4 +1,5 @@
-"""Comparisons stay within a run; headline findings and formats come out of the stored data."""
+"""Comparisons stay within a file and state a verdict only beyond the noise; headline findings
+and formats come out of the stored data."""
 
 import json
 import math
@@ -6,15 +7,25 @@ import re
 
 import pandas as pd
 import pytest
-from tilax_report import analysis, headlines, schema
-from tilax_report.render import Page, fmt_ms, fmt_ratio, fmt_size, short_error, slim_datasets
+from tilax_report import analysis, headlines, runs, schema, verdict
+from tilax_report.pages import _shared
+from tilax_report.render import (
+    Page,
+    fmt_ms,
+    fmt_ratio,
+    fmt_size,
+    fmt_time,
+    short_error,
+    slim_datasets,
+    verdict_phrase,
+)
 
 
 def tiny_table(rows: list[dict]) -> pd.DataFrame:
     base = {"source_file": "f.json", "family": "moe", "suite": "layer", "routing": "dropless",
             "dispatch": "sorted", "dtype": "bfloat16", "op": "train_step", "tokens": 4096,
             "experts": 8, "top_k": 2, "d_model": 512, "d_hidden": 1024, "skew": 0.0,
-            "status": "ok"}
+            "status": "measured"}
     return analysis.with_labels(schema.conform(pd.DataFrame([base | r for r in rows])))
 
 
@@ -43,10 +54,14 @@ def test_speedup_baseline_comes_from_the_same_run():
 
 
 def test_failed_rows_are_not_ranked_but_counted():
-    rows = TWO_RUNS[:2] + [{"run": "a", "device": "GPU A", "impl": "blocked", "status": "error",
-                            "error": "RESOURCE_EXHAUSTED: Out of memory"}]
+    rows = TWO_RUNS[:2] + [
+        {"run": "a", "device": "GPU A", "impl": "blocked", "status": "failed",
+         "error": "RESOURCE_EXHAUSTED: Out of memory"},
+        {"run": "a", "device": "GPU A", "impl": "tokamax", "status": "skipped",
+         "error": "skipped: not attempted, the run's time budget was spent"}]
     ranked = analysis.rank_within_run(tiny_table(rows), analysis.MOE_CASE)
-    assert ranked["failed"].item() == 1 and ranked["labels"].item() == 2
+    assert ranked["failed"].item() == 1 and ranked["skipped"].item() == 1
+    assert ranked["labels"].item() == 2
 
 
 def test_across_devices_needs_two_gpus():
@@ -59,25 +74,29 @@ def test_headline_32k_bf16_train_step_on_the_rtx3090(table, seed_doc):
             if r["run"] == "f_gpu_a" and r["tokens"] == 32768 and r["dtype"] == "bfloat16"
             and r["op"] == "train_step"]
     exact = sorted((r for r in rows if r["routing"] != "capacity"), key=lambda r: r["median_ms"])
-    finding = headlines.moe_train_32k(analysis.with_labels(table))
-    sentence = finding.sentences[0]
+    labelled = analysis.with_labels(table)
+    finding = headlines.moe_train_32k(labelled, runs.run_order(labelled))
+    best = finding.chosen.iloc[0]
+    assert best["run"] == "f_gpu_a"  # undated seed runs: the final code stands for the GPU
+    sentence = _shared.moe_headline(best, pd.Series(dtype="object"))
     assert "RTX 3090" in sentence and "`f_gpu_a`" in sentence
-    assert f"**{exact[0]['impl']}/{exact[0]['dispatch']}** was fastest" in sentence
-    assert f"{exact[0]['median_ms']:.2f} ms" in sentence
-    assert f"**{exact[1]['median_ms'] / exact[0]['median_ms']:.2f}×**" in sentence
+    assert f"**{exact[0]['impl']}/{exact[0]['dispatch']}** took" in sentence
+    assert f"{exact[0]['median_ms']:.2f} ms (q1–q3 {exact[0]['q1_ms']:.2f}–" in sentence
+    # The seed stored quartiles only: the runner-up's lead is judged by the quartiles.
+    assert f"{exact[1]['median_ms'] / exact[0]['median_ms']:.2f}× faster than" in sentence
     dense = next(r for r in rows if r["routing"] == "dense")
     assert f"{dense['median_ms'] / exact[0]['median_ms']:.2f}× faster than dense routing" \
         in sentence
 
 
 def test_rbf_memory_growth(table):
-    finding = headlines.rbf_memory(analysis.with_labels(table))
-    growth = analysis.memory_growth(analysis.with_labels(finding.rows))
+    _, growth = headlines.rbf_memory(analysis.with_labels(table))
     peak = growth[growth["suite"] == "kernel_mv_peak"].set_index(["op", "label"])
     assert peak.loc[("fwd", "pallas"), "exponent"] == pytest.approx(1.0, abs=0.05)
     assert peak.loc[("fwd", "xla"), "exponent"] == pytest.approx(0.0, abs=0.05)
     assert peak.loc[("fwd", "dense"), "failed_at"] == 65536
-    assert any("dense" in s and "out of memory" in s for s in finding.sentences)
+    sentences = _shared.memory_sentences(growth, pd.Series(dtype="object"))
+    assert any("dense" in s and "out of memory" in s for s in sentences)
 
 
 def test_growth_exponent_of_a_power_law():
@@ -129,3 +148,57 @@ def test_slim_datasets_keeps_fields_used_in_filters():
     spec = {"transform": [{"filter": "datum.status == 'ok'"}],
             "datasets": {"d": [{"status": "ok", "unused": 1, "gone": None}]}}
     assert slim_datasets(spec)["datasets"]["d"] == [{"status": "ok"}]
+
+
+def timed_row(rounds, median=None):
+    rounds = list(rounds)
+    series = pd.Series(rounds)
+    return {"median_ms": median or float(series.median()), "q1_ms": float(series.quantile(.25)),
+            "q3_ms": float(series.quantile(.75)), "round_ms": tuple(rounds)}
+
+
+def test_rank_test_calls_a_clear_difference():
+    fast = timed_row([1.00, 1.01, 0.99, 1.02, 1.00, 0.98, 1.01, 1.00])
+    slow = timed_row([1.30, 1.31, 1.29, 1.32, 1.30, 1.28, 1.31, 1.30])
+    result = verdict.compare(fast, slow)
+    assert result["method"] == "rank test" and result["clear"] is True
+    assert result["ratio"] == pytest.approx(1.30, abs=0.01) and result["p_value"] < 0.01
+    assert verdict_phrase(result["ratio"], result["clear"], "B") == "1.30× faster than B"
+
+
+def test_overlapping_rounds_are_no_clear_difference():
+    a = timed_row([1.00, 1.20, 0.90, 1.10, 1.05, 0.95])
+    b = timed_row([1.02, 1.18, 0.92, 1.12, 1.04, 0.97])
+    result = verdict.compare(a, b)
+    assert result["clear"] is False
+    assert verdict_phrase(result["ratio"], result["clear"], "B").startswith(
+        "no clear difference from B")
+
+
+def test_tiny_but_certain_gap_is_a_tie():
+    # Rounds apart (the rank test is certain) but 1% apart: below the 2% effect threshold.
+    a = timed_row([1.000, 1.001, 1.002, 1.001, 1.000])
+    b = timed_row([1.010, 1.011, 1.012, 1.011, 1.010])
+    assert verdict.compare(a, b)["clear"] is False
+
+
+def test_quartiles_decide_without_rounds_and_nothing_without_spread():
+    a = {"median_ms": 10.0, "q1_ms": 9.9, "q3_ms": 10.1, "round_ms": None}
+    apart = {"median_ms": 12.0, "q1_ms": 11.9, "q3_ms": 12.1, "round_ms": None}
+    overlap = {"median_ms": 10.3, "q1_ms": 10.0, "q3_ms": 10.6, "round_ms": None}
+    assert verdict.compare(a, apart) | {"p_value": 0} == {
+        "ratio": 1.2, "clear": True, "method": "quartiles", "p_value": 0}
+    assert verdict.compare(a, overlap)["clear"] is False
+    single = {"median_ms": 12.0, "q1_ms": float("nan"), "q3_ms": float("nan")}
+    assert verdict.compare(a, single)["clear"] is None
+    assert "noise unknown" in verdict_phrase(1.2, None, "B")
+
+
+def test_few_rounds_and_wide_spread_are_marked():
+    frame = pd.DataFrame({"median_ms": [1.0, 1.0, 1.0], "q1_ms": [0.99, 0.8, None],
+                          "q3_ms": [1.01, 1.3, None], "rounds": [10, 10, 3]})
+    flags = verdict.quality(frame)
+    assert flags["few_rounds"].tolist() == [False, False, True]
+    assert flags["wide_spread"].tolist() == [False, True, False]
+    assert flags["no_spread"].tolist() == [False, False, True]
+    assert fmt_time(1.0, 0.99, 1.01, 10) == "1.000 ms (q1–q3 0.990–1.010, 10 rounds)"

@@ -1,7 +1,6 @@
 """Largest-size tables (MoE maxtok, RBF max-n): the limit is bracketed from each ladder's own
 rows, and a jump past untried sizes shows as a lower bound."""
 
-import json
 import shutil
 
 import pandas as pd
@@ -9,7 +8,7 @@ import pytest
 from report_fixtures import REPO
 from tilax_report import analysis
 from tilax_report.load import load_results
-from tilax_report.pages import moe_internals, rbf
+from tilax_report.pages import _shared, moe_internals, rbf
 
 H200_MOE = "h200-20261130-b95aa18-moe.json"
 
@@ -69,41 +68,42 @@ def test_rbf_max_n_brackets_and_lower_bounds(stored):
     assert "| ≥ 1 048 576 |" in pallas and "no larger size failed" in pallas
 
 
-def _rows(sizes_status, extra=None):
+def _rows(sizes_status, summary=None):
     ladder = pd.DataFrame({
         "run": "r", "label": "pallas", "tokens": [s for s, _ in sizes_status],
         "status": [st for _, st in sizes_status],
-        "error": ["" if st == "ok" else msg for (_, st), msg in
+        "error": ["" if st == "measured" else msg for (_, st), msg in
                   zip(sizes_status, ["RESOURCE_EXHAUSTED: Out of memory"] * len(sizes_status),
                       strict=True)],
-        "peak_mb": 1.0, "run_s": 1.0, "extra": "",
+        "peak_mb": 1.0, "run_s": 1.0,
     })
-    ladder["error_short"] = ladder["error"]
-    summary = pd.DataFrame({"run": ["r"], "label": ["pallas"], "max_tokens": [pd.NA],
-                            "extra": [json.dumps(extra) if extra else ""]})
-    return ladder, summary
+    fields = {"limit_ran": pd.NA, "limit_failed": pd.NA, "limit_kind": None,
+              "max_is_lower_bound": pd.NA} | (summary or {})
+    frame = pd.DataFrame({"run": ["r"], "label": ["pallas"], "max_tokens": [pd.NA],
+                          **{key: [value] for key, value in fields.items()}})
+    return ladder, frame
 
 
 def test_recorded_bracket_and_lower_bound_flag_win_over_the_rows():
     # A bisected ladder: rows at 2**10 (ran), 2**14 (failed), then 2**12 ran and 2**13 failed.
-    ladder, summary = _rows([(2**10, "ok"), (2**14, "error"), (2**12, "ok"), (2**13, "error")],
-                            {"limit_bracket": [2**12, 2**13], "limit_kind": "out of memory",
-                             "max_is_lower_bound": False})
+    ladder, summary = _rows(
+        [(2**10, "measured"), (2**14, "failed"), (2**12, "measured"), (2**13, "failed")],
+        {"limit_ran": 2**12, "limit_failed": 2**13, "limit_kind": "out of memory",
+         "max_is_lower_bound": False})
     limits = analysis.ladder_limits(ladder, summary, size="tokens", stated="max_tokens",
                                     keys=["run", "label"])
     record = limits.iloc[0]
     assert not record["lower_bound"]
-    assert analysis.limit_text(record) == "between 4 096 (ran) and 8 192 (out of memory)"
-    ladder, summary = _rows([(2**10, "ok"), (2**11, "error")],
-                            {"limit_bracket": None, "limit_kind": "budget",
-                             "max_is_lower_bound": True})
+    assert _shared.limit_text(record) == "between 4 096 (ran) and 8 192 (out of memory)"
+    ladder, summary = _rows([(2**10, "measured"), (2**11, "failed")],
+                            {"limit_kind": "budget", "max_is_lower_bound": True})
     record = analysis.ladder_limits(ladder, summary, size="tokens", stated="max_tokens",
                                     keys=["run", "label"]).iloc[0]
-    assert record["lower_bound"] and analysis.largest_text(record) == "≥ 1 024"
+    assert record["lower_bound"] and _shared.largest_text(record) == "≥ 1 024"
 
 
 def test_sizes_never_attempted_are_not_failures():
-    ladder, summary = _rows([(2**10, "ok"), (2**11, "error")])
+    ladder, summary = _rows([(2**10, "measured"), (2**11, "skipped")])
     ladder.loc[1, "error"] = "skipped: over the time budget"
     record = analysis.ladder_limits(ladder, summary, size="tokens", stated="max_tokens",
                                     keys=["run", "label"]).iloc[0]

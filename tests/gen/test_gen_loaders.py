@@ -4,7 +4,6 @@ import json
 import math
 from collections import Counter
 
-import pandas as pd
 import pytest
 from report_fixtures import PYTEST_BENCHMARK_FIXTURE, SEED_FILES
 from tilax_report import schema
@@ -78,7 +77,7 @@ def test_moe_failure_rows_are_kept_with_their_error(table, seed_doc):
     doc = seed_doc("rtx3090-moe-layer.json")
     errors = [i for i, r in enumerate(doc["results"]) if r.get("error")]
     rows = rows_of(table, "rtx3090-moe-layer.json")
-    failed = rows[rows["status"] != "ok"]
+    failed = rows[rows["status"] == "failed"]
     assert sorted(failed["source_row"]) == errors
     assert len(errors) == 16
     assert failed["error"].notna().all()
@@ -97,7 +96,7 @@ def test_nn_suites_counts_variants_and_errors(table):
     assert set(rows.loc[rows["suite"] == "transformer", "impl"]) == {
         "probjax_default", "probjax_flex", "jax_xla", "jax_cudnn"}
     assert rows.loc[rows["suite"] == "unet", "impl"].isna().all()
-    failed = rows[rows["status"] == "error"]
+    failed = rows[rows["status"] == "failed"]
     assert len(failed) == 2
     assert set(failed["suite"]) == {"transformer", "diffusion"}
     assert failed["error"].str.contains("Out of memory").all()
@@ -117,7 +116,7 @@ def test_h100_rows_are_split_into_one_row_per_op(table, seed_doc):
             assert pair.loc["forward", "median_ms"] == stored["fwd_ms"]
             assert pair.loc["train_step", "median_ms"] == stored["train_ms"]
         else:
-            assert (pair["status"] == "error").all()
+            assert (pair["status"] == "failed").all()
             assert (pair["error"] == stored["error"]).all()
             assert pair["median_ms"].isna().all()
     assert rows["q1_ms"].isna().all()  # the file stored no quartiles
@@ -151,8 +150,8 @@ def test_rbf_counts_runs_and_rel_err_split(table, seed_doc):
 
 def test_rbf_failures_and_timeouts_are_kept(table):
     rows = rows_of(table, "rtx3090-rbf-kernels.json")
-    assert Counter(rows["status"]) == {"ok": 556, "error": 31, "timeout": 1}
-    timeout = rows[rows["status"] == "timeout"].iloc[0]
+    assert Counter(rows["status"]) == {"measured": 556, "failed": 32}
+    timeout = rows[rows["error"].str.contains("timeout", na=False)].iloc[0]
     assert timeout["suite"] == "kernel_mv_max_n"
     assert timeout["impl"] == "xla" and timeout["n"] == 1048576
     assert timeout["error"] == "timeout>90s"
@@ -181,18 +180,25 @@ class TestPytestBenchmarkLoader:
 
     def test_run_and_machine(self, loaded):
         _, frame = loaded
-        assert set(frame["run"]) == {"h200-20260115-0a1b2c3"}
         assert set(frame["device"]) == {"NVIDIA H200"}
         assert set(frame["jax"]) == {"0.11.2"}
+        assert set(frame["gpu_driver"]) == {"570.86.15"}
+        assert set(frame["cuda"]) == {"12.8"} and set(frame["triton"]) == {"3.6.0"}
         assert set(frame["date"]) == {"2026-01-15"}
         assert set(frame["commit"]) == {"0a1b2c3"}
+
+    def test_per_round_times_are_kept(self, loaded):
+        doc, frame = loaded
+        for index, bench in enumerate(doc["benchmarks"]):
+            if "data" in bench.get("stats", {}) and frame.iloc[index]["status"] == "measured":
+                assert frame.iloc[index]["round_ms"] == pytest.approx(
+                    [v * 1e3 for v in bench["stats"]["data"]])
 
     def test_stats_are_converted_to_milliseconds(self, loaded):
         doc, frame = loaded
         for index, bench in enumerate(doc["benchmarks"]):
             row = frame.iloc[index]
-            if row["status"] != "ok" or row["suite"] == "maxtok_summary" or not pd.isna(
-                    row["max_n"]):
+            if row["status"] != "measured" or row["summary"]:
                 continue
             assert row["median_ms"] == pytest.approx(bench["stats"]["median"] * 1e3)
             assert row["q1_ms"] == pytest.approx(bench["stats"]["q1"] * 1e3)
@@ -201,17 +207,17 @@ class TestPytestBenchmarkLoader:
 
     def test_failure_rows_keep_the_error_and_drop_the_noop_stats(self, loaded):
         _, frame = loaded
-        failed = frame[frame["status"] != "ok"]
-        assert Counter(failed["status"]) == {"error": 1, "timeout": 2}
+        failed = frame[frame["status"] != "measured"]
+        assert Counter(failed["status"]) == {"failed": 3}
         assert failed["median_ms"].isna().all()
         assert failed["tflops"].isna().all() and failed["pairs_per_s"].isna().all()
-        oom = failed[failed["status"] == "error"].iloc[0]
+        oom = failed[failed["error"].str.startswith("RESOURCE")].iloc[0]
         assert oom["impl"] == "ragged_dot" and oom["tokens"] == 131072
         assert oom["error"].startswith("RESOURCE_EXHAUSTED")
 
     def test_summary_rows_time_nothing(self, loaded):
         _, frame = loaded
-        summary = frame[(frame["suite"] == "maxtok_summary") | frame["max_n"].notna()]
+        summary = frame[frame["summary"]]
         assert len(summary) == 2
         assert summary["median_ms"].isna().all()
         assert set(summary["max_tokens"].dropna()) == {131072}

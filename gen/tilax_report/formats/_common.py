@@ -23,11 +23,17 @@ def reject_unknown(record: Mapping[str, Any], known: set[str], where: str) -> No
         raise FormatError(f"{where}: field(s) this loader does not know: {unknown}")
 
 
+# An error message with one of these prefixes marks a case that was never attempted (the run's
+# time budget, a predicted failure, a peer library that is not installed): skipped, not failed.
+NOT_ATTEMPTED = ("skipped:", "unavailable:", "unsupported:")
+
+
 def status_of(error: Any) -> str:
-    """'ok' without an error message; 'timeout' when the message says so; else 'error'."""
-    if error is None or (isinstance(error, float) and error != error):
-        return "ok"
-    return "timeout" if "timeout" in str(error).lower() else "error"
+    """'measured' without an error message, 'skipped' when the message says the case was not
+    attempted, else 'failed' (out of memory, timeout, compile error, ...)."""
+    if error is None or (isinstance(error, float) and error != error) or error == "":
+        return "measured"
+    return "skipped" if str(error).strip().lower().startswith(NOT_ATTEMPTED) else "failed"
 
 
 def as_mapping(value: Any, where: str) -> Mapping[str, Any]:
@@ -57,3 +63,17 @@ def split_rel_err(value: Any, where: str) -> dict[str, Any]:
             raise FormatError(f"{where}: rel_err has unknown key(s) {unknown}")
         return {f"rel_err_{key}": value[key] for key in value}
     raise FormatError(f"{where}: rel_err is {type(value).__name__}, expected a number or dict")
+
+
+def seed_environment(device: Mapping[str, Any]) -> dict[str, Any]:
+    """The environment columns a seed file's ``device`` block records."""
+    return {
+        "device": device.get("gpu") or device.get("device_kind"),
+        "gpu_memory_gb": device.get("gpu_memory_gb"),
+        "gpu_driver": device.get("driver"),
+        "compute_capability": device.get("cc"),
+        "cuda": device.get("torch_cuda"),
+        "jax": device.get("jax"),
+        "torch": device.get("torch"),
+        "python": device.get("python"),
+    }

@@ -11,7 +11,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._common import FormatError, as_list, as_mapping, reject_unknown, require
+from ._common import (
+    FormatError,
+    as_list,
+    as_mapping,
+    reject_unknown,
+    require,
+    seed_environment,
+    status_of,
+)
 
 NAME = "h100_decoder_seed"
 
@@ -36,7 +44,7 @@ def matches(doc: dict[str, Any]) -> bool:
     )
 
 
-def load(doc: dict[str, Any]) -> list[dict[str, Any]]:
+def load(doc: dict[str, Any], file_stem: str) -> list[dict[str, Any]]:
     device = as_mapping(doc["device"], "device")
     rows = []
     for index, record in enumerate(as_list(doc["results"], "results")):
@@ -54,13 +62,14 @@ def load(doc: dict[str, Any]) -> list[dict[str, Any]]:
         base.update(
             source_row=index,
             run_note=doc.get("description"),
-            device=device.get("device_kind") or record.get("gpu"),
-            jax=record.get("jax") or device.get("jax"),
+            **{**seed_environment(device),
+               "device": device.get("device_kind") or record.get("gpu"),
+               "jax": record.get("jax") or device.get("jax")},
             family="moe",
             suite="decoder",
             routing="dropless",
             dtype="bfloat16",
-            status=status,
+            status=status_of(record.get("error")) if status == "error" else "measured",
             rel_err_ref="triton/sorted (max relative difference)",
         )
         for op, time_field in OPS.items():

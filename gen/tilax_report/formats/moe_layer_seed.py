@@ -11,7 +11,15 @@ from __future__ import annotations
 from pathlib import PurePosixPath
 from typing import Any
 
-from ._common import FormatError, as_list, as_mapping, reject_unknown, require, status_of
+from ._common import (
+    FormatError,
+    as_list,
+    as_mapping,
+    reject_unknown,
+    require,
+    seed_environment,
+    status_of,
+)
 
 NAME = "moe_layer_seed"
 
@@ -37,7 +45,7 @@ def matches(doc: dict[str, Any]) -> bool:
     )
 
 
-def load(doc: dict[str, Any]) -> list[dict[str, Any]]:
+def load(doc: dict[str, Any], file_stem: str) -> list[dict[str, Any]]:
     device = as_mapping(doc["device"], "device")
     sources = _sources_by_run(doc["config"]["sources"])
     rows = []
@@ -53,9 +61,7 @@ def load(doc: dict[str, Any]) -> list[dict[str, Any]]:
             code=record.get("code", source.get("code")),
             run_note=source.get("note"),
             slab_elems=source.get("config", {}).get("slab_elems"),
-            device=device.get("gpu") or device.get("device_kind"),
-            gpu_memory_gb=device.get("gpu_memory_gb"),
-            jax=device.get("jax"),
+            **seed_environment(device),
             family="moe",
             status=status_of(record.get("error")),
             # The runs' notes say the numerics are measured against a float32 dense layer.

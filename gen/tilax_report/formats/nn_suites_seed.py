@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import PurePosixPath
 from typing import Any
 
-from ._common import as_list, as_mapping, reject_unknown, require, status_of
+from ._common import as_list, as_mapping, reject_unknown, require, seed_environment, status_of
 
 NAME = "nn_suites_seed"
 
@@ -37,7 +37,7 @@ def matches(doc: dict[str, Any]) -> bool:
     )
 
 
-def load(doc: dict[str, Any]) -> list[dict[str, Any]]:
+def load(doc: dict[str, Any], file_stem: str) -> list[dict[str, Any]]:
     device = as_mapping(doc["device"], "device")
     config = doc["config"]
     run = PurePosixPath(str(config.get("output", "nn_suites"))).stem
@@ -59,9 +59,7 @@ def load(doc: dict[str, Any]) -> list[dict[str, Any]]:
             source_row=index,
             run=run,
             run_note=notes.get(record["suite"]),
-            device=device.get("gpu") or device.get("device_kind"),
-            gpu_memory_gb=device.get("gpu_memory_gb"),
-            jax=device.get("jax"),
+            **seed_environment(device),
             family="nn",
             impl=variants[0] if variants else None,
             status=status_of(record.get("error")),

@@ -2,10 +2,11 @@
 
 Shape: ``{"machine_info": {...}, "commit_info": {...}, "benchmarks": [...], "datetime": ...,
 "version": ...}``. Everything a report needs is in each benchmark's ``extra_info`` (the contract
-in docs/reports/schema.md); ``stats`` are in seconds. A benchmark whose ``extra_info`` has an
-``error`` is a failure row: its stats timed a no-op and are ignored, as are the stats of summary
-rows (suite ``maxtok_summary``, rows with ``max_n``). The run id is the file name without
-``.json``.
+in docs/reports/schema.md); ``stats`` are in seconds, ``stats.data`` the time of every round. A
+benchmark whose ``extra_info`` has an ``error`` timed nothing: its stats are ignored, as are the
+stats of ladder summary rows (suite ``maxtok_summary``, rows with ``max_n`` or
+``probed_sizes``). The run id is set from the GPU and commit of all files together
+(`load.assign_runs`); here it is the file name without ``.json``.
 """
 
 from __future__ import annotations
@@ -31,72 +32,104 @@ SAME_NAME = [
     # RBF
     "n", "m", "dim", "out", "batch", "block_q", "block_k", "block_o", "pairs_per_s",
     "max_n", "precision",
+    # Ladder summaries
+    "limit_kind", "max_is_lower_bound", "stopped_by",
 ]
-# Derived from the (ignored) stats of a failure row, so dropped there.
+# extra_info keys read into other columns (or, for child_times_s, into round_ms when the stats
+# carry no per-round data: a ladder step's child process times its calls itself).
+CONSUMED = {"rel_err", "wall_s", "child_times_s", "limit_bracket", "probed_sizes"}
+# machine_info keys copied under the same name.
+MACHINE = [
+    "gpu_driver", "gpu_memory_gb", "compute_capability", "cuda", "jax", "jaxlib",
+    "jax_cuda_plugin", "triton", "torch", "tokamax", "pykeops", "numpy", "python",
+    "bench_mode", "bench_budget_s", "bench_part",
+]
+# Derived from the (ignored) stats of a row that timed nothing, so dropped there.
 TIMING_DERIVED = ("flops", "tflops", "pairs_per_s")
-# Summary rows (largest size that ran) time nothing of their own: their stats are ignored too.
 SUMMARY_SUITES = ("maxtok_summary",)
 REL_ERR_REF = {"moe": "float32 dense", "rbf": "float64 reference"}
-
-
-def matches(doc: dict[str, Any]) -> bool:
-    return isinstance(doc.get("benchmarks"), list) and isinstance(doc.get("machine_info"), dict)
-
-
-def load(doc: dict[str, Any], run: str) -> list[dict[str, Any]]:
-    machine = doc["machine_info"]
-    commit_info = doc.get("commit_info") or {}
-    common = dict(
-        run=run,
-        device=machine.get("gpu"),
-        gpu_memory_gb=machine.get("gpu_memory_gb"),
-        jax=machine.get("jax"),
-        date=str(doc["datetime"])[:10] if doc.get("datetime") else None,
-        commit=machine.get("commit") or (str(commit_info.get("id") or "")[:7] or None),
-    )
-    rows = []
-    for index, bench in enumerate(as_list(doc["benchmarks"], "benchmarks")):
-        where = f"benchmarks[{index}]"
-        bench = as_mapping(bench, where)
-        where = f"benchmarks[{index}] ({bench.get('name', 'unnamed')})"
-        extra = as_mapping(bench.get("extra_info"), f"{where}.extra_info")
-        require(extra, REQUIRED, f"{where}.extra_info")
-        if extra["family"] not in FAMILIES:
-            raise FormatError(f"{where}: family {extra['family']!r} is not one of {FAMILIES}")
-        row = {**common, **{key: extra.get(key) for key in SAME_NAME}}
-        row.update(split_rel_err(extra.get("rel_err"), where))
-        status = status_of(extra.get("error"))
-        row.update(source_row=index, status=status)
-        summary = extra["suite"] in SUMMARY_SUITES or extra.get("max_n") is not None
-        if status == "ok" and not summary:
-            row.update(_timing(bench.get("stats"), where))
-        else:
-            row.update({key: None for key in TIMING_DERIVED})
-        if any(row.get(key) is not None for key in _REL_ERR_COLUMNS):
-            row["rel_err_ref"] = REL_ERR_REF[extra["family"]]
-        unknown = {k: v for k, v in extra.items() if k not in SAME_NAME and k != "rel_err"}
-        row["extra"] = json.dumps(unknown, sort_keys=True, default=str) if unknown else None
-        rows.append(row)
-    return rows
-
-
 _REL_ERR_COLUMNS = (
     "rel_err", "rel_err_dq", "rel_err_dk", "rel_err_dv", "rel_err_dlengthscale",
     "rel_err_out", "rel_err_grad_x", "rel_err_grad_params",
 )
 
 
-def _timing(stats: Any, where: str) -> dict[str, Any]:
+def matches(doc: dict[str, Any]) -> bool:
+    return isinstance(doc.get("benchmarks"), list) and isinstance(doc.get("machine_info"), dict)
+
+
+def load(doc: dict[str, Any], file_stem: str) -> list[dict[str, Any]]:
+    rows = []
+    common = _environment(doc, file_stem)
+    for index, bench in enumerate(as_list(doc["benchmarks"], "benchmarks")):
+        where = f"benchmarks[{index}]"
+        bench = as_mapping(bench, where)
+        where = f"benchmarks[{index}] ({bench.get('name', 'unnamed')})"
+        rows.append({**common, **_row(bench, where), "source_row": index})
+    return rows
+
+
+def _environment(doc: dict[str, Any], file_stem: str) -> dict[str, Any]:
+    machine = as_mapping(doc["machine_info"], "machine_info")
+    commit_info = doc.get("commit_info") or {}
+    # commit_info is "unknown" when the bench ran from a copy without .git; machine_info's
+    # commit comes from TILAX_BENCH_COMMIT then.
+    commit = machine.get("commit") or str(commit_info.get("id") or "")[:7]
+    suites = machine.get("bench_suites")
+    started = str(doc["datetime"]) if doc.get("datetime") else None
+    return {
+        "run": file_stem,
+        "device": machine.get("gpu"),
+        **{key: machine.get(key) for key in MACHINE},
+        "bench_suites": ", ".join(map(str, suites)) if isinstance(suites, list) else suites,
+        "started": started,
+        "date": started[:10] if started else None,
+        "commit": commit if commit and commit != "unknown" else None,
+    }
+
+
+def _row(bench: dict[str, Any], where: str) -> dict[str, Any]:
+    extra = as_mapping(bench.get("extra_info"), f"{where}.extra_info")
+    require(extra, REQUIRED, f"{where}.extra_info")
+    if extra["family"] not in FAMILIES:
+        raise FormatError(f"{where}: family {extra['family']!r} is not one of {FAMILIES}")
+    row = {key: extra.get(key) for key in SAME_NAME}
+    row.update(split_rel_err(extra.get("rel_err"), where))
+    row["status"] = status_of(extra.get("error"))
+    row["run_s"] = extra.get("wall_s")
+    row["summary"] = (extra["suite"] in SUMMARY_SUITES or extra.get("max_n") is not None
+                      or "probed_sizes" in extra)
+    bracket = extra.get("limit_bracket")
+    if isinstance(bracket, list) and len(bracket) == 2:
+        row["limit_ran"], row["limit_failed"] = bracket
+    if row["status"] == "measured" and not row["summary"]:
+        row.update(_timing(bench.get("stats"), extra.get("child_times_s"), where))
+    else:
+        row.update({key: None for key in TIMING_DERIVED})
+    if any(row.get(key) is not None for key in _REL_ERR_COLUMNS):
+        row["rel_err_ref"] = REL_ERR_REF[extra["family"]]
+    unknown = {k: v for k, v in extra.items() if k not in SAME_NAME and k not in CONSUMED}
+    row["extra"] = json.dumps(unknown, sort_keys=True, default=str) if unknown else None
+    return row
+
+
+def _timing(stats: Any, child_times: Any, where: str) -> dict[str, Any]:
     stats = as_mapping(stats, f"{where}.stats")
     require(stats, ["median", "q1", "q3", "rounds"], f"{where}.stats")
     for key in ("median", "q1", "q3"):
         value = stats[key]
         if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
             raise FormatError(f"{where}.stats.{key} is {value!r}, expected seconds >= 0")
+    rounds = stats.get("data") or child_times
+    if rounds is not None:
+        rounds = as_list(rounds, f"{where}.stats.data")
+        if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in rounds):
+            raise FormatError(f"{where}.stats.data holds a value that is not a finite number")
     return {
         "median_ms": stats["median"] * 1e3,
         "q1_ms": stats["q1"] * 1e3,
         "q3_ms": stats["q3"] * 1e3,
         "rounds": stats["rounds"],
+        "round_ms": tuple(v * 1e3 for v in rounds) if rounds else None,
         "inner": stats.get("iterations"),
     }

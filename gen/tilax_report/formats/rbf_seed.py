@@ -19,6 +19,7 @@ from ._common import (
     as_mapping,
     reject_unknown,
     require,
+    seed_environment,
     split_rel_err,
     status_of,
 )
@@ -52,7 +53,7 @@ def matches(doc: dict[str, Any]) -> bool:
     )
 
 
-def load(doc: dict[str, Any]) -> list[dict[str, Any]]:
+def load(doc: dict[str, Any], file_stem: str) -> list[dict[str, Any]]:
     device = as_mapping(doc["device"], "device")
     config = doc["config"]
     runs = {
@@ -74,9 +75,7 @@ def load(doc: dict[str, Any]) -> list[dict[str, Any]]:
             run=run,
             code="before" if before and "before" in str(before) else None,
             run_note=config.get("note") if before else _describe(runs.get(run)),
-            device=device.get("gpu") or device.get("device_kind"),
-            gpu_memory_gb=device.get("gpu_memory_gb"),
-            jax=device.get("jax"),
+            **seed_environment(device),
             family="rbf",
             suite=record["family"],
             op=record["mode"],

@@ -1,4 +1,5 @@
-"""The "same implementation on different GPUs" section that the MoE layer and RBF pages share."""
+"""The "same implementation on different GPUs" section that the MoE layer and RBF pages share:
+one mark per run, on one shared log scale, labelled as different machines."""
 
 from __future__ import annotations
 
@@ -6,13 +7,16 @@ import altair as alt
 import pandas as pd
 
 from .. import charts
-from ..render import Page, fmt_ms, join_names
+from ..render import Page, fmt_ms, join_names, rounds_cell
+
+GPU_COLOURS = ["#4c78a8", "#f58518", "#54a24b", "#e45756", "#b279a2", "#9d755d"]
 
 
 def render_across_gpus(page: Page, rows: pd.DataFrame, what: str, devices: list[str]) -> None:
-    """One chart and table of the same cases measured on several GPUs, labelled as different
-    machines. ``rows`` come from ``analysis.across_devices`` with a ``case`` column added;
-    ``what`` names the cases ("MoE layer case") and ``devices`` the GPUs that have any."""
+    """One chart and table of the same cases measured on several GPUs. ``rows`` come from
+    ``analysis.across_devices``, sorted in the order to show, with ``case`` (the case in
+    words) and ``label`` (the implementation); ``what`` names the cases ("MoE layer case") and
+    ``devices`` the GPUs that have any."""
     page.md("## Same implementation on different GPUs\n")
     page.md(
         "!!! warning \"Different machines\"\n"
@@ -27,15 +31,37 @@ def render_across_gpus(page: Page, rows: pd.DataFrame, what: str, devices: list[
             "configuration will appear here."
         )
         return
-    chart = charts.bars(
-        rows, category="gpu", category_title=None, color="gpu", color_title="GPU (run)",
-        log=True, row=alt.Row("case:N", title=None, header=alt.Header(labelAngle=0,
-                                                                      labelAlign="left")),
-        column=alt.Column("label:N", title=None), tips=["run", "q1_ms", "q3_ms"], width=160,
-        title="Same case, different GPUs (different machines and runs)",
-    )
-    page.chart(chart, rows, "Each bar is one run on one machine.")
-    display = rows[["case", "label", "gpu", "run"]].assign(
-        median=[fmt_ms(r.median_ms, r.q1_ms, r.q3_ms) for r in rows.itertuples()])
-    page.table(display.rename(columns={"median": "median ms (q1–q3)", "label": "impl",
-                                       "gpu": "GPU"}), rows)
+    rows = rows.assign(impl_case=rows["label"] + " · " + rows["case"])
+    order = list(dict.fromkeys(rows["impl_case"]))
+    gpus = sorted(rows["gpu"].unique())
+    select = alt.selection_point(fields=["gpu"], bind="legend")
+    chart = alt.Chart(rows).mark_tick(thickness=2, size=13).encode(
+        alt.Y("impl_case:N", title=None, sort=order, axis=alt.Axis(labelLimit=360)),
+        alt.X("median_ms:Q", title="median time (ms, log scale, shared by every row)",
+              scale=alt.Scale(type="log", nice=False, padding=10)),
+        alt.Color("gpu:N", title="GPU", scale=alt.Scale(domain=gpus,
+                                                        range=GPU_COLOURS[:len(gpus)])),
+        opacity=alt.condition(select, alt.value(0.9), alt.value(0.1)),
+        tooltip=charts.tooltip(["impl_case", "gpu", "run", "median_ms", "q1_ms", "q3_ms",
+                                "rounds"]),
+    ).add_params(select).properties(width=330, height=alt.Step(17))
+    page.chart(charts.finish(chart, "Same case, different GPUs (different machines and runs)"),
+               rows, "One tick per run (hover for its run, quartiles and rounds); ticks of "
+                     "runs with the same time overlap. Click a GPU in the legend to "
+                     "highlight it.")
+    display = pd.DataFrame({
+        "impl": rows["label"], "case": rows["case"],
+        "median ms (q1–q3)": [fmt_ms(r.median_ms, r.q1_ms, r.q3_ms) for r in rows.itertuples()],
+        "GPU": rows["gpu"],
+        "rounds": rows["rounds"].map(rounds_cell),
+        "run": rows["run"],
+    })
+    page.table(display, rows, name=f"{page.slug}-across-gpus", key_columns=3,
+               collapsed=f"All {len(display)} rows" if len(display) > 30 else None)
+
+
+def sorted_rows(rows: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
+    """``rows`` in numeric order of ``keys`` (n and tokens as numbers, not text)."""
+    return rows.sort_values([k for k in keys if k in rows.columns], na_position="first",
+                            kind="stable")
+

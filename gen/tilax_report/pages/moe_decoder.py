@@ -7,12 +7,25 @@ from __future__ import annotations
 import altair as alt
 import pandas as pd
 
-from .. import analysis, charts, headlines
+from .. import analysis, charts, headlines, runs
 from ..load import StoredResults
-from ..render import Page, case_label, fmt_int, fmt_ms, fmt_num, fmt_ratio, fmt_size
+from ..render import (
+    Page,
+    case_label,
+    fmt_int,
+    fmt_num,
+    fmt_ratio,
+    fmt_size,
+    ms_cell,
+    plural,
+    run_link,
+    skip_gist,
+)
+from . import _shared
 
-SLUG = "moe-decoder"
+PATH = "reports/moe-decoder.md"
 TITLE = "MoE decoder"
+SLUG = "moe-decoder"
 REFERENCE = "triton/sorted"
 
 
@@ -23,17 +36,43 @@ def build(results: StoredResults) -> str:
     page.md(
         "A decoder-sized MoE layer: d_model 512, 64 experts of width 128, top-8 routing and a "
         "shared expert of width 1024, dropless, bfloat16; forward and train step "
-        "(value and grad with respect to parameters and input). Each run is its own section; "
-        "ratios are within the run."
+        "(value and grad with respect to parameters and input). Each stored file is its own "
+        "section; ratios are within the file."
     )
+    page.md(_shared.NOISE_RULE)
     if decoder.empty:
         page.md("No stored run has the decoder suite.")
         return page.render()
-    findings = headlines.decoder_fastest(table)
+    catalogue = runs.catalogue(table)
+    dates = pd.Series(catalogue["date"].to_numpy(), index=catalogue["run"])
+    findings = _shared.decoder_sentences(headlines.decoder_ranked(table), dates)
     page.md("\n".join(f"- {s}" for s in findings))
-    for (_source, _run), rows in decoder.groupby(["source_file", "run"], sort=False):
-        _run_section(page, rows)
+    unmeasured = []
+    # One section per run (its files together); the ratios inside stay within each file.
+    for _run, rows in decoder.groupby("run", sort=False):
+        if analysis.timed(rows).empty:
+            unmeasured.append(rows)
+        else:
+            _run_section(page, rows)
+    for rows in unmeasured:
+        _unmeasured_sentence(page, rows)
     return page.render()
+
+
+def _unmeasured_sentence(page: Page, rows: pd.DataFrame) -> None:
+    """A file whose decoder rows have no time: one sentence, not a grid of empty cells."""
+    per_row = rows.drop_duplicates(["source_file", "source_row"])
+    counts = per_row["status"].value_counts()
+    reasons = per_row.loc[per_row["status"] == "skipped", "error"].map(skip_gist)
+    why = f" ({reasons.mode().iloc[0]})" if not reasons.empty else ""
+    failed = (f" and {plural(int(counts.get('failed', 0)), 'case')} failed"
+              if counts.get("failed") else "")
+    page.md(f"## {rows['device'].iloc[0]}, run `{rows['run'].iloc[0]}`\n")
+    page.md(
+        f"Nothing measured: of its {plural(len(per_row), 'decoder case')} in "
+        f"{', '.join(f'`{f}`' for f in sorted(rows['source_file'].unique()))}, "
+        f"{int(counts.get('skipped', 0))} were skipped"
+        f"{why}{failed}. See run {run_link(rows['run'].iloc[0])}.")
 
 
 def _run_section(page: Page, rows: pd.DataFrame) -> None:
@@ -45,7 +84,8 @@ def _run_section(page: Page, rows: pd.DataFrame) -> None:
     if not spread:
         page.md("This file stored one time per case (no quartiles).")
     cell = [
-        fmt_ms(r.median_ms, r.q1_ms, r.q3_ms) if r.status == "ok" else f"failed ({r.status})"
+        ms_cell(r.median_ms, r.q1_ms, r.q3_ms, r.rounds) if r.status == "measured" else
+        f"failed ({analysis.failure_kind(r.error)})" if r.status == "failed" else "skipped"
         for r in rows.itertuples()
     ]
     grid = rows.assign(cell=cell, column=rows["op"] + " · " + rows["tokens"].map(fmt_int))
@@ -54,7 +94,8 @@ def _run_section(page: Page, rows: pd.DataFrame) -> None:
     display = grid.pivot_table(index="label", columns="column", values="cell", aggfunc="first")
     display = display.reindex(columns=[c for c in order if c in display.columns]).reset_index()
     page.table(display.rename(columns={"label": "impl/dispatch"}).fillna(""), rows,
-               "Milliseconds per call, by op and tokens.", name=f"decoder-grid-{run}")
+               "Milliseconds per call, median (q1–q3), by op and tokens.",
+               name=f"decoder-grid-{run}", key_columns=3)
     good = analysis.timed(rows)
     good = good.assign(tokens_label=good["tokens"].map(fmt_size))
     chart = charts.bars(
@@ -68,7 +109,9 @@ def _run_section(page: Page, rows: pd.DataFrame) -> None:
     speed = analysis.speedups(rows, ["config", "dtype", "op", "tokens"], REFERENCE)
     if not speed.empty:
         speed = speed.sort_values(["op", "tokens"])
-        speed = speed.assign(text=speed["speedup"].map(fmt_ratio),
+        speed = speed.assign(text=[fmt_ratio(v) if c is not False else f"~{fmt_ratio(v)}"
+                                   for v, c in zip(speed["speedup"], speed["clear"],
+                                                   strict=True)],
                              case=[case_label(None, r.op, r.tokens) for r in speed.itertuples()])
         chart = charts.heatmap(
             speed, x="case", x_title=None, x_sort=list(dict.fromkeys(speed["case"])),
@@ -78,15 +121,12 @@ def _run_section(page: Page, rows: pd.DataFrame) -> None:
             title=f"Speedup vs {REFERENCE} (within the run)",
         )
         page.chart(chart, rows, "Blue: faster than triton/sorted; red: slower (colours "
-                                "saturate at 4×).")
+                                "saturate at 4×); ~: no clear difference (within the noise).")
     _numerics(page, rows)
-    failed = analysis.failures(rows).drop_duplicates("source_row")
-    if not failed.empty:
-        page.md("**Failures**")
-        page.table(pd.DataFrame({
-            "impl/dispatch": failed["label"], "tokens": failed["tokens"].map(fmt_int),
-            "error": failed["error_short"],
-        }), failed, "The stored row has no time for either op.", name=f"decoder-failures-{run}")
+    if (rows["status"] != "measured").any():
+        _shared.not_measured(page, rows, "decoder case",
+                             {"label": "impl/dispatch", "op": "op", "tokens": "tokens"},
+                             name=f"decoder-{run}", heading="### Not measured in this run")
 
 
 def _numerics(page: Page, rows: pd.DataFrame) -> None:

@@ -9,10 +9,12 @@ import pandas as pd
 
 from .. import analysis, charts
 from ..load import StoredResults
-from ..render import Page, fmt_int, fmt_ms, fmt_num, fmt_ratio, plural
+from ..render import Page, fmt_int, fmt_ms, fmt_num, fmt_ratio, short_error
+from . import _shared
 
-SLUG = "moe-internals"
+PATH = "reports/moe-internals.md"
 TITLE = "MoE internals"
+SLUG = "moe-internals"
 PIECE_ORDER = ["route", "sort_permute", "experts_grouped_swiglu", "unpermute_combine"]
 # A/B runs say so in their note ("A/B rep 2, ..."); the rep number pairs before with final.
 AB_NOTE = re.compile(r"A/B rep (\d+)")
@@ -38,6 +40,10 @@ def build(results: StoredResults) -> str:
     _slab(page, moe[(moe["suite"] == "layer") & moe["slab_elems"].notna()])
     _maxtok(page, moe[moe["suite"] == "maxtok"], moe[moe["suite"] == "maxtok_summary"])
     _ab(page, moe[moe["suite"] == "layer"])
+    _shared.not_measured(page, moe[moe["suite"].isin(["pieces", "blockm", "maxtok"])],
+                         "case", {"suite": "suite", "label": "impl", "piece": "piece",
+                                  "block_m": "block_m", "dtype": "dtype", "op": "op",
+                                  "tokens": "tokens", "gpu": "GPU"}, name="moe-internals")
     return page.render()
 
 
@@ -95,14 +101,15 @@ def _block_m(page: Page, rows: pd.DataFrame) -> None:
         return
     page.md("The grouped matmul's row tile `block_m` for the sorted pallas path.")
     rows = rows.assign(case=_case(rows))
-    good = analysis.timed(rows)
-    chart = charts.lines(
-        good, x="block_m", x_title="block_m", color="case", color_title="case",
-        column=alt.Column("op:N", title=None), tips=["run", "code", "q1_ms", "q3_ms"],
-        x_format="d", title=f"block_m sweep (runs {', '.join(sorted(rows['run'].unique()))})",
-    )
-    page.chart(chart, rows, _failed(rows))
-    _failure_table(page, rows)
+    for (device, run), group in rows.groupby(["device", "run"], sort=False):
+        good = analysis.timed(group)
+        chart = charts.lines(
+            good, x="block_m", x_title="block_m", color="case", color_title="case",
+            column=alt.Column("op:N", title=None),
+            tips=["run", "code", "q1_ms", "q3_ms", "rounds"], x_format="d",
+            title=f"{analysis.short_gpu(device)}, run {run}: block_m sweep",
+        )
+        page.chart(chart, group, _not_drawn(group))
 
 
 def _slab(page: Page, rows: pd.DataFrame) -> None:
@@ -162,13 +169,14 @@ def _maxtok(page: Page, ladder: pd.DataFrame, summary: pd.DataFrame) -> None:
         "peak device memory (`peak_bytes_in_use`) of the steps that ran."
     )
     ladder = ladder.assign(series=ladder["label"] + " · " + ladder["code"].fillna(ladder["run"]))
-    chart = charts.ladder(
-        ladder, x="tokens", x_title="tokens", color="series", color_title="impl · code",
-        tips=["run", "code", "median_ms"], width=420, height=240,
-        title="Peak memory of the bf16 train step vs tokens",
-    )
-    page.chart(chart, ladder, "A cross on the top edge marks the size that failed "
-                              "(hover for the error).")
+    for device, group in ladder.groupby("device", sort=False):
+        chart = charts.ladder(
+            group, x="tokens", x_title="tokens", color="series", color_title="impl · code/run",
+            tips=["run", "code", "median_ms"], width=420, height=240,
+            title=f"{analysis.short_gpu(device)}: peak memory of the bf16 train step vs tokens",
+        )
+        page.chart(chart, group, "A cross on the top edge marks the size that failed "
+                                 "(hover for the error); skipped sizes are not drawn.")
     keys = ["source_file", "run", "gpu", "code", "label"]
     limits = analysis.ladder_limits(ladder.assign(code=ladder["code"].fillna("")),
                                     summary.assign(code=summary["code"].fillna("")),
@@ -177,10 +185,10 @@ def _maxtok(page: Page, ladder: pd.DataFrame, summary: pd.DataFrame) -> None:
     display = pd.DataFrame({
         "GPU": limits["gpu"], "run": limits["run"], "code": limits["code"],
         "impl": limits["label"],
-        "largest tokens that ran": limits.apply(analysis.largest_text, axis=1),
-        "limit": limits.apply(analysis.limit_text, axis=1),
+        "largest tokens that ran": limits.apply(_shared.largest_text, axis=1),
+        "limit": limits.apply(_shared.limit_text, axis=1),
         "peak MiB there": limits["peak_mb"].map(fmt_num),
-        "failure": limits["failure"].fillna(""),
+        "failure": limits["failure"].map(short_error),
     }).sort_values(["GPU", "run", "impl"])
     page.table(display, pd.concat([summary, ladder]),
                "From each ladder's own rows (and its `maxtok_summary` row); the failure is the "
@@ -250,19 +258,7 @@ def _ab(page: Page, layer: pd.DataFrame) -> None:
     page.table(display, ab, name="moe-ab")
 
 
-def _failed(rows: pd.DataFrame) -> str:
-    failed = analysis.failures(rows)
-    return (f"{plural(len(failed), 'failed case')} not drawn; see the table below."
-            if len(failed) else "")
-
-
-def _failure_table(page: Page, rows: pd.DataFrame) -> None:
-    failed = analysis.failures(rows)
-    if failed.empty:
-        return
-    display = pd.DataFrame({
-        "run": failed["run"], "impl": failed["label"], "case": _case(failed),
-        "op": failed["op"], "block_m": failed["block_m"].map(fmt_int),
-        "error": failed["error_short"],
-    })
-    page.table(display, failed, "Failed cases.")
+def _not_drawn(rows: pd.DataFrame) -> str:
+    counts = rows["status"].value_counts()
+    parts = [f"{counts[s]} {s}" for s in ("failed", "skipped") if counts.get(s)]
+    return f"Not drawn: {', '.join(parts)}; see Not measured." if parts else ""

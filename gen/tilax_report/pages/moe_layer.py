@@ -6,13 +6,15 @@ from __future__ import annotations
 import altair as alt
 import pandas as pd
 
-from .. import analysis, charts, headlines
+from .. import analysis, charts, headlines, runs
 from ..load import StoredResults
-from ..render import Page, case_label, fmt_int, fmt_num, fmt_ratio, join_names, plural
-from .across_gpus import render_across_gpus
+from ..render import Page, case_label, fmt_int, fmt_num, fmt_ratio, fmt_size, join_names
+from . import _shared
+from .across_gpus import render_across_gpus, sorted_rows
 
-SLUG = "moe-layer"
+PATH = "reports/moe-layer.md"
 TITLE = "MoE layer"
+SLUG = "moe-layer"
 # Timing sections use layer cases of at least this many tokens; the 1 000-token numerics
 # sweep (d_model 128) is shown in the numerics section.
 MIN_TIMED_TOKENS = 4096
@@ -27,16 +29,22 @@ def build(results: StoredResults) -> str:
         "The MoE layer (router, top-k dispatch, SwiGLU experts, combine) per implementation. "
         "Labels read `impl/dispatch` for dropless routing; `capacity (…)` drops the token "
         "copies over each expert's capacity and so computes a different function; "
-        "`dense routing` runs every expert on every token. Times are medians (q1–q3); speed "
-        "ratios are computed within one run on one GPU."
+        "`dense routing` runs every expert on every token. Times are medians (q1–q3) with "
+        "their rounds; speed ratios are computed within one stored file (one process on one "
+        "GPU)."
     )
+    page.md(_shared.NOISE_RULE)
     if layer.empty:
         page.md("No stored run has MoE layer rows.")
         return page.render()
-    finding = headlines.moe_train_32k(table)
-    if finding.sentences:
+    catalogue = runs.catalogue(table)
+    order = pd.Series(catalogue["order"].to_numpy(), index=catalogue["run"])
+    dates = pd.Series(catalogue["date"].to_numpy(), index=catalogue["run"])
+    finding = headlines.moe_train_32k(table, order)
+    if not finding.chosen.empty:
         page.md("## 32k-token bf16 train step\n")
-        page.md("\n".join(f"- {s}" for s in finding.sentences))
+        page.md("\n".join(f"- {_shared.moe_headline(best, dates)}"
+                          for _, best in finding.chosen.iterrows()))
     timed_layer = layer[layer["tokens"].fillna(0) >= MIN_TIMED_TOKENS]
     main = _main_configs(timed_layer)
     _fastest_table(page, timed_layer)
@@ -46,7 +54,9 @@ def build(results: StoredResults) -> str:
     _other_configs(page, timed_layer, main)
     _numerics(page, layer)
     _across_gpus(page, table)
-    _failures(page, layer)
+    _shared.not_measured(page, layer, "MoE layer case",
+                         {"label": "impl", "config": "config", "dtype": "dtype", "op": "op",
+                          "tokens": "tokens", "gpu": "GPU"}, name="moe-layer")
     return page.render()
 
 
@@ -81,13 +91,14 @@ def _fastest_table(page: Page, layer: pd.DataFrame) -> None:
         page.md("No run measured two implementations of the same case.")
         return
     page.md(
-        "Every run and case with at least two exact implementations measured, ranked within "
-        "the run (capacity routing drops tokens, so its time is shown but not ranked). "
-        "*Slower by*: the other implementation's median over the fastest one's."
+        "Every file, run and case with at least two exact implementations measured, ranked "
+        "within the file (capacity routing drops tokens, so its time is shown but not ranked). "
+        "The *vs* columns compare the fastest with the runner-up and the baselines, with a "
+        "verdict only where the noise allows it."
     )
-    runs = layer[layer["run"].isin(set(ranked["run"]))]
-    page.table(headlines.ranked_display(ranked, tuple(CASE_LABEL)), runs,
-               name="moe-layer-fastest",
+    behind = layer[layer["run"].isin(set(ranked["run"]))]
+    page.table(_shared.ranked_display(ranked, tuple(CASE_LABEL)), behind,
+               name="moe-layer-fastest", key_columns=7,
                collapsed=f"All {len(ranked)} cases" if len(ranked) > 30 else None)
 
 
@@ -136,7 +147,8 @@ def _speedups(page: Page, layer: pd.DataFrame) -> None:
             rows = rows.sort_values(["dtype", "op", "tokens"])
             rows = rows.assign(
                 case=[case_label(r.dtype, r.op, r.tokens) for r in rows.itertuples()],
-                text=rows["speedup"].map(fmt_ratio),
+                text=[fmt_ratio(v) if c is not False else f"~{fmt_ratio(v)}"
+                      for v, c in zip(rows["speedup"], rows["clear"], strict=True)],
             )
             chart = charts.heatmap(
                 rows, x="case", x_title=None, x_sort=list(dict.fromkeys(rows["case"])),
@@ -147,8 +159,9 @@ def _speedups(page: Page, layer: pd.DataFrame) -> None:
                                f"speedup vs {baseline}",
             )
             page.chart(chart, layer[(layer["source_file"] == source) & (layer["run"] == run)],
-                       "Blue: faster than the baseline; red: slower (colours saturate at 4×). "
-                       "Tooltip: the speedup's range from the quartiles.")
+                       "Blue: faster than the baseline; red: slower (colours saturate at 4×); "
+                       "~: no clear difference (within the noise). Tooltip: the speedup's "
+                       "range from the quartiles.")
     if not shown:
         page.md("No run measured ragged_dot or dense routing next to another implementation.")
 
@@ -197,15 +210,17 @@ def _other_configs(page: Page, layer: pd.DataFrame, main: dict) -> None:
             tips=["run", "tokens", "q1_ms", "q3_ms", "max_expert_frac"], width=220,
             title=f"{group['device'].iloc[0]}, run {run}: {config}, {case}",
         )
-        page.chart(chart, group, _failed_note(group))
+        page.chart(chart, group, _not_drawn(group))
 
 
-def _failed_note(rows: pd.DataFrame) -> str:
-    failed = analysis.failures(rows)
-    if failed.empty:
-        return ""
-    cases = sorted({f"{r.label} {r.op}" for r in failed.itertuples()})
-    return f"Failed (not drawn): {join_names(cases)}; see Failures."
+def _not_drawn(rows: pd.DataFrame) -> str:
+    parts = []
+    for status, frame in (("failed", analysis.failures(rows)),
+                          ("skipped", analysis.skipped(rows))):
+        if not frame.empty:
+            cases = sorted({f"{r.label} {r.op}" for r in frame.itertuples()})
+            parts.append(f"{status}: {join_names(cases)}")
+    return f"Not drawn ({'; '.join(parts)}); see Not measured." if parts else ""
 
 
 def _numerics(page: Page, layer: pd.DataFrame) -> None:
@@ -256,24 +271,9 @@ def _across_gpus(page: Page, table: pd.DataFrame) -> None:
     moe = table[(table["family"] == "moe") & table["suite"].isin(["layer", "decoder"])]
     rows = analysis.across_devices(moe, ["suite", "config", *CASE_LABEL])
     if not rows.empty:
+        rows = sorted_rows(rows, ["suite", *analysis.MOE_CONFIG, "dtype", "op", "tokens",
+                                  "label", "gpu", "run"])
         rows = rows.assign(case=rows["suite"] + " · " + rows["config"] + " · " + rows["dtype"]
-                           + " " + rows["op"] + " " + rows["tokens"].map(fmt_int))
+                           + " " + rows["op"] + " " + rows["tokens"].map(fmt_size))
     devices = sorted(moe["device"].dropna().unique())
     render_across_gpus(page, rows, "MoE layer case", devices)
-
-
-def _failures(page: Page, layer: pd.DataFrame) -> None:
-    failed = analysis.failures(layer)
-    page.md("## Failures\n")
-    if failed.empty:
-        page.md("No MoE layer case failed.")
-        return
-    page.md(f"{plural(len(failed), 'MoE layer case')} failed; kept here, not dropped.")
-    display = pd.DataFrame({
-        "GPU": failed["gpu"], "run": failed["run"], "impl": failed["label"],
-        "config": failed["config"], "dtype": failed["dtype"], "op": failed["op"],
-        "tokens": failed["tokens"].map(fmt_int), "status": failed["status"],
-        "error": failed["error_short"],
-    })
-    page.table(display, failed, "Errors shortened to their first line; the stored file has "
-                                "the full message.", name="moe-layer-failures")

@@ -7,12 +7,13 @@ import altair as alt
 import pandas as pd
 
 from .. import analysis, charts
-from ..headlines import lead_phrase
 from ..load import StoredResults
-from ..render import Page, fmt_int, fmt_ms, plural
+from ..render import Page, fmt_int, fmt_time, ms_cell, plural, short_error, verdict_phrase
+from . import _shared
 
-SLUG = "nn-suites"
+PATH = "reports/nn-suites.md"
 TITLE = "NN suites"
+SLUG = "nn-suites"
 SUITE_TEXT = {
     "transformer": "a transformer block per attention variant",
     "diffusion": "a diffusion transformer block per attention variant",
@@ -32,6 +33,7 @@ def build(results: StoredResults) -> str:
         "implementation (moe) or the recurrent cell (ssm). Times are medians (q1–q3); ratios "
         "are within the run."
     )
+    page.md(_shared.NOISE_RULE)
     if nn.empty:
         page.md("No stored run has NN suite rows.")
         return page.render()
@@ -61,8 +63,8 @@ def _suite_section(page: Page, suite: str, rows: pd.DataFrame, notes: pd.DataFra
     if not ranked.empty:
         top = ranked[ranked[size] == ranked[size].max()]
         parts = [f"{r.dtype} {r.op}: **{r.fastest}** "
-                 f"{fmt_ms(r.fastest_ms, r.fastest_q1, r.fastest_q3, 'ms')} "
-                 f"({lead_phrase(r.ratio, r.runner_up)})" for r in top.itertuples()]
+                 f"{fmt_time(r.fastest_ms, r.fastest_q1, r.fastest_q3, r.fastest_rounds)}, "
+                 f"{verdict_phrase(r.ratio, r.clear, r.runner_up)}" for r in top.itertuples()]
         page.md(f"At {size} {fmt_int(top[size].iloc[0])}: " + "; ".join(parts) + ".")
     if good[size].nunique() >= 2:
         chart = charts.lines(
@@ -74,8 +76,9 @@ def _suite_section(page: Page, suite: str, rows: pd.DataFrame, notes: pd.DataFra
             title=f"{rows['device'].iloc[0]}: {suite} median time vs {size}",
         )
         page.chart(chart, rows, _failed_note(rows))
-    cells = [fmt_ms(r.median_ms, r.q1_ms, r.q3_ms) if r.status == "ok" else
-             f"failed ({r.status})" for r in rows.itertuples()]
+    cells = [ms_cell(r.median_ms, r.q1_ms, r.q3_ms, r.rounds) if r.status == "measured" else
+             f"failed ({analysis.failure_kind(r.error)})" if r.status == "failed" else
+             "skipped" for r in rows.itertuples()]
     grid = rows.assign(cell=cells, column=rows["dtype"] + " · " + rows["op"])
     display = grid.pivot_table(index=["variant", size], columns="column", values="cell",
                                aggfunc="first").reset_index()
@@ -85,7 +88,7 @@ def _suite_section(page: Page, suite: str, rows: pd.DataFrame, notes: pd.DataFra
     if not failed.empty:
         page.table(pd.DataFrame({
             "variant": failed["variant"], size: failed[size].map(fmt_int),
-            "dtype": failed["dtype"], "op": failed["op"], "error": failed["error_short"],
+            "dtype": failed["dtype"], "op": failed["op"], "error": failed["error"].map(short_error),
         }), failed, "Failed cases.", name=f"nn-{suite}-failures")
 
 

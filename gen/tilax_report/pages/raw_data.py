@@ -1,4 +1,5 @@
-"""Raw data: every stored file, downloadable as it is, with its checksum and row counts."""
+"""Raw data: every stored file, downloadable as it is, with its checksum, its run and its rows
+per status (measured, failed, skipped)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,12 @@ import pandas as pd
 
 from .. import charts
 from ..load import StoredResults
-from ..render import RAW_DIR, Page, fmt_int
+from ..render import RAW_DIR, Page, fmt_int, run_link
+from .overview import STATUS_COLOURS
 
-SLUG = "raw-data"
+PATH = "reports/raw-data.md"
 TITLE = "Raw data"
+SLUG = "raw-data"
 
 
 def build(results: StoredResults) -> str:
@@ -22,39 +25,49 @@ def build(results: StoredResults) -> str:
         "file name to download it as stored (the SHA-256 below is of the stored file; a "
         "downloaded copy has the same). `data/README.md` in the repository says where each "
         "file came from. How the files are read into the report table: "
-        "[table schema](schema.md)."
+        "[table schema](schema.md). Stored rows are counted as **measured**, **failed** "
+        "(attempted, with the error) and **skipped** (never attempted, with why)."
     )
+    file_runs = table.groupby("source_file")["run"].agg(lambda s: sorted(s.unique()))
     display = pd.DataFrame({
         "file": [f"[{name}]({RAW_DIR}/{name})" for name in files["source_file"]],
+        "measured": files["measured_rows"],
+        "failed": files["failed_rows"],
+        "skipped": files["skipped_rows"],
+        "stored rows": files["stored_rows"],
+        "run": [", ".join(run_link(r) for r in runs) if len(runs) <= 3
+                else f"{len(runs)} runs" for runs in files["source_file"].map(file_runs)],
+        "GPU": files["devices"],
         "format": files["source_format"],
         "size": files["bytes"].map(lambda b: f"{b / 1024:.1f} KiB"),
-        "stored rows": files["stored_rows"],
-        "table rows": files["table_rows"],
-        "failed rows": files["failed_rows"],
-        "runs": files["runs"],
-        "GPU": files["devices"],
         "SHA-256": files["sha256"].map(lambda h: f"`{h}`"),
     })
     page.table(display, table, "Every file in `data/results/`, linked in the first column.",
-               name="raw-files", markdown_columns=("file", "SHA-256"))
-    counts = (
-        table.assign(outcome=table["status"].where(table["status"] == "ok", table["status"]))
-        .groupby(["source_file", "outcome"]).size().rename("rows").reset_index()
-    )
+               name="raw-files", markdown_columns=("file", "run", "SHA-256"), key_columns=4)
+    counts = files.melt(id_vars=["source_file"],
+                        value_vars=["measured_rows", "failed_rows", "skipped_rows"],
+                        var_name="status", value_name="rows")
+    counts["status"] = counts["status"].str.removesuffix("_rows")
+    counts = counts[counts["rows"] > 0]
     chart = (
         alt.Chart(counts)
         .mark_bar()
         .encode(
-            alt.Y("source_file:N", title=None),
-            alt.X("rows:Q", title="table rows"),
-            alt.Color("outcome:N", title="status",
-                      scale=alt.Scale(domain=["ok", "error", "timeout"],
-                                      range=["#4c78a8", "#e45756", "#f58518"])),
-            tooltip=charts.tooltip(["source_file", "outcome", "rows"]),
+            alt.Y("source_file:N", title=None, axis=alt.Axis(labelLimit=320)),
+            alt.X("rows:Q", title="stored rows", stack="zero"),
+            alt.Color("status:N", title="status",
+                      scale=alt.Scale(domain=list(STATUS_COLOURS),
+                                      range=list(STATUS_COLOURS.values()))),
+            alt.Order("status_order:Q"),
+            tooltip=charts.tooltip(["source_file", "status", "rows"]),
         )
-        .properties(width=480, height=alt.Step(22))
+        .transform_calculate(status_order="indexof(['measured','failed','skipped'], "
+                                          "datum.status)")
+        .properties(width=360, height=alt.Step(22))
     )
-    page.chart(charts.finish(chart, "Table rows per file by status"), table)
-    page.md(f"{fmt_int(len(table))} table rows in all.")
+    page.chart(charts.finish(chart, "Stored rows per file by status"), table)
+    split = files[files["table_rows"] != files["stored_rows"]]["source_file"]
+    page.md(f"{fmt_int(len(table))} table rows in all."
+            + (f" {', '.join(f'`{f}`' for f in split)} store several ops of a case in one row, "
+               "which the table splits into one row per op." if not split.empty else ""))
     return page.render()
-

@@ -6,13 +6,15 @@ from __future__ import annotations
 import altair as alt
 import pandas as pd
 
-from .. import analysis, charts, headlines
+from .. import analysis, charts, headlines, runs
 from ..load import StoredResults
-from ..render import Page, fmt_int, fmt_ms, fmt_num, fmt_ratio, join_names, plural
-from .across_gpus import render_across_gpus
+from ..render import Page, fmt_int, fmt_ms, fmt_num, fmt_ratio, join_names, short_error
+from . import _shared
+from .across_gpus import render_across_gpus, sorted_rows
 
-SLUG = "rbf"
+PATH = "reports/rbf.md"
 TITLE = "RBF kernels"
+SLUG = "rbf"
 CASE = ["config", "op", "n"]
 LOWER_BOUND_NOTE = (
     "The limit lies between the largest n that ran and the smallest larger n that failed. "
@@ -31,8 +33,10 @@ def build(results: StoredResults) -> str:
         "XLA, `pallas` the fused tiled kernel, `torch_dense` a PyTorch dense baseline; "
         "`default@gpu-benchmarks` is the public default before the change. `fwd` is one "
         "forward call, `fwd_bwd` forward plus gradients in q, k, v and the lengthscale. n = m "
-        "throughout. Times are medians (q1–q3); ratios are within one run."
+        "throughout. Times are medians (q1–q3) with their rounds; ratios are within one "
+        "stored file (one process on one GPU)."
     )
+    page.md(_shared.NOISE_RULE)
     if rbf.empty:
         page.md("No stored run has RBF rows.")
         return page.render()
@@ -46,21 +50,28 @@ def build(results: StoredResults) -> str:
     _max_n(page, rbf[rbf["suite"] == "kernel_mv_max_n"])
     _numerics(page, rbf)
     _across_gpus(page, rbf)
-    _failures(page, rbf)
+    _shared.not_measured(page, rbf, "RBF case",
+                         {"suite": "suite", "label": "impl", "op": "op", "config": "config",
+                          "n": "n", "gpu": "GPU"}, name="rbf")
     return page.render()
 
 
 def _headlines(page: Page, table: pd.DataFrame) -> None:
-    memory = headlines.rbf_memory(table)
-    sentences = memory.sentences + headlines.rbf_fastest_at_largest_n(table)
+    catalogue = runs.catalogue(table)
+    dates = pd.Series(catalogue["date"].to_numpy(), index=catalogue["run"])
+    _, growth = headlines.rbf_memory(table)
+    sentences = (_shared.memory_sentences(growth, dates)
+                 + _shared.rbf_win_sentences(headlines.rbf_wins_at_largest_n(table), dates))
     if sentences:
         page.md("## Findings\n")
         page.md("\n".join(f"- {s}" for s in sentences))
 
 
 def _per_device(rows: pd.DataFrame):
-    for (source, device), group in rows.groupby(["source_file", "device"], sort=False):
-        yield source, device, group
+    """(run, 'GPU, run X' title prefix, rows) per device and run: one chart each, so a newer
+    run never shares a title with an older one."""
+    for (device, run), group in rows.groupby(["device", "run"], sort=False):
+        yield run, f"{analysis.short_gpu(device)}, run {run}", group
 
 
 def _kernel_mv(page: Page, rows: pd.DataFrame) -> None:
@@ -73,14 +84,14 @@ def _kernel_mv(page: Page, rows: pd.DataFrame) -> None:
         "different sizes can come from different runs of the same file on the same GPU (named "
         "under the chart); failed sizes (out of memory) are listed under Failures."
     )
-    for _, device, group in _per_device(rows):
+    for _, who, group in _per_device(rows):
         good = analysis.timed(group)
         chart = charts.lines(
             good, x="n", x_title="n (= m)", color="label", color_title="implementation",
             row=alt.Row("config:N", title=None, sort=analysis.config_order(good)),
             column=alt.Column("op:N", title=None),
             tips=["run", "q1_ms", "q3_ms", "pairs_per_s"], width=260, height=150,
-            title=f"{device}: kernel_mv median time vs n",
+            title=f"{who}: kernel_mv median time vs n",
         )
         page.chart(chart, group, "Log–log; rules: q1–q3.")
 
@@ -94,8 +105,10 @@ def _speedups(page: Page, rows: pd.DataFrame) -> None:
     for baseline in ("xla", "dense"):
         speed = analysis.speedups(rows, CASE, baseline)
         speed = speed[speed["label"] != baseline]
-        for device, group in speed.groupby("device", sort=False):
-            group = group.assign(text=group["speedup"].map(fmt_ratio))
+        for (device, run), group in speed.groupby(["device", "run"], sort=False):
+            group = group.assign(text=[fmt_ratio(v) if c is not False else f"~{fmt_ratio(v)}"
+                                       for v, c in zip(group["speedup"], group["clear"],
+                                                       strict=True)])
             chart = charts.heatmap(
                 group, x="n", x_title="n", y="config", y_title=None, value="speedup",
                 y_sort=analysis.config_order(group),
@@ -103,11 +116,12 @@ def _speedups(page: Page, rows: pd.DataFrame) -> None:
                 scheme="redblue", row=alt.Row("label:N", title=None),
                 column=alt.Column("op:N", title=None),
                 tips=["run", "speedup_lo", "speedup_hi"], cell=56,
-                title=f"{device}: speedup vs {baseline}",
+                title=f"{analysis.short_gpu(device)}, run {run}: speedup vs {baseline}",
             )
-            page.chart(chart, rows[rows["device"] == device],
+            page.chart(chart, rows[(rows["device"] == device) & (rows["run"] == run)],
                        "Blue: faster than the baseline; red: slower (colours saturate at 4×); "
-                       "tooltip: the range from the quartiles.")
+                       "~: no clear difference (within the noise); tooltip: the range from "
+                       "the quartiles.")
 
 
 def _kde(page: Page, rows: pd.DataFrame) -> None:
@@ -115,15 +129,15 @@ def _kde(page: Page, rows: pd.DataFrame) -> None:
     if rows.empty:
         page.md("No stored run has the `kde_density` suite.")
         return
-    for _, device, group in _per_device(rows):
+    for _, who, group in _per_device(rows):
         chart = charts.lines(
             analysis.timed(group), x="n", x_title="n (= m)", color="label",
             color_title="implementation",
             row=alt.Row("config:N", title=None, sort=analysis.config_order(group)),
             column=alt.Column("op:N", title=None), tips=["run", "q1_ms", "q3_ms"],
-            width=260, height=150, title=f"{device}: rbf_kde_density median time vs n",
+            width=260, height=150, title=f"{who}: rbf_kde_density median time vs n",
         )
-        page.chart(chart, group, _failed_note(group))
+        page.chart(chart, group, _not_drawn(group))
 
 
 def _tiles(page: Page, rows: pd.DataFrame) -> None:
@@ -143,14 +157,14 @@ def _tiles(page: Page, rows: pd.DataFrame) -> None:
     keys = ["source_file", "run", "case"]
     good["relative"] = good["median_ms"] / good.groupby(keys)["median_ms"].transform("min")
     good["text"] = good["median_ms"].map(fmt_ms)
-    for device, group in good.groupby("device", sort=False):
+    for (device, run), group in good.groupby(["device", "run"], sort=False):
         chart = charts.heatmap(
             group, x="tile", x_title="block_q × block_k × block_o", y="case", y_title=None,
             value="relative", value_title="× best tile", text="text", scheme="oranges",
             tips=["run", "median_ms", "q1_ms", "q3_ms"], cell=78,
-            title=f"{device}: tile sweep",
+            title=f"{analysis.short_gpu(device)}, run {run}: tile sweep",
         )
-        page.chart(chart, rows[rows["device"] == device])
+        page.chart(chart, rows[(rows["device"] == device) & (rows["run"] == run)])
 
 
 def _crossover(page: Page, rows: pd.DataFrame) -> None:
@@ -207,20 +221,20 @@ def _crossover(page: Page, rows: pd.DataFrame) -> None:
 
 def _memory(page: Page, table: pd.DataFrame) -> None:
     page.md("## Peak memory vs n\n")
-    finding = headlines.rbf_memory(table)
-    peak = finding.rows[finding.rows["suite"] == "kernel_mv_peak"]
+    rows, growth = headlines.rbf_memory(table)
+    peak = rows[rows["suite"] == "kernel_mv_peak"]
     if peak.empty:
         page.md("No stored run has the `kernel_mv_peak` suite.")
         return
     page.md("Peak device memory of one call, each size in a fresh process.")
-    for _, device, group in _per_device(peak):
+    for _, who, group in _per_device(peak):
         chart = charts.ladder(
             group, x="n", x_title="n (= m)", color="label", color_title="implementation",
             column=alt.Column("op:N", title=None), tips=["run", "config", "run_s"],
-            title=f"{device}: peak memory vs n",
+            title=f"{who}: peak memory vs n",
         )
         page.chart(chart, group, "Log–log; a cross on the top edge marks a failed size.")
-    page.table(finding.table, finding.rows, name="rbf-memory-growth")
+    page.table(_shared.memory_display(growth), rows, name="rbf-memory-growth")
 
 
 def _max_n(page: Page, rows: pd.DataFrame) -> None:
@@ -232,13 +246,13 @@ def _max_n(page: Page, rows: pd.DataFrame) -> None:
         "n doubled until the call failed or ran past the time limit, each size in a fresh "
         "process; peak memory of the sizes that ran, and the subprocess wall time."
     )
-    stated = rows[rows["max_n"].notna() | rows["extra"].map(_is_summary)]
+    stated = rows[rows["summary"].fillna(False).astype(bool)]
     ladder = rows.drop(stated.index)
-    for _, device, group in _per_device(ladder):
+    for _, who, group in _per_device(ladder):
         chart = charts.ladder(
             group, x="n", x_title="n (= m)", color="label", color_title="implementation",
             column=alt.Column("op:N", title=None), tips=["run", "config", "run_s"],
-            width=380, height=220, title=f"{device}: max-n ladder",
+            width=380, height=220, title=f"{who}: max-n ladder",
         )
         page.chart(chart, group, "A cross marks the size that failed or timed out.")
     keys = ["source_file", "run", "device", "label", "op", "config"]
@@ -247,19 +261,14 @@ def _max_n(page: Page, rows: pd.DataFrame) -> None:
     display = pd.DataFrame({
         "GPU": limits["device"].map(analysis.short_gpu), "run": limits["run"],
         "impl": limits["label"], "op": limits["op"], "config": limits["config"],
-        "largest n that ran": limits.apply(analysis.largest_text, axis=1),
-        "limit": limits.apply(analysis.limit_text, axis=1),
+        "largest n that ran": limits.apply(_shared.largest_text, axis=1),
+        "limit": limits.apply(_shared.limit_text, axis=1),
         "peak MiB there": limits["peak_mb"].map(fmt_num),
         "wall s there": limits["run_s"].map(fmt_num),
-        "failure": limits["failure"].fillna(""),
+        "failure": limits["failure"].map(short_error),
     })
     page.table(display, rows, "From each ladder's own rows (and its summary row, where the run "
-                              "wrote one).", name="rbf-max-n")
-
-
-def _is_summary(extra: object) -> bool:
-    """Summary rows of newer runs say how the ladder was searched, even when no size ran."""
-    return "probed_sizes" in analysis.extra_info(extra)
+                              "wrote one).", name="rbf-max-n", key_columns=6)
 
 
 def _numerics(page: Page, rbf: pd.DataFrame) -> None:
@@ -303,31 +312,15 @@ def _numerics(page: Page, rbf: pd.DataFrame) -> None:
 def _across_gpus(page: Page, rbf: pd.DataFrame) -> None:
     rows = analysis.across_devices(rbf, ["suite", *CASE])
     if not rows.empty:
+        rows = sorted_rows(rows, ["suite", *analysis.RBF_CONFIG, "op", "n", "label", "gpu",
+                                  "run"])
         rows = rows.assign(case=rows["suite"] + " · " + rows["config"] + " · " + rows["op"]
                            + " · n " + rows["n"].map(fmt_int))
     devices = sorted(rbf["device"].dropna().unique())
     render_across_gpus(page, rows, "RBF case", devices)
 
 
-def _failed_note(rows: pd.DataFrame) -> str:
-    failed = analysis.failures(rows)
-    if failed.empty:
-        return ""
-    return f"{plural(len(failed), 'failed case')} not drawn; see Failures."
-
-
-def _failures(page: Page, rbf: pd.DataFrame) -> None:
-    failed = analysis.failures(rbf)
-    page.md("## Failures\n")
-    if failed.empty:
-        page.md("No RBF case failed.")
-        return
-    page.md(f"{plural(len(failed), 'RBF case')} failed (out of memory, timeouts); kept here, "
-            "not dropped.")
-    display = pd.DataFrame({
-        "GPU": failed["gpu"], "run": failed["run"], "suite": failed["suite"],
-        "impl": failed["label"], "op": failed["op"], "config": failed["config"],
-        "n": failed["n"].map(fmt_int), "status": failed["status"],
-        "error": failed["error_short"],
-    })
-    page.table(display, failed, "Errors shortened to their first line.", name="rbf-failures")
+def _not_drawn(rows: pd.DataFrame) -> str:
+    counts = rows["status"].value_counts()
+    parts = [f"{counts[s]} {s}" for s in ("failed", "skipped") if counts.get(s)]
+    return f"Not drawn: {', '.join(parts)}; see Not measured." if parts else ""

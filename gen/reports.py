@@ -1,4 +1,4 @@
-"""mkdocs-gen-files script: the report page built by tilax_report.pages.nn_suites."""
+"""mkdocs-gen-files script: every report page, the reports nav and the assets, from data/."""
 
 import sys
 from pathlib import Path
@@ -7,4 +7,4 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from tilax_report import site  # noqa: E402
 
-site.write_page("nn_suites")
+site.write_site()
