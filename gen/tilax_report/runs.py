@@ -41,7 +41,9 @@ def catalogue(table: pd.DataFrame) -> pd.DataFrame:
         "codes": grouped["code"].agg(_joined),
         "note": grouped["run_note"].agg(_first),
         "bench_modes": grouped["bench_mode"].agg(_joined),
-        "bench_budget_s": grouped["bench_budget_s"].agg(lambda s: s.dropna().tolist()),
+        # one budget per stored file (a file is one bench call), in file-name order
+        "bench_budget_s": table.drop_duplicates(["run", "source_file"]).sort_values("source_file")
+        .groupby("run", sort=False)["bench_budget_s"].agg(lambda s: s.dropna().tolist()),
         "bench_parts": grouped["bench_part"].agg(_joined),
     })
     counts = per_row.groupby(["run", "status"]).size().unstack("status")

@@ -254,6 +254,8 @@ def pytest_benchmark_update_machine_info(config, machine_info):
     machine_info["bench_mode"] = settings.mode
     machine_info["bench_suites"] = sorted(settings.suites)
     machine_info["bench_budget_s"] = settings.budget_s
+    # the part of the suites this file holds when a run is split over calls with -k
+    machine_info["bench_part"] = config.getoption("keyword") or None
 
 
 def pytest_sessionstart(session):

@@ -224,8 +224,10 @@ def test_history_view_flags_the_slower_run(browser, extra_server, extra_runs):
     assert f"run {before}" in article and f"run {after}" in article
     page.locator("details.tilax-details summary").first.click()
     header, *rows = page.evaluate(TABLE_ROWS, "history-flagged")
-    slower = [r for r in rows if r[header.index("change")] == "slower by 30%"]
-    assert slower and all(r[header.index("runs")] == f"{before} → {after}" for r in slower)
+    # other pairs of stored runs may differ too; every case of this pair is ~30% slower
+    pair = [r for r in rows if r[header.index("runs")] == f"{before} → {after}"]
+    assert pair and all(r[header.index("change")] in ("slower by 29%", "slower by 30%",
+                                                      "slower by 31%") for r in pair), pair[:3]
     # The timeline chart draws one case at a time; choosing another redraws it.
     select = page.locator(".vega-bindings select").first
     options = select.evaluate("s => [...s.options].map(o => o.value)")

@@ -94,8 +94,10 @@ def test_a_newer_run_1_3x_slower_is_flagged_naming_both_runs(built_site_with_h20
                    if f"run {before}" in line and f"→ run {after}" in line)
     assert re.search(r"\d+ slower \(median 1\.30×, \+30%\)", summary), summary
     flagged = text[text.index('id="history-flagged"'):]
-    rows = [r for r in re.findall(r"<tr>(.*?)</tr>", flagged, re.S) if "slower by 30%" in r]
-    assert rows and all(f"{before} → {after}" in re.sub(r"<[^>]+>", "", r) for r in rows)
+    rows = [re.sub(r"<[^>]+>", "", r) for r in re.findall(r"<tr>(.*?)</tr>", flagged, re.S)]
+    # other pairs of stored runs may differ too; every case of this pair is ~30% slower
+    pair = [r for r in rows if f"{before} → {after}" in r]
+    assert pair and all(re.search(r"slower by (29|30|31)%", r) for r in pair), pair[:3]
 
 
 def test_h200_run_page_shows_the_environment(built_site):
