@@ -71,7 +71,7 @@ steps cost a fresh interpreter, 12-22 s each on the H200).
 ===============  =========================================================  ====  =======
 suite            full grid (rows)                                           rows  minutes
 ===============  =========================================================  ====  =======
-maxtok           7 impls, bf16 train step, 256k..32M tokens (powers of two);  ~35   ~3
+maxtok           7 impls, bf16 train step, 131k..32M tokens (powers of two);  ~40   ~10
                  jumps to the largest size predicted to fit, then bisects
 layer            11 impls x 32k/131k x fp32/bf16 x fwd/train (first; peers   132   ~10
                  bf16 only), then triton bf16, 5 impls at 4k, E64 top4
