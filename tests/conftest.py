@@ -21,6 +21,11 @@ TESTS = Path(__file__).resolve().parent
 FOLDER_GROUPS = {TESTS / "site": "site", TESTS / "bench": "bench"}
 XDIST_ENVIRONMENT = ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_XDIST_TESTRUNUID")
 
+if "PYTEST_XDIST_WORKER" in os.environ:
+    # Workers on a GPU machine share its GPU: none may take most of its memory up front (JAX's
+    # default). Set before any test module starts JAX's backend.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
 
 @pytest.hookimpl(optionalhook=True)  # plain pytest (a GPU host) may not have xdist
 def pytest_xdist_make_scheduler(config, log):
