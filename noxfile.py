@@ -28,9 +28,18 @@ def install_groups(session: nox.Session, *groups: str) -> None:
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """Unit tests (CPU, Pallas interpret mode), site build and browser tests."""
+    """Unit tests (CPU, Pallas interpret mode), site build and browser tests.
+
+    Spread over the cores by pytest-xdist; tests/conftest.py keeps tests that share state on
+    one worker. ``nox -s tests -- -n 0`` runs them in one process.
+    """
     install_groups(session, "tests", "docs")
-    session.run("pytest", *session.posargs)
+    # One worker per core, at most 4: beyond that the site and bench groups, each pinned to one
+    # worker, set the wall time.
+    session.run(
+        "pytest", "-n", "logical", "--maxprocesses", "4", "--dist", "loadgroup",
+        *session.posargs,
+    )
 
 
 @nox.session

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -32,27 +34,39 @@ def kde_density(query, data, bandwidth, weights, *, log):
     return jnp.einsum("...nm,...m->...n", jnp.exp(exponent), weights) * jnp.exp(log_norm)
 
 
+# The oracles run jitted: one XLA compile per shape instead of one per primitive, which made
+# the eager float64 oracle most of the time of the shape-fuzz test (on CPU).
+@jax.jit
+def _kernel_mv_value_and_grads(q, k, v, lengthscale, cot):
+    out = kernel_mv(q, k, v, lengthscale)
+    grads = jax.grad(lambda *a: jnp.sum(kernel_mv(*a) * cot), argnums=(0, 1, 2, 3))(
+        q, k, v, lengthscale
+    )
+    return out, grads
+
+
+@functools.partial(jax.jit, static_argnames="log")
+def _kde_value_and_grads(query, data, bandwidth, weights, cot, *, log):
+    def loss(*a):
+        return jnp.sum(kde_density(*a, log=log) * cot)
+
+    out = kde_density(query, data, bandwidth, weights, log=log)
+    grads = jax.grad(loss, argnums=(0, 1, 2, 3))(query, data, bandwidth, weights)
+    return out, grads
+
+
 def kernel_mv_value_and_grads(q, k, v, lengthscale, cotangent):
     """Float64 output and the gradients of ``sum(out * cotangent)`` w.r.t. q, k, v, lengthscale."""
     with jax.enable_x64(True):
-        args = _f64(q, k, v, lengthscale)
-        (cot,) = _f64(cotangent)
-        out = kernel_mv(*args)
-        grads = jax.grad(lambda *a: jnp.sum(kernel_mv(*a) * cot), argnums=(0, 1, 2, 3))(*args)
+        out, grads = _kernel_mv_value_and_grads(*_f64(q, k, v, lengthscale, cotangent))
         return np.asarray(out), [np.asarray(g) for g in grads]
 
 
 def kde_value_and_grads(query, data, bandwidth, weights, cotangent, *, log):
     """Float64 KDE and the gradients of ``sum(out * cotangent)`` w.r.t. all four inputs."""
     with jax.enable_x64(True):
-        args = _f64(query, data, bandwidth, weights)
-        (cot,) = _f64(cotangent)
-
-        def loss(*a):
-            return jnp.sum(kde_density(*a, log=log) * cot)
-
-        out = kde_density(*args, log=log)
-        grads = jax.grad(loss, argnums=(0, 1, 2, 3))(*args)
+        args = _f64(query, data, bandwidth, weights, cotangent)
+        out, grads = _kde_value_and_grads(*args, log=log)
         return np.asarray(out), [np.asarray(g) for g in grads]
 
 

@@ -1,0 +1,91 @@
+"""Settings for the whole test suite: running it over several processes, and fast CPU compiles.
+
+``nox -s tests`` runs pytest-xdist with ``--dist loadgroup``. Tests that share per-process
+state are kept on one worker by the folder groups below; every other test goes wherever a
+worker is free. (Fixture names here are unique: the test folders share no conftest names.)
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import jax
+import pytest
+
+TESTS = Path(__file__).resolve().parent
+# Folders whose tests run on one worker. tests/site: the session fixtures that build the site
+# (one mkdocs build each, ~10 s) serve both the build and the browser tests. tests/bench: its
+# conftest keeps the run's budget, ladders and finished rows per process and runs the rows in
+# priority order.
+FOLDER_GROUPS = {TESTS / "site": "site", TESTS / "bench": "bench"}
+XDIST_ENVIRONMENT = ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_XDIST_TESTRUNUID")
+
+if "PYTEST_XDIST_WORKER" in os.environ:
+    # Workers on a GPU machine share its GPU: none may take most of its memory up front (JAX's
+    # default). Set before any test module starts JAX's backend.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+
+@pytest.hookimpl(optionalhook=True)  # plain pytest (a GPU host) may not have xdist
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadgroup`` that also groups by folder (``FOLDER_GROUPS``).
+
+    Folders, not ``xdist_group`` marks: with pytest 9.2 and xdist 3.8 a mark no longer groups
+    anything (pytest-xdist issue 1386), and tests/site is not ours to mark. The scheduler sees
+    node ids, so a folder is a node-id prefix relative to the root directory.
+    """
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadGroupScheduling
+
+    prefixes = {f"{folder.relative_to(config.rootpath).as_posix()}/": group
+                for folder, group in FOLDER_GROUPS.items()}
+
+    class FolderGroupScheduling(LoadGroupScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            for prefix, group in prefixes.items():
+                if nodeid.startswith(prefix):
+                    return group
+            return super()._split_scope(nodeid)
+
+    return FolderGroupScheduling(config, log)
+
+
+@pytest.hookimpl(trylast=True)  # after pytest-benchmark has set itself up
+def pytest_configure(config):
+    """In an xdist worker, turn pytest-benchmark back on.
+
+    pytest-benchmark disables itself under xdist (parallel timings are unreliable). The CPU
+    smoke rows of tests/bench time nothing that matters, but they read ``benchmark.stats`` to
+    build and check each row, which a disabled benchmark leaves empty (the rows then fail).
+    Real measurements are ``nox -s bench``, which does not use xdist.
+    """
+    if not hasattr(config, "workerinput") or not config.pluginmanager.hasplugin("benchmark"):
+        return
+    if not config.getoption("benchmark_disable"):
+        config._benchmarksession.disabled = False  # pytest-benchmark 4 and 5
+        config._benchmarksession.xdist_warning = False  # 5: no "automatically disabled" note
+
+
+@pytest.fixture(autouse=True)
+def child_processes_are_not_xdist_workers(monkeypatch):
+    """A pytest started by a test (the bench smoke run) is a plain run, not an xdist worker:
+    pytest-benchmark reads PYTEST_XDIST_WORKER and would disable itself there too."""
+    for name in XDIST_ENVIRONMENT:
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def cpu_compiles_skip_llvm_optimisation():
+    """On a CPU, compile without XLA's LLVM optimisation passes, here and in child processes.
+
+    The CPU tests run tiny shapes (Pallas in interpret mode), so XLA compile time is most of
+    their time; these passes make code faster, not different, and skipping them takes a third
+    to a half off the MoE, RBF and bench smoke tests. The docs examples run in their own processes
+    without this setting, as a reader runs them. GPUs keep their default.
+    """
+    if jax.default_backend() != "cpu":
+        return
+    jax.config.update("jax_disable_most_optimizations", True)
+    os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"
