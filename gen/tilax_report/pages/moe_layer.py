@@ -45,7 +45,7 @@ def build(results: StoredResults) -> str:
         page.md("## 32k-token bf16 train step\n")
         page.md("\n".join(f"- {_shared.moe_headline(best, dates)}"
                           for _, best in finding.chosen.iterrows()))
-    timed_layer = layer[layer["tokens"].fillna(0) >= MIN_TIMED_TOKENS]
+    timed_layer = _with_chart_groups(layer[layer["tokens"].fillna(0) >= MIN_TIMED_TOKENS])
     main = _main_configs(timed_layer)
     _fastest_table(page, timed_layer)
     _time_vs_tokens(page, timed_layer, main)
@@ -60,12 +60,21 @@ def build(results: StoredResults) -> str:
     return page.render()
 
 
+def _with_chart_groups(layer: pd.DataFrame) -> pd.DataFrame:
+    """``chart_group``: what one chart draws. Our runs are stored one file per bench call, so a
+    run's files share a chart (its token counts join up); a seed file holds many partial runs of
+    one study, drawn together and named under the chart."""
+    ours = layer["source_format"] == "pytest_benchmark"
+    return layer.assign(chart_group=layer["run"].where(ours, layer["source_file"]))
+
+
 def _main_configs(layer: pd.DataFrame) -> dict[tuple[str, str], str]:
-    """Per (file, device): the config with the most timed rows: the one the charts follow."""
-    counts = layer.groupby(["source_file", "device", "config"]).size().reset_index(name="rows")
-    counts = counts.sort_values("rows", ascending=False).drop_duplicates(["source_file",
+    """Per (chart group, device): the config with the most timed rows: the one the charts
+    follow."""
+    counts = layer.groupby(["chart_group", "device", "config"]).size().reset_index(name="rows")
+    counts = counts.sort_values("rows", ascending=False).drop_duplicates(["chart_group",
                                                                           "device"])
-    return {(r.source_file, r.device): r.config for r in counts.itertuples()}
+    return {(r.chart_group, r.device): r.config for r in counts.itertuples()}
 
 
 def _comparison_runs(rows: pd.DataFrame) -> pd.DataFrame:
@@ -76,10 +85,10 @@ def _comparison_runs(rows: pd.DataFrame) -> pd.DataFrame:
 
 
 def _groups(rows: pd.DataFrame):
-    """(file, device, code) groups: one chart each, so runs of different code never share a
-    line."""
+    """(chart group, device, code) groups: one chart each, so runs of different code never
+    share a line."""
     keyed = rows.assign(_code=rows["code"].fillna(""))
-    for (source, device, code), group in keyed.groupby(["source_file", "device", "_code"],
+    for (source, device, code), group in keyed.groupby(["chart_group", "device", "_code"],
                                                        sort=False):
         yield source, device, code, group.drop(columns="_code")
 
@@ -192,7 +201,7 @@ def _xla_memory(page: Page, layer: pd.DataFrame, main: dict) -> None:
 def _other_configs(page: Page, layer: pd.DataFrame, main: dict) -> None:
     rows = _comparison_runs(layer)
     rows = rows[[main.get((s, d)) != c for s, d, c in
-                 zip(rows["source_file"], rows["device"], rows["config"], strict=True)]]
+                 zip(rows["chart_group"], rows["device"], rows["config"], strict=True)]]
     if rows.empty:
         return
     page.md("## Other configurations\n")
