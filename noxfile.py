@@ -1,8 +1,12 @@
-"""Sessions: tests, docs, serve, lint, bench, wheelhouse (``nox -l`` lists them)."""
+"""Sessions: tests, docs, serve, lint, bench, wheelhouse, dist, release_docs, release_notes
+(``nox -l`` lists them)."""
 
 import importlib.util
+import json
 import os
+import re
 import shutil
+import subprocess
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -16,6 +20,13 @@ nox.options.sessions = ["tests"]
 PYPROJECT = nox.project.load_toml("pyproject.toml")
 # mkdocs-material prints a banner about MkDocs 2 on every build; the site pins mkdocs 1.x.
 QUIET_MKDOCS = {"NO_MKDOCS_2_WARNING": "1", "DISABLE_MKDOCS_2_WARNING": "true"}
+# mkdocs.yml's extra.version.provider: "mike" (the version selector) only where this is set,
+# i.e. in the versioned build; a plain build has no versions.json for the selector to read.
+VERSION_PROVIDER_VARIABLE = "TILAX_DOCS_VERSION_PROVIDER"
+# The single source of the version (hatch reads it too: [tool.hatch.version] in pyproject.toml).
+VERSION_FILE = Path("src/tilax/__init__.py")
+DOCS_BRANCH = "gh-pages"
+LATEST_ALIAS = "latest"
 
 
 def install_groups(session: nox.Session, *groups: str) -> None:
@@ -182,3 +193,121 @@ def wheelhouse(session: nox.Session) -> None:
     )
     session.run("python", "-m", "pip", "wheel", "--no-deps", "--wheel-dir", str(target),
                 *WHEELHOUSE_BUILDS)
+
+
+def package_version(version_file: Path = VERSION_FILE) -> str:
+    """``__version__`` of the package, read from its source as hatch reads it."""
+    match = re.search(r"""^__version__ *= *(['"])v?(?P<version>.+?)\1""",
+                      version_file.read_text(encoding="utf-8"), re.MULTILINE)
+    if match is None:
+        raise ValueError(f"{version_file} has no __version__ = \"...\" line")
+    return match["version"]
+
+
+@nox.session
+def dist(session: nox.Session) -> None:
+    """Build the sdist and the wheel into dist/ (the wheel from the sdist) and check them
+    with ``twine check --strict``."""
+    session.install(*nox.project.dependency_groups(PYPROJECT, "release"))
+    shutil.rmtree("dist", ignore_errors=True)  # twine checks exactly this build
+    session.run("python", "-m", "build", "--outdir", "dist")
+    session.run("twine", "check", "--strict", *sorted(str(p) for p in Path("dist").iterdir()))
+
+
+@nox.session
+def release_docs(session: nox.Session) -> None:
+    """Build the versioned site of the current commit into the local gh-pages branch (mike).
+
+    ``nox -s release_docs`` deploys the package version (src/tilax/__init__.py) and moves the
+    ``latest`` alias to it; ``nox -s release_docs -- VERSION [ALIAS ...]`` deploys any other
+    version (CI deploys main as ``dev``). Aliases are copies of their version's folder (a
+    GitHub Pages artifact may hold no links). The site's root redirects to ``latest`` once a
+    release has it, else to the version just deployed. One commit on gh-pages per call, nothing
+    pushed; ``mike serve`` shows the branch at http://localhost:8000.
+
+    The site is built from the commit (HEAD), checked out into a temporary worktree: what is
+    not committed is not in it, and site/ (``nox -s docs``) is left alone. If the remote
+    branch origin/gh-pages is ahead, mike starts from it.
+    """
+    if session.venv_backend != "none":
+        install_groups(session, "docs", "release")
+    version, *aliases = session.posargs or [package_version(), LATEST_ALIAS]
+    env = {**QUIET_MKDOCS, VERSION_PROVIDER_VARIABLE: "mike"}
+    if session.run("git", "status", "--porcelain", "--untracked-files=no", silent=True,
+                   external=True).strip():
+        session.warn("uncommitted changes are not in the versioned site: it is built from HEAD")
+    worktree = Path(tempfile.mkdtemp(prefix="tilax-release-docs-"))
+    session.run("git", "worktree", "add", "--detach", str(worktree), "HEAD", external=True)
+    try:
+        with session.chdir(worktree):
+            session.run("mike", "deploy", "--update-aliases", "--alias-type", "copy",
+                        version, *aliases, env=env)
+            versions = json.loads(git_show(f"{DOCS_BRANCH}:versions.json"))
+            default = (LATEST_ALIAS if any(LATEST_ALIAS in v["aliases"] for v in versions)
+                       else version)
+            session.run("mike", "set-default", default, env=env)
+    finally:
+        session.run("git", "worktree", "remove", "--force", str(worktree), external=True)
+        shutil.rmtree(worktree, ignore_errors=True)
+
+
+def git_show(revision_path: str) -> str:
+    """``git show REV:PATH``: a file as it is in a commit or branch."""
+    return subprocess.run(["git", "show", revision_path], check=True, capture_output=True,
+                          text=True).stdout
+
+
+# Keep a Changelog headings: "## [Unreleased]", "## [0.2.0] - 2026-12-01".
+CHANGELOG_HEADING = re.compile(
+    r"^## \[(?P<version>[^\]]+)\](?:\s+-\s+(?P<date>\S+))?[ \t]*$", re.MULTILINE)
+# Link definitions at the end of the file ("[0.2.0]: https://...") belong to no section.
+LINK_DEFINITIONS = re.compile(r"(?:^\[[^\]]+\]:[^\n]*\n?)+\Z", re.MULTILINE)
+
+
+def changelog_section(changelog: str, version: str) -> str:
+    """The body of the CHANGELOG.md section of release ``version``: the release's notes.
+
+    Raises ValueError, naming the version, when the section is missing, has no date
+    (``## [0.2.0] - YYYY-MM-DD``: a released version is dated) or is empty.
+    """
+    headings = list(CHANGELOG_HEADING.finditer(changelog))
+    for index, heading in enumerate(headings):
+        if heading["version"] != version:
+            continue
+        if not re.fullmatch(r"\d{4}-\d{2}-\d{2}", heading["date"] or ""):
+            raise ValueError(f"CHANGELOG.md: the heading of {version} needs its release date, "
+                             f"'## [{version}] - YYYY-MM-DD', not {heading[0]!r}")
+        end = headings[index + 1].start() if index + 1 < len(headings) else len(changelog)
+        body = LINK_DEFINITIONS.sub("", changelog[heading.end():end].strip() + "\n").strip()
+        if not body:
+            raise ValueError(f"CHANGELOG.md: the section of {version} is empty")
+        return body + "\n"
+    listed = ", ".join(h["version"] for h in headings) or "none"
+    raise ValueError(f"CHANGELOG.md has no section for {version} (sections: {listed}); "
+                     f"rename [Unreleased] to '## [{version}] - YYYY-MM-DD' when releasing")
+
+
+@nox.session(venv_backend="none")
+def release_notes(session: nox.Session) -> None:
+    """The release notes of a tag: its version's section of CHANGELOG.md.
+
+    ``nox -s release_notes -- v0.2.0 [FILE]`` writes them to FILE (default: print them). The
+    tag must be ``v`` plus the package version, so a tag cannot publish another version's
+    wheel or notes.
+    """
+    if not session.posargs or len(session.posargs) > 2:
+        session.error("usage: nox -s release_notes -- vX.Y.Z [FILE]")
+    tag, *output = session.posargs
+    version = package_version()
+    if tag != f"v{version}":
+        session.error(f"tag {tag} does not match the package version {version} "
+                      f"({VERSION_FILE}): tag v{version}, or change __version__ first")
+    try:
+        notes = changelog_section(Path("CHANGELOG.md").read_text(encoding="utf-8"), version)
+    except ValueError as error:
+        session.error(str(error))
+    if output:
+        Path(output[0]).write_text(notes, encoding="utf-8")
+        session.log(f"release notes of {tag}: {output[0]}")
+    else:
+        print(notes, end="")
