@@ -361,6 +361,9 @@ def _switch(cfg: PallasConfig, q, k, scale, fast, exact):
     return lax.cond(ok, lambda: fast(qs, ks), exact)
 
 
+# Jitted (also when called eagerly): the distance switch is a lax.cond, which would otherwise
+# compile both of its branches again at every call.
+@functools.partial(jax.jit, static_argnames=("cfg",))
 def kernel_mv(q, k, v, lengthscale, cfg: PallasConfig) -> jax.Array:
     """``rbf_kernel_mv`` for float32 ``q: [B, N, D]``, ``k: [B, M, D]``, ``v: [B, M, O]``."""
     return _switch(
@@ -370,6 +373,7 @@ def kernel_mv(q, k, v, lengthscale, cfg: PallasConfig) -> jax.Array:
     )  # fmt: skip
 
 
+@functools.partial(jax.jit, static_argnames=("cfg",))
 def kde_log_sum(query, data, weights, bandwidth, cfg: PallasConfig) -> jax.Array:
     """``log sum_j w_j exp(-0.5 |(x_i - x_j) / h|^2)`` as ``[B, N]`` for float32
     ``query: [B, N, D]``, ``data: [B, M, D]``, ``weights: [B, M]`` and scalar ``bandwidth``."""

@@ -19,6 +19,7 @@ always in ``[0, 1]``.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -101,6 +102,9 @@ def _by_distance_path(q, k, lengthscale, precision, *, fast, exact):
     return lax.cond(ok, lambda: fast(qs, ks), lambda: exact(q, k))
 
 
+# Jitted (also when called eagerly): the distance switch is a lax.cond, which would otherwise
+# compile both of its branches again at every call.
+@functools.partial(jax.jit, static_argnames=("precision",))
 def kernel_mv_dense(q, k, v, lengthscale, *, precision=None):
     """``exp(-0.5 ||(q_i - k_j)/l||^2) @ v`` through the materialised ``[..., N, M]`` matrix."""
     dtype = numerics.compute_dtype(q, k, v)
@@ -119,6 +123,7 @@ def kernel_mv_dense(q, k, v, lengthscale, *, precision=None):
     return out.astype(jnp.result_type(q, k, v))
 
 
+@functools.partial(jax.jit, static_argnames=("precision", "chunk"))
 def kernel_mv_xla(q, k, v, lengthscale, *, precision=None, chunk=None):
     """``rbf_kernel_mv`` in chunks of queries: memory ``O((N + M) * chunk)`` forward and backward.
 
@@ -183,6 +188,7 @@ def _kde_finish(log_sum, dim, bandwidth, *, log: bool):
     return log_p if log else jnp.exp(log_p)
 
 
+@functools.partial(jax.jit, static_argnames=("log", "precision"))
 def kde_density_dense(query, data, bandwidth, weights, *, log=False, precision=None):
     """Gaussian KDE through the materialised ``[..., N, M]`` matrix.
 
@@ -200,6 +206,7 @@ def kde_density_dense(query, data, bandwidth, weights, *, log=False, precision=N
     return out.astype(jnp.result_type(query, data))
 
 
+@functools.partial(jax.jit, static_argnames=("log", "precision", "chunk"))
 def kde_density_xla(query, data, bandwidth, weights, *, log=False, precision=None, chunk=None):
     """Gaussian KDE in chunks of queries (memory ``O((N + M) * chunk)``), like ``kernel_mv_xla``.
 
