@@ -38,7 +38,7 @@ PRECISIONS = ("highest", "high", "default")
 
 @dataclasses.dataclass(frozen=True)
 class DotModes:
-    """How a path's kernels multiply (mode names as in ``pallas_triton.DOT_MODES``).
+    """How a path's kernels multiply (mode names as in ``pallas_dots.DOT_MODES``).
 
     ``distance``: ``"difference"`` (exact, FMA units) or the dot mode of the augmented-point
     expansion (``"tf32x3"``; the forward kernels may read it as TF32 parts). ``values``: products
@@ -129,9 +129,9 @@ class PallasConfig:
     exact: PathConfig
 
 
-#: Preferred GPU launches on large problems. Fast path: the best of the H200 tile sweeps.
-#: Exact path: the tiles of the difference-distance kernels measured in the H200 variant sweep
-#: (see docs/methodology.md), to be re-tuned with the shared-memory model in place.
+#: Preferred GPU launches on large problems. Fast path: the best of the H200 tile sweeps
+#: (docs/methodology.md). Exact path, not yet tuned: the forward tiles of the fast path, and
+#: square 64-row backward tiles (the pair sums keep D differences per pair live).
 GPU_PREFERRED = {
     ("fast", "fwd"): Launch(128, 32, 64, num_warps=4, num_stages=2),
     ("fast", "bwd"): Launch(64, 128, 64, num_warps=4, num_stages=3),

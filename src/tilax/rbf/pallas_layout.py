@@ -8,7 +8,7 @@ Expansion (fast) path: *augmented* points whose dot product is the base-2 expone
 
 for centred, scaled points ``qs = (q - c) / l``, ``ks = (k - c) / l``, zero-padded to
 ``pallas_config.expansion_width`` columns (Triton dots need every dimension >= 16), or laid out
-as TF32 parts (``pallas_triton.tf32x3_parts``) for the forward kernels. The same rows carry the
+as TF32 parts (``pallas_dots.tf32x3_parts``) for the forward kernels. The same rows carry the
 gradient sums: ``A @ y`` gives ``sum_j A_ij ks_j`` (times log2 e) and the row sum of ``A``.
 
 Exact (difference) path: coordinates multiplied by a power of two per dimension (exact) and
@@ -23,7 +23,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from tilax.rbf import numerics, pallas_config, pallas_triton
+from tilax.rbf import numerics, pallas_config, pallas_dots
 
 LOG2E = numerics.LOG2E
 
@@ -41,7 +41,7 @@ def pad_rows(x: jax.Array, rows: int, value: float = 0.0) -> jax.Array:
 def _expansion_layout(x: jax.Array, *, parts: bool, first: bool) -> jax.Array:
     """Augmented ``[B, R, D + 2]`` points as a kernel operand: TF32 parts, or zero-padded."""
     if parts:
-        return pallas_triton.tf32x3_parts(x, first=first)
+        return pallas_dots.tf32x3_parts(x, first=first)
     width = pallas_config.expansion_width(x.shape[-1] - 2)
     return pad_rows_cols(x, x.shape[1], width)
 

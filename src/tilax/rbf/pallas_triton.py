@@ -19,19 +19,8 @@ the KDE log-sum-exp's row maximum); their exponents are then clamped at ``EXPONE
 Rows of ``y`` at or beyond ``valid_l`` are padding: they are masked by their index in the last
 tile, and tiles past it are never visited.
 
-Dots take a *mode* naming how float32 operands are multiplied (accumulation is float32):
-
-* ``"ieee"``: full float32 products on the FMA units (slow: no tensor cores);
-* ``"tf32x3"``: each operand split into TF32 ``hi + lo``; ``hi*hi + hi*lo + lo*hi`` on tensor
-  cores, relative error ~2**-21 per product (float32-accurate);
-* ``"tf32_parts"``: the same product from operands that ``tf32x3_parts`` laid out in memory as
-  ``[hi | lo | hi]`` and ``[hi | hi | lo]``: one TF32 dot over the concatenation, no adds;
-* ``"bf16x3"``: bfloat16 ``hi + lo`` parts, relative error ~2**-16 per product; a bfloat16 tile
-  feeds the next tensor-core dot straight from registers;
-* ``"bf16"``: operands rounded to bfloat16 (8-bit mantissa), relative error ~2**-9 per product.
-
-The splits are written out here (not left to Triton's ``tf32x3``, which adds a NaN select per
-output element), so the interpret mode on CPU computes the same rounded parts as the GPU.
+Products with values, cotangents and coordinates are dots of a chosen *mode*
+(``tilax.rbf.pallas_dots``).
 """
 
 from __future__ import annotations
@@ -45,8 +34,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from tilax._pallas import Backend, pallas_call
+from tilax.rbf.pallas_dots import dot, split
 
-DOT_MODES = ("ieee", "tf32x3", "tf32_parts", "bf16x3", "bf16")
 #: Largest base-2 exponent relative to a log-sum-exp's row maximum (taken over weighted points):
 #: a zero-weight point closer than every weighted one has ``K / S`` above 1; the clamp keeps its
 #: terms finite.
@@ -81,73 +70,6 @@ class Difference:
 
 
 Distance = Expansion | Difference
-
-
-def _round_to_tf32(x: jax.Array) -> jax.Array:
-    """Round float32 values to TF32 (10 mantissa bits), ties away from zero."""
-    bits = lax.bitcast_convert_type(x, jnp.uint32)
-    bits = (bits + jnp.uint32(0x1000)) & jnp.uint32(0xFFFFE000)
-    return lax.bitcast_convert_type(bits, jnp.float32)
-
-
-def _round_to_bf16(x: jax.Array) -> jax.Array:
-    """Round float32 values to bfloat16 (7 mantissa bits), ties away from zero, kept as float32.
-
-    Integer add-and-mask is cheaper on GPUs than converting to bfloat16 and widening back.
-    """
-    bits = lax.bitcast_convert_type(x, jnp.uint32)
-    bits = (bits + jnp.uint32(0x8000)) & jnp.uint32(0xFFFF0000)
-    return lax.bitcast_convert_type(bits, jnp.float32)
-
-
-def _split(a: jax.Array, mode: str) -> tuple[jax.Array, ...]:
-    """The parts a ``mode`` dot multiplies: ``(a,)``, ``(bf16(a),)`` or ``(hi, lo)``."""
-    if mode in ("ieee", "tf32_parts"):
-        return (a,)
-    if mode == "bf16":
-        return (a.astype(jnp.bfloat16),)
-    if mode == "bf16x3":
-        hi = _round_to_bf16(a)  # exact in bfloat16, so the cast below is exact
-        return hi.astype(jnp.bfloat16), (a - hi).astype(jnp.bfloat16)
-    if mode == "tf32x3":
-        hi = _round_to_tf32(a)
-        return hi, _round_to_tf32(a - hi)
-    raise ValueError(f"unknown dot mode {mode!r}; expected one of {DOT_MODES}")
-
-
-def tf32x3_parts(x: jax.Array, *, first: bool) -> jax.Array:
-    """``x: [..., K]`` float32 as TF32 parts, ``[hi | lo | hi]`` (``first``) or ``[hi | hi | lo]``.
-
-    Zero-padded to ``max(16, next_power_of_2(3 K))`` columns. The dot of a ``first`` and a
-    second operand is ``hi.hi + lo.hi + hi.lo``, the ``"tf32x3"`` product, in one TF32 dot.
-    """
-    hi = _round_to_tf32(x)
-    lo = _round_to_tf32(x - hi)
-    parts = jnp.concatenate([hi, lo, hi] if first else [hi, hi, lo], axis=-1)
-    width = max(16, 1 << (parts.shape[-1] - 1).bit_length())
-    return jnp.pad(parts, [(0, 0)] * (x.ndim - 1) + [(0, width - parts.shape[-1])])
-
-
-def _dot(a_parts, b_parts, mode: str, backend: Backend, *, b_transposed: bool = False):
-    """``a @ b`` (or ``a @ b.T``) from ``_split`` parts, float32 accumulation."""
-    dims = (((1,), (1,) if b_transposed else (0,)), ((), ()))
-    if mode == "ieee":
-        precision = lax.Precision.HIGHEST
-    elif mode in ("tf32x3", "tf32_parts") and backend != "interpret":
-        precision = lax.DotAlgorithmPreset.TF32_TF32_F32
-    elif mode in ("tf32x3", "tf32_parts"):
-        precision = lax.Precision.HIGHEST  # the parts are exact TF32 values already
-    else:
-        precision = None  # bfloat16 operands
-
-    def dot(a, b):
-        return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
-
-    if len(a_parts) == 1:
-        return dot(a_parts[0], b_parts[0])
-    (a_hi, a_lo), (b_hi, b_lo) = a_parts, b_parts
-    # Small terms first. (Triton does not fold these adds into the dot accumulators.)
-    return dot(a_lo, b_hi) + dot(a_hi, b_lo) + dot(a_hi, b_hi)
 
 
 def _tile(index, size: int) -> pl.Slice:
@@ -213,7 +135,7 @@ class _Pairs:
         rows (differences; for many dimensions, the ref itself: rows are re-read per tile
         rather than held in registers)."""
         if isinstance(self.distance, Expansion):
-            return _split(x_ref[...], self.distance.mode)
+            return split(x_ref[...], self.distance.mode)
         if self.distance.dim > HOISTED_DIMS:
             return x_ref
         return [x_ref[d, :] for d in range(self.distance.dim)]
@@ -226,26 +148,31 @@ class _Pairs:
             return [scale_ref[d] for d in range(self.distance.dim)]
         return scale_ref[0] * scale_ref[0]
 
+    def difference(self, points, scales, y_ref, rows, d: int, *, flipped: bool = False):
+        """``e_d = x_d - y_d`` (``y_d - x_d`` if ``flipped``) of the program's rows against loop
+        rows ``rows``, times the residual scale where it is per dimension."""
+        x, y = points[d][:, None], y_ref[d, rows][None, :]
+        e = y - x if flipped else x - y
+        return e * scales[d] if self.distance.per_dimension else e
+
     def exponent(self, points, scales, y_ref, rows):
-        """``(t, diffs)`` for loop rows ``rows``: ``t <= 0`` and, for :class:`Difference`, the
-        (scaled) coordinate differences, which the gradient sums reuse."""
+        """``(t, diffs)`` for loop rows ``rows``: ``t <= 0`` and, for :class:`Difference` of up
+        to ``HOISTED_DIMS`` dimensions, the differences ``e_d``, which the gradient sums reuse
+        (beyond, holding them all would spill; the gradient kernel recomputes them)."""
         distance = self.distance
         if isinstance(distance, Expansion):
-            y = _split(y_ref[rows, :], distance.mode)
-            t = jnp.minimum(_dot(points, y, distance.mode, self.backend, b_transposed=True), 0.0)
-            diffs = None
-        else:
-            diffs, t = [], None
-            for d in range(distance.dim):
-                e = points[d][:, None] - y_ref[d, rows][None, :]
-                if distance.per_dimension:
-                    e = e * scales[d]
-                diffs.append(e)
-                square = jnp.maximum(e * e, 0.0) if distance.rounded else e * e
-                t = -square if t is None else t - square
-            if not distance.per_dimension:
-                t = t * scales
-        return t, diffs
+            y = split(y_ref[rows, :], distance.mode)
+            t = jnp.minimum(dot(points, y, distance.mode, self.backend, b_transposed=True), 0.0)
+            return t, None
+        diffs, t = [], None
+        for d in range(distance.dim):
+            e = self.difference(points, scales, y_ref, rows, d)
+            diffs.append(e)
+            square = jnp.maximum(e * e, 0.0) if distance.rounded else e * e
+            t = -square if t is None else t - square
+        if not distance.per_dimension:
+            t = t * scales
+        return t, diffs if distance.dim <= HOISTED_DIMS else None
 
 
 def _loop_tiles(body, carry, valid_l: int, block_l: int):
@@ -279,7 +206,7 @@ def _kernel_matmul_kernel(x_ref, y_ref, *refs, pairs, names, valid_l, block_l, v
         p = jnp.exp2(t)
         if masked:
             p = jnp.where(_valid_columns(j, block_l, valid_l), p, 0.0)
-        return acc + _dot(_split(p, values), _split(v_ref[rows, :], values), values, pairs.backend)
+        return acc + dot(split(p, values), split(v_ref[rows, :], values), values, pairs.backend)
 
     acc = jnp.zeros(out_ref.shape, jnp.float32)
     out_ref[...] = _loop_tiles(body, acc, valid_l, block_l).astype(out_ref.dtype)
@@ -360,7 +287,7 @@ def _kernel_matmul_grad_kernel(
         chunks = [pl.ds(o * block_o, block_o) for o in range(u_ref.shape[1] // block_o)]
         # Narrow value tiles stay in registers for the whole loop; wide ones are re-read per tile.
         if len(chunks) * block_o <= 64:
-            hoisted_u = [_split(u_ref[:, c], values) for c in chunks]
+            hoisted_u = [split(u_ref[:, c], values) for c in chunks]
 
     def body(j, carry, masked):
         r_acc, pw_acc = carry
@@ -378,33 +305,40 @@ def _kernel_matmul_grad_kernel(
             p = jnp.where(_valid_columns(j, block_l, valid_l), p, 0.0)
         a, new_pw = p, []
         if with_uw:
-            p_parts = _split(p, values) if with_pw else None
+            p_parts = split(p, values) if with_pw else None
             uw = None  # not zeros: 0.0 + x costs an add per pair (it is not x for x = -0.0)
             for o, c in enumerate(chunks):
-                w = _split(w_ref[rows, c], values)
-                u = hoisted_u[o] if hoisted_u is not None else _split(u_ref[:, c], values)
-                uw_o = _dot(u, w, values, backend, b_transposed=True)
+                w = split(w_ref[rows, c], values)
+                u = hoisted_u[o] if hoisted_u is not None else split(u_ref[:, c], values)
+                uw_o = dot(u, w, values, backend, b_transposed=True)
                 uw = uw_o if uw is None else uw + uw_o
                 if with_pw:
-                    new_pw.append(pw_acc[o] + _dot(p_parts, w, values, backend))
+                    new_pw.append(pw_acc[o] + dot(p_parts, w, values, backend))
             a = a * uw
         if x_coef is not None:
             a = a * x_coef[:, None]
         if y_coef_ref is not None:
             a = a * y_coef_ref[rows][None, :]
         if difference:
-            weighted = [a * e for e in diffs]
-            sums = [jnp.sum(ae, axis=1) for ae in weighted]
+            sums, squares = [], []
+            for d in range(pairs.distance.dim):
+                # Recomputed differences are flipped (y - x), so that compilers do not merge
+                # them with the exponent's and hold them all; their sums are negated below.
+                e = diffs[d] if diffs else pairs.difference(points, scales, y_ref, rows, d,
+                                                            flipped=True)  # fmt: skip
+                ae = a * e
+                sums.append(jnp.sum(ae, axis=1) if diffs else -jnp.sum(ae, axis=1))
+                if with_squares and pairs.distance.per_dimension:
+                    squares.append(jnp.sum(ae * e, axis=1))
             if with_rowsum:
                 sums.append(jnp.sum(a, axis=1))
-            if with_squares and pairs.distance.per_dimension:
-                sums += [jnp.sum(ae * e, axis=1) for ae, e in zip(weighted, diffs, strict=True)]
-            elif with_squares:  # t = -inf beyond float32 would give 0 * inf
-                sums.append(jnp.sum(a * jnp.maximum(distance_exponent, -FLOAT32_MAX), axis=1))
-            r_acc = tuple(acc + s for acc, s in zip(r_acc, sums, strict=True))
+            if with_squares and not pairs.distance.per_dimension:
+                # (t = -inf beyond float32 would give 0 * inf)
+                squares.append(jnp.sum(a * jnp.maximum(distance_exponent, -FLOAT32_MAX), axis=1))
+            r_acc = tuple(acc + s for acc, s in zip(r_acc, sums + squares, strict=True))
         else:
             y = y_ref[rows, :]
-            r_acc = r_acc + _dot(_split(a, coords), _split(y, coords), coords, backend)
+            r_acc = r_acc + dot(split(a, coords), split(y, coords), coords, backend)
         return r_acc, tuple(new_pw)
 
     num_p = x_ref.shape[-1] if difference else x_ref.shape[0]
