@@ -55,11 +55,16 @@ def float64_kernel_matrix(x, lengthscale):
     return np.exp(-0.5 * np.sum(diff * diff, axis=-1))
 
 
+# One set of shapes for every test, so that each (impl, precision) compiles once per function:
+# N queries, M keys, D dimensions, OUT value columns.
+N, M, D, OUT = 23, 19, 3, 4
+
+
 def clustered_points(lengthscale, rng):
-    """Points spread over 3 units, with exact duplicates and neighbours 0.5 to 2 lengthscales
-    away (rounded to float32, as the oracle sees them)."""
-    base = rng.uniform(0.0, 3.0, size=(12, 2))
-    direction = np.array([0.6, 0.8])
+    """``N`` points spread over 3 units: 15, then exact duplicates of 4 of them, then 4
+    neighbours 0.5 to 2 lengthscales away (rounded to float32, as the oracle sees them)."""
+    base = rng.uniform(0.0, 3.0, size=(15, D))
+    direction = np.array([0.48, 0.6, 0.64])
     near = base[:4] + np.array([0.5, 1.0, 1.5, 2.0])[:, None] * lengthscale * direction
     return np.concatenate([base, base[4:8], near]).astype(np.float32)
 
@@ -82,20 +87,20 @@ def test_coincident_points_at_small_lengthscales(impl, precision):
 @pytest.mark.parametrize("impl, precision", CASES)
 def test_extreme_lengthscales(impl, precision):
     rng = np.random.default_rng(1)
-    x = rng.uniform(0.0, 3.0, size=(10, 3)).astype(np.float32)
+    x = rng.uniform(0.0, 3.0, size=(N, D)).astype(np.float32)
     x[5] = x[2]  # a coincident pair: exactly 1 at any lengthscale
     run = kernel_matrix(impl, precision)
     tiny = np.asarray(run(x, np.float32(1e-20)))
-    expected = np.eye(10)
+    expected = np.eye(N)
     expected[2, 5] = expected[5, 2] = 1.0
     np.testing.assert_array_equal(tiny, expected)
-    np.testing.assert_array_equal(np.asarray(run(x, np.float32(1e20))), np.ones((10, 10)))
+    np.testing.assert_array_equal(np.asarray(run(x, np.float32(1e20))), np.ones((N, N)))
     # Gradients: finite (no 0 * inf); at 1e-20 only dv = K.T g is nonzero.
-    k = rng.uniform(0.0, 3.0, size=(7, 3)).astype(np.float32)
+    k = rng.uniform(0.0, 3.0, size=(M, D)).astype(np.float32)
     k[0] = x[2]
-    v = rng.normal(size=(7, 2)).astype(np.float32)
-    g = rng.normal(size=(10, 2)).astype(np.float32)
-    for lengthscale in (np.float32(1e-20), np.full(3, 1e-20, np.float32), np.float32(1e20)):
+    v = rng.normal(size=(M, OUT)).astype(np.float32)
+    g = rng.normal(size=(N, OUT)).astype(np.float32)
+    for lengthscale in (np.float32(1e-20), np.full(D, 1e-20, np.float32), np.float32(1e20)):
         out, grads = value_and_grads(impl, precision)(x, k, v, lengthscale, g)
         assert np.all(np.isfinite(np.asarray(out)))
         for grad in grads:
@@ -112,11 +117,11 @@ def test_extreme_lengthscales(impl, precision):
 def test_offset_data(impl, precision):
     # Points near 1e4 with a spread of ~1: differences, not |q|^2 + |k|^2 - 2 q.k.
     rng = np.random.default_rng(2)
-    q = (rng.normal(size=(23, 3)) + 1e4).astype(np.float32)
-    k = (rng.normal(size=(19, 3)) + 1e4).astype(np.float32)
+    q = (rng.normal(size=(N, D)) + 1e4).astype(np.float32)
+    k = (rng.normal(size=(M, D)) + 1e4).astype(np.float32)
     k[:3] = q[:3]
-    v = rng.normal(size=(19, 4)).astype(np.float32)
-    g = rng.normal(size=(23, 4)).astype(np.float32)
+    v = rng.normal(size=(M, OUT)).astype(np.float32)
+    g = rng.normal(size=(N, OUT)).astype(np.float32)
     tolerance = {"highest": 2e-6, "high": 1e-4, None: 3e-2}[precision]
     if impl != "pallas" and precision != "highest":
         tolerance = 3e-3  # XLA's default precision: float32 on a CPU, TF32 on recent GPUs
@@ -136,9 +141,9 @@ def test_gradients_at_a_small_lengthscale(impl):
     rng = np.random.default_rng(3)
     lengthscale = 1e-3
     q = clustered_points(lengthscale, rng)
-    k = q[::2].copy()
-    v = rng.normal(size=(k.shape[0], 3)).astype(np.float32)
-    g = rng.normal(size=(q.shape[0], 3)).astype(np.float32)
+    k = q[4:].copy()  # the duplicates and the near neighbours are among the keys
+    v = rng.normal(size=(M, OUT)).astype(np.float32)
+    g = rng.normal(size=(N, OUT)).astype(np.float32)
     out, grads = value_and_grads(impl, "highest")(q, k, v, np.float32(lengthscale), g)
     ref, ref_grads = kernel_mv_value_and_grads(q, k, v, np.float32(lengthscale), g)
     assert rel_err(out, ref) < 2e-6
