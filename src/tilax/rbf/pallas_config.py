@@ -31,7 +31,7 @@ import functools
 import jax
 
 from tilax import _pallas
-from tilax.rbf.pallas_triton import Difference, Distance, Expansion
+from tilax.rbf.pallas_triton import Difference, Distance, Expansion, difference_dims
 
 PRECISIONS = ("highest", "high", "default")
 
@@ -298,7 +298,7 @@ def forward_distance(
     where the one parts dot is no wider than the three split dots (small ``D``).
     ``per_dimension``, ``rounded``: as in ``pallas_triton.Difference`` (exact path)."""
     if modes.distance == "difference":
-        return Difference(dim, per_dimension, rounded)
+        return Difference(difference_dims(dim), per_dimension, rounded)
     if modes.distance == "tf32x3" and parts_width(dim) <= 3 * expansion_width(dim):
         return Expansion("tf32_parts")
     return Expansion(modes.distance)
@@ -309,7 +309,7 @@ def backward_distance(
 ) -> Distance:
     """The backward kernels' distance (the expansion split in registers: less memory)."""
     if modes.distance == "difference":
-        return Difference(dim, per_dimension, rounded)
+        return Difference(difference_dims(dim), per_dimension, rounded)
     return Expansion(modes.distance)
 
 
@@ -335,11 +335,18 @@ def path_calls(modes: DotModes, dim: int, cols: int) -> dict[str, list[KernelCal
         ],
         "dq": [KernelCall("grad", cols=cols, **grad), KernelCall("grad", **kde_coords)],
         "dk": [
-            KernelCall("grad", cols=cols, with_pw=cols <= 64, **grad),
+            KernelCall("grad", cols=cols, with_pw=fuses_dv(modes, dim, cols), **grad),
             KernelCall("matmul", bwd, bwd_width, values=modes.values),
             KernelCall("grad", **kde_coords),
         ],
     }
+
+
+def fuses_dv(modes: DotModes, dim: int, cols: int) -> bool:
+    """Whether the key-gradient kernel also sums dv = K.T @ g: while its accumulator fits in
+    registers (at most 64 padded value columns) and the kernel is one program per key tile
+    (the exact path splits more than ``DIM_CHUNK`` dimensions over programs)."""
+    return cols <= 64 and (modes.distance != "difference" or difference_dims(dim) <= 16)
 
 
 def _fit_all(calls: list[KernelCall], launch: Launch, limit: int) -> Launch:

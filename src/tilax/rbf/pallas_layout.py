@@ -23,7 +23,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from tilax.rbf import numerics, pallas_config, pallas_dots
+from tilax.rbf import numerics, pallas_config, pallas_dots, pallas_triton
 
 LOG2E = numerics.LOG2E
 
@@ -67,14 +67,21 @@ def expansion_points(distance, qs: jax.Array, ks: jax.Array, rows_q: int, rows_k
 
 
 def exact_points(x: jax.Array, power_of_two: jax.Array, rows: int) -> jax.Array:
-    """``x: [B, R, D]`` times ``power_of_two`` (scalar or ``[D]``), as ``[B, D, rows]``."""
+    """``x: [B, R, D]`` times ``power_of_two`` (scalar or ``[D]``), as ``[B, Dk, rows]`` with
+    ``Dk = pallas_triton.difference_dims(D)`` (zero coordinates add nothing)."""
     scaled = numerics.prescale(x.astype(jnp.float32), power_of_two)
-    return jnp.swapaxes(pad_rows_cols(scaled, rows, x.shape[2]), 1, 2)
+    dims = pallas_triton.difference_dims(x.shape[2])
+    return jnp.swapaxes(pad_rows_cols(scaled, rows, dims), 1, 2)
 
 
-def exact_scale(residual: jax.Array) -> jax.Array:
-    """The residual scale as the kernels' ``scale`` operand: ``[D]``, or ``[1]`` if shared."""
-    return jnp.reshape(residual.astype(jnp.float32), (-1,))
+def exact_scale(residual: jax.Array, dim: int | None = None) -> jax.Array:
+    """The residual scale as the kernels' ``scale`` operand: one shared, or per dimension
+    (``dim`` of them, padded to ``pallas_triton.difference_dims(dim)`` with ones)."""
+    residual = residual.astype(jnp.float32)
+    if dim is None:
+        return jnp.reshape(residual, (1,))
+    residual = jnp.broadcast_to(residual, (dim,))
+    return jnp.pad(residual, (0, pallas_triton.difference_dims(dim) - dim), constant_values=1.0)
 
 
 def value_operand(a: jax.Array, rows: int, cols: int, values_mode: str) -> jax.Array:

@@ -41,9 +41,16 @@ from tilax.rbf.pallas_dots import dot, split
 #: terms finite.
 EXPONENT_LIMIT = 64.0
 FLOAT32_MAX = float(jnp.finfo(jnp.float32).max)
-#: Difference kernels hold the program's coordinates in registers up to this many dimensions,
-#: and re-read them per tile beyond (D registers-worth of rows per thread would spill).
-HOISTED_DIMS = 16
+#: Difference kernels hold the program's coordinates (and each tile's differences) in registers
+#: up to this many dimensions; beyond, they loop over dimensions and re-read coordinates per
+#: tile, and the gradient kernels split their per-dimension sums into chunks of this many.
+HOISTED_DIMS = DIM_CHUNK = 16
+
+
+def difference_dims(dim: int) -> int:
+    """Dimensions the :class:`Difference` kernels take for ``dim``-dimensional points: ``dim``,
+    or beyond ``DIM_CHUNK`` the next multiple of it (the layout adds zero coordinates)."""
+    return dim if dim <= DIM_CHUNK else -(-dim // DIM_CHUNK) * DIM_CHUNK
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,38 +148,50 @@ class _Pairs:
         return [x_ref[d, :] for d in range(self.distance.dim)]
 
     def scales(self, scale_ref):
-        """Per-dimension residual scales, or the squared shared one (applied to the sum)."""
+        """Per-dimension residual scales (the ref itself beyond ``HOISTED_DIMS``), or the
+        squared shared one (applied to the sum)."""
         if isinstance(self.distance, Expansion):
             return None
+        if self.distance.per_dimension and self.distance.dim > HOISTED_DIMS:
+            return scale_ref
         if self.distance.per_dimension:
             return [scale_ref[d] for d in range(self.distance.dim)]
         return scale_ref[0] * scale_ref[0]
 
-    def difference(self, points, scales, y_ref, rows, d: int, *, flipped: bool = False):
-        """``e_d = x_d - y_d`` (``y_d - x_d`` if ``flipped``) of the program's rows against loop
-        rows ``rows``, times the residual scale where it is per dimension."""
-        x, y = points[d][:, None], y_ref[d, rows][None, :]
-        e = y - x if flipped else x - y
+    def difference(self, points, scales, y_ref, rows, d):
+        """``e_d = x_d - y_d`` of the program's rows against loop rows ``rows`` (``d`` may be
+        traced), times the residual scale where it is per dimension."""
+        e = points[d][:, None] - y_ref[d, rows][None, :]
         return e * scales[d] if self.distance.per_dimension else e
 
     def exponent(self, points, scales, y_ref, rows):
         """``(t, diffs)`` for loop rows ``rows``: ``t <= 0`` and, for :class:`Difference` of up
         to ``HOISTED_DIMS`` dimensions, the differences ``e_d``, which the gradient sums reuse
-        (beyond, holding them all would spill; the gradient kernel recomputes them)."""
+        (beyond, the gradient kernel recomputes the ones of its chunk)."""
         distance = self.distance
         if isinstance(distance, Expansion):
             y = split(y_ref[rows, :], distance.mode)
             t = jnp.minimum(dot(points, y, distance.mode, self.backend, b_transposed=True), 0.0)
             return t, None
-        diffs, t = [], None
-        for d in range(distance.dim):
-            e = self.difference(points, scales, y_ref, rows, d)
-            diffs.append(e)
-            square = jnp.maximum(e * e, 0.0) if distance.rounded else e * e
-            t = -square if t is None else t - square
+
+        def square(e):
+            return jnp.maximum(e * e, 0.0) if distance.rounded else e * e
+
+        diffs = None
+        if distance.dim > HOISTED_DIMS:  # a loop over dimensions: compact code, few registers
+            def subtract_square(d, t):
+                return t - square(self.difference(points, scales, y_ref, rows, d))
+
+            shape = (points.shape[-1], rows.size)
+            t = lax.fori_loop(0, distance.dim, subtract_square, jnp.zeros(shape, jnp.float32))
+        else:
+            diffs, t = [], None
+            for d in range(distance.dim):
+                diffs.append(self.difference(points, scales, y_ref, rows, d))
+                t = -square(diffs[-1]) if t is None else t - square(diffs[-1])
         if not distance.per_dimension:
             t = t * scales
-        return t, diffs if distance.dim <= HOISTED_DIMS else None
+        return t, diffs
 
 
 def _loop_tiles(body, carry, valid_l: int, block_l: int):
@@ -261,27 +280,35 @@ def kernel_matmul(
 
 # --------------------------------------------------------------------------------------------
 # Gradient sums: with A[i, l] = exp2(t[i, l]) * coefficient[i, l],
-#   Expansion:  r[i] = sum_l A[i, l] y_l                 (augmented columns, a dot)
-#   Difference: r[d, i] = sum_l A[i, l] e_d[i, l]       (e_d the scaled difference x_d - y_d)
-#               then r[dim, i] = sum_l A[i, l]          (with_rowsum)
-#               then sum_l A[i, l] e_d[i, l]^2 per d, or sum_l A[i, l] t[i, l] for a shared
-#               scale (with_squares: the lengthscale's gradient, pair by pair)
-# and optionally pw[i] = sum_l exp2(t[i, l]) w_l.
+#   Expansion:  sums[i] = sum_l A[i, l] y_l              (augmented columns, a dot)
+#   Difference: sums[d, i] = sum_l A[i, l] e_d[i, l]    (e_d the scaled difference x_d - y_d)
+#               squares[d, i] = sum_l A[i, l] e_d[i, l]^2   (with_squares, per dimension)
+#               rows: sum_l A[i, l] (with_rowsum), then sum_l A[i, l] t[i, l] (with_squares,
+#               shared scale): the lengthscale's gradient, pair by pair
+# and optionally pw[i] = sum_l exp2(t[i, l]) w_l. Difference kernels of more than DIM_CHUNK
+# dimensions split the per-dimension sums over a grid axis of DIM_CHUNK-dimension chunks (each
+# program recomputes the exponents): a program holds 2 DIM_CHUNK + 2 row accumulators at most.
 
 
 def _kernel_matmul_grad_kernel(
-    x_ref, y_ref, *refs, pairs, names, with_uw, with_pw, with_rowsum, with_squares, valid_l,
+    x_ref, y_ref, *refs, pairs, names, outputs, with_uw, with_rowsum, with_squares, valid_l,
     block_l, block_o, values, coords,
 ):  # fmt: skip
     optional, refs = _split_refs(refs, names)
-    u_ref, w_ref, r_ref, *pw_refs = refs if with_uw else (None, None, *refs)
+    u_ref, w_ref = refs[:2] if with_uw else (None, None)
+    out = dict(zip(outputs, refs[2:] if with_uw else refs, strict=True))
     backend = pairs.backend
+    distance = pairs.distance
+    difference = isinstance(distance, Difference)
     points = pairs.program_points(x_ref)
     scales = pairs.scales(optional.get("scale"))
-    difference = isinstance(pairs.distance, Difference)
     x_offset = optional["x_offset"][...] if "x_offset" in optional else None
     x_coef = optional["x_coef"][...] if "x_coef" in optional else None
     y_offset_ref, y_coef_ref = optional.get("y_offset"), optional.get("y_coef")
+    per_dim_squares = with_squares and difference and distance.per_dimension
+    if difference:
+        chunk = out["sums"].shape[0]  # dimensions of this program's sums
+        first = pl.program_id(1) * chunk if distance.dim > chunk else 0
     chunks, hoisted_u = [], None
     if with_uw:
         chunks = [pl.ds(o * block_o, block_o) for o in range(u_ref.shape[1] // block_o)]
@@ -290,7 +317,7 @@ def _kernel_matmul_grad_kernel(
             hoisted_u = [split(u_ref[:, c], values) for c in chunks]
 
     def body(j, carry, masked):
-        r_acc, pw_acc = carry
+        sums, squares, row_sums, pw_acc = carry
         rows = _tile(j, block_l)
         t, diffs = pairs.exponent(points, scales, y_ref, rows)
         distance_exponent = t
@@ -305,57 +332,61 @@ def _kernel_matmul_grad_kernel(
             p = jnp.where(_valid_columns(j, block_l, valid_l), p, 0.0)
         a, new_pw = p, []
         if with_uw:
-            p_parts = split(p, values) if with_pw else None
+            p_parts = split(p, values) if "pw" in out else None
             uw = None  # not zeros: 0.0 + x costs an add per pair (it is not x for x = -0.0)
             for o, c in enumerate(chunks):
                 w = split(w_ref[rows, c], values)
                 u = hoisted_u[o] if hoisted_u is not None else split(u_ref[:, c], values)
                 uw_o = dot(u, w, values, backend, b_transposed=True)
                 uw = uw_o if uw is None else uw + uw_o
-                if with_pw:
+                if "pw" in out:
                     new_pw.append(pw_acc[o] + dot(p_parts, w, values, backend))
             a = a * uw
         if x_coef is not None:
             a = a * x_coef[:, None]
         if y_coef_ref is not None:
             a = a * y_coef_ref[rows][None, :]
-        if difference:
-            sums, squares = [], []
-            for d in range(pairs.distance.dim):
-                # Recomputed differences are flipped (y - x), so that compilers do not merge
-                # them with the exponent's and hold them all; their sums are negated below.
-                e = diffs[d] if diffs else pairs.difference(points, scales, y_ref, rows, d,
-                                                            flipped=True)  # fmt: skip
-                ae = a * e
-                sums.append(jnp.sum(ae, axis=1) if diffs else -jnp.sum(ae, axis=1))
-                if with_squares and pairs.distance.per_dimension:
-                    squares.append(jnp.sum(ae * e, axis=1))
-            if with_rowsum:
-                sums.append(jnp.sum(a, axis=1))
-            if with_squares and not pairs.distance.per_dimension:
-                # (t = -inf beyond float32 would give 0 * inf)
-                squares.append(jnp.sum(a * jnp.maximum(distance_exponent, -FLOAT32_MAX), axis=1))
-            r_acc = tuple(acc + s for acc, s in zip(r_acc, sums + squares, strict=True))
-        else:
+        if not difference:
             y = y_ref[rows, :]
-            r_acc = r_acc + dot(split(a, coords), split(y, coords), coords, backend)
-        return r_acc, tuple(new_pw)
+            sums = sums + dot(split(a, coords), split(y, coords), coords, backend)
+            return sums, squares, row_sums, tuple(new_pw)
+        new_sums, new_squares = [], []
+        for i in range(chunk):
+            # Beyond HOISTED_DIMS the exponent did not keep the differences: recomputed.
+            e = diffs[i] if diffs else pairs.difference(points, scales, y_ref, rows, first + i)
+            ae = a * e
+            new_sums.append(sums[i] + jnp.sum(ae, axis=1))
+            if per_dim_squares:
+                new_squares.append(squares[i] + jnp.sum(ae * e, axis=1))
+        stats = []
+        if with_rowsum:
+            stats.append(jnp.sum(a, axis=1))
+        if with_squares and not distance.per_dimension:
+            # (t = -inf beyond float32 would give 0 * inf)
+            stats.append(jnp.sum(a * jnp.maximum(distance_exponent, -FLOAT32_MAX), axis=1))
+        row_sums = tuple(acc + s for acc, s in zip(row_sums, stats, strict=True))
+        return tuple(new_sums), tuple(new_squares), row_sums, tuple(new_pw)
 
     num_p = x_ref.shape[-1] if difference else x_ref.shape[0]
+
+    def zeros(count, shape=(num_p,)):
+        return tuple(jnp.zeros(shape, jnp.float32) for _ in range(count))
+
     if difference:
-        r0 = tuple(jnp.zeros((num_p,), jnp.float32) for _ in range(r_ref.shape[0]))
+        num_stats = int(with_rowsum) + int(with_squares and not distance.per_dimension)
+        init = (zeros(chunk), zeros(chunk if per_dim_squares else 0), zeros(num_stats))
     else:
-        r0 = jnp.zeros(r_ref.shape, jnp.float32)
-    pw0 = tuple(jnp.zeros((num_p, block_o), jnp.float32) for _ in chunks if with_pw)
-    r_acc, pw_acc = _loop_tiles(body, (r0, pw0), valid_l, block_l)
-    if difference:
-        for d, acc in enumerate(r_acc):
-            r_ref[d, :] = acc
-    else:
-        r_ref[...] = r_acc
-    for pw_ref in pw_refs:
-        for c, acc in zip(chunks, pw_acc, strict=True):
-            pw_ref[:, c] = acc
+        init = (jnp.zeros(out["sums"].shape, jnp.float32), (), ())
+    init += (zeros(len(chunks) if "pw" in out else 0, (num_p, block_o)),)
+    sums, squares, row_sums, pw_acc = _loop_tiles(body, init, valid_l, block_l)
+    if not difference:
+        out["sums"][...] = sums
+    for name, accs in (("sums", sums if difference else ()), ("squares", squares),
+                       ("rows", row_sums)):  # fmt: skip
+        for i, acc in enumerate(accs):
+            out[name][i, :] = acc
+    for c, acc in zip(chunks if "pw" in out else (), pw_acc, strict=True):
+        out["pw"][:, c] = acc
 
 
 def kernel_matmul_grad(
@@ -382,19 +413,25 @@ def kernel_matmul_grad(
     coords: str = "ieee",
     num_warps: int | None = 4,
     num_stages: int | None = 2,
-) -> jax.Array | tuple[jax.Array, jax.Array]:
+) -> dict[str, jax.Array]:
     """The pair sums of the backward passes, in one sweep over ``y`` (see the section comment).
 
     The coefficient of pair ``(i, l)`` is the product of those given: ``u_i . w_l``
     (``u: [B, P, O]``, ``w: [B, L, O]``, ``O`` a multiple of ``block_o``), ``x_coef[i]``
     (``[B, P]``) and ``y_coef[l]`` (``[B, L]``). Exponents get ``y_offset[l] + x_offset[i]``
-    (``[B, L]``, ``[B, P]``). Returns ``r``: ``[B, P, W]`` for :class:`Expansion`,
-    ``[B, dim (+1) (+dim or 1), P]`` for :class:`Difference` (``with_rowsum``,
-    ``with_squares``); with ``with_pw`` (needs ``u``, ``w``) also ``pw: [B, P, O]``. Other
-    arguments as in ``kernel_matmul``. Grid: (P tiles, batch).
+    (``[B, L]``, ``[B, P]``). Returns ``{"sums": ...}``: ``[B, P, W]`` for :class:`Expansion`,
+    ``[B, dim, P]`` for :class:`Difference`, which also returns ``"squares"`` (``[B, dim, P]``,
+    ``with_squares`` per dimension) and ``"rows"`` (``[B, S, P]``: the row sums, then the
+    shared scale's squares); with ``with_pw`` (needs ``u``, ``w``; one dimension chunk) also
+    ``"pw": [B, P, O]``. Other arguments as in ``kernel_matmul``.
+    Grid: (P tiles, dimension chunks, batch).
     """
     difference = isinstance(distance, Difference)
     batch, num_p, num_l = x.shape[0], _num_rows(distance, x), _num_rows(distance, y)
+    chunk = min(distance.dim, DIM_CHUNK) if difference else 1
+    num_chunks = distance.dim // chunk if difference else 1
+    if with_pw and num_chunks > 1:
+        raise ValueError("with_pw needs one dimension chunk (every chunk would write pw)")
     program, loop = _point_specs(distance, block_p, x, y)
     names, optional, optional_specs = _row_vectors(
         block_p, num_l, dict(scale=scale, x_offset=x_offset, y_offset=y_offset, x_coef=x_coef,
@@ -405,39 +442,44 @@ def kernel_matmul_grad(
     if with_uw:
         value_arrays = [u, w]
         value_specs = [
-            pl.BlockSpec((pl.squeezed, block_p, u.shape[2]), lambda i, b: (b, i, 0)),
-            pl.BlockSpec((pl.squeezed, num_l, w.shape[2]), lambda i, b: (b, 0, 0)),
+            pl.BlockSpec((pl.squeezed, block_p, u.shape[2]), lambda i, c, b: (b, i, 0)),
+            pl.BlockSpec((pl.squeezed, num_l, w.shape[2]), lambda i, c, b: (b, 0, 0)),
         ]
+    outputs = {}  # name -> (shape, block, index map)
     if difference:
-        squares = (distance.dim if distance.per_dimension else 1) if with_squares else 0
-        width = distance.dim + int(with_rowsum) + squares
-        out_specs = [pl.BlockSpec((pl.squeezed, width, block_p), lambda i, b: (b, 0, i))]
-        out_shape = [jax.ShapeDtypeStruct((batch, width, num_p), jnp.float32)]
+        by_chunk = (chunk, block_p), lambda i, c, b: (b, c, i)
+        outputs["sums"] = ((batch, distance.dim, num_p), *by_chunk)
+        if with_squares and distance.per_dimension:
+            outputs["squares"] = ((batch, distance.dim, num_p), *by_chunk)
+        num_stats = int(with_rowsum) + int(with_squares and not distance.per_dimension)
+        if num_stats:  # (every chunk writes the same row sums)
+            outputs["rows"] = ((batch, num_stats, num_p), (num_stats, block_p),
+                               lambda i, c, b: (b, 0, i))  # fmt: skip
     else:
         width = x.shape[2]
-        out_specs = [pl.BlockSpec((pl.squeezed, block_p, width), lambda i, b: (b, i, 0))]
-        out_shape = [jax.ShapeDtypeStruct((batch, num_p, width), jnp.float32)]
+        outputs["sums"] = ((batch, num_p, width), (block_p, width), lambda i, c, b: (b, i, 0))
     if with_pw:
         num_o = u.shape[2]
-        out_specs.append(pl.BlockSpec((pl.squeezed, block_p, num_o), lambda i, b: (b, i, 0)))
-        out_shape.append(jax.ShapeDtypeStruct((batch, num_p, num_o), jnp.float32))
+        outputs["pw"] = ((batch, num_p, num_o), (block_p, num_o), lambda i, c, b: (b, i, 0))
     kernel = functools.partial(
         _kernel_matmul_grad_kernel, pairs=_Pairs(distance, backend), names=names,
-        with_uw=with_uw, with_pw=with_pw, with_rowsum=with_rowsum, with_squares=with_squares,
-        valid_l=valid_l, block_l=block_l, block_o=block_o, values=values, coords=coords,
+        outputs=tuple(outputs), with_uw=with_uw, with_rowsum=with_rowsum,
+        with_squares=with_squares, valid_l=valid_l, block_l=block_l, block_o=block_o,
+        values=values, coords=coords,
     )  # fmt: skip
-    out = pallas_call(
+    results = pallas_call(
         kernel,
         backend=backend,
         num_warps=num_warps,
         num_stages=num_stages,
-        grid=(num_p // block_p, batch),
+        grid=(num_p // block_p, num_chunks, batch),
         in_specs=[program, loop, *optional_specs, *value_specs],
-        out_specs=out_specs,
-        out_shape=out_shape,
+        out_specs=[pl.BlockSpec((pl.squeezed, *block), index) for _, block, index in
+                   outputs.values()],
+        out_shape=[jax.ShapeDtypeStruct(shape, jnp.float32) for shape, _, _ in outputs.values()],
         name="rbf_kernel_matmul_grad",
     )(x, y, *optional, *value_arrays)
-    return tuple(out) if with_pw else out[0]
+    return dict(zip(outputs, results, strict=True))
 
 
 # --------------------------------------------------------------------------------------------

@@ -16,8 +16,8 @@ while its error bound is within budget, else the exact one (a ``lax.cond`` on th
 Backward of ``out = K @ v`` with cotangent ``g`` and ``A = K * (g @ v.T)``:
 ``dq_i = sum_j A_ij (k_j - q_i) / l^2``, ``dk_j = sum_i A_ij (q_i - k_j) / l^2``,
 ``dv = K.T @ g``: one kernel over query tiles (dq) and one over key tiles (dk and, while the
-padded value columns number at most 64, dv in the same sweep; wider ``O`` computes dv with the
-forward kernel with queries and keys swapped). The fast path forms the pair sums as
+padded value columns number at most 64 and the exact path has at most 16 dimensions, dv in the
+same sweep; otherwise dv is the forward kernel with queries and keys swapped). The fast path forms the pair sums as
 ``sum_j A_ij ks_j - qs_i sum_j A_ij`` (tensor-core dots of the augmented rows), the exact path
 from each pair's coordinate differences. Peak memory stays ``O((N + M) * (D + O))``.
 
@@ -49,6 +49,7 @@ from tilax.rbf.pallas_config import (
     PathConfig,
     backward_distance,
     forward_distance,
+    fuses_dv,
 )
 
 LOG2E, LN2 = numerics.LOG2E, numerics.LN2
@@ -80,16 +81,16 @@ def _sliced_transpose(r: jax.Array, rows: int, dim: int) -> jax.Array:
     return jnp.swapaxes(r[:, :dim, :rows], 1, 2)
 
 
-def _lengthscale_grad(r, rows: int, dim: int, scale):
-    """``d scale`` from the exact dq sweep's pair-by-pair squares (rows ``dim:`` of ``r``): per
-    dimension ``(2 ln 2 / l_d) sum A e_d^2`` (``e_d`` the scaled differences), or for a shared
-    scale ``-(2 ln 2 / l) sum A t`` (``t`` the base-2 exponent). Summed pair by pair, not by
-    the identity ``-sum_i q_i . dq_i / l - ...``, which cancels at large spread-to-lengthscale
+def _lengthscale_grad(sums: dict, rows: int, dim: int, scale):
+    """``d scale`` from the exact dq sweep's pair-by-pair squares: per dimension
+    ``(2 ln 2 / l_d) sum A e_d^2`` (``e_d`` the scaled differences), or for a shared scale
+    ``-(2 ln 2 / l) sum A t`` (``t`` the base-2 exponent). Summed pair by pair, not by the
+    identity ``-sum_i q_i . dq_i / l - ...``, which cancels at large spread-to-lengthscale
     ratios."""
-    squares = jnp.sum(r[:, dim:, :rows], axis=(0, 2))
-    if jnp.ndim(scale) == 1:
+    if "squares" in sums:
+        squares = jnp.sum(sums["squares"][:, :dim, :rows], axis=(0, 2))
         return 2.0 * LN2 * squares / scale
-    return -2.0 * LN2 * squares[0] / scale
+    return -2.0 * LN2 * jnp.sum(sums["rows"][:, -1, :rows]) / scale
 
 
 def _exact_operands(q, k, scale, rows_q: int, rows_k: int, *, per_dimension: bool):
@@ -102,11 +103,9 @@ def _exact_operands(q, k, scale, rows_q: int, rows_k: int, *, per_dimension: boo
     """
     power, residual = numerics.exact_scales(scale)
     factor = -2.0 * LN2 * power * (residual if per_dimension else residual * residual)
-    if per_dimension:
-        residual = jnp.broadcast_to(residual, (q.shape[-1],))
     xq = layout.exact_points(q, power, rows_q)
     xk = layout.exact_points(k, power, rows_k)
-    return xq, xk, layout.exact_scale(residual), factor
+    return xq, xk, layout.exact_scale(residual, q.shape[-1] if per_dimension else None), factor
 
 
 # ------------------------------------------------------------------------------------------
@@ -133,7 +132,7 @@ def _kernel_mv_fast_fwd(qs, ks, v, path: PathConfig):
     return out[:, :n, :out_dim], (qs, ks, v)
 
 
-def _mv_grad_sweeps(path: PathConfig, distance, x, y, g_pad, v_pad, n, m, scale=None):
+def _mv_grad_sweeps(path: PathConfig, distance, x, y, g_pad, v_pad, n, m, dim, scale=None):
     """(query sums, key sums, dv) of ``rbf_kernel_mv``'s backward pass, both paths (the exact
     path's query sums carry the lengthscale's pair-by-pair squares too)."""
     modes = path.modes
@@ -143,15 +142,14 @@ def _mv_grad_sweeps(path: PathConfig, distance, x, y, g_pad, v_pad, n, m, scale=
         dict(x=x, y=y, u=g_pad, w=v_pad, scale=scale), valid_l=m, with_squares=scale is not None,
         block_o=path.dq.block_o, **dots,
     )  # fmt: skip
-    # dv = K.T @ g rides along in the dk sweep while its accumulator fits in registers.
-    fuse_dv = path.cols <= 64
+    fuse_dv = fuses_dv(modes, dim, path.cols)
     c = _run(
         "rbf_kernel_mv", pallas_triton.kernel_matmul_grad, path, path.dk,
         dict(x=y, y=x, u=v_pad, w=g_pad, scale=scale), valid_l=n, with_pw=fuse_dv,
         block_o=path.dk.block_o, **dots,
     )  # fmt: skip
     if fuse_dv:
-        return r, *c
+        return r, c, c["pw"]
     dv = _run(
         "rbf_kernel_mv", pallas_triton.kernel_matmul, path, path.dk,
         dict(x=y, y=x, v=g_pad, scale=scale), distance=distance, valid_l=n,
@@ -168,8 +166,9 @@ def _kernel_mv_fast_bwd(path: PathConfig, residuals, g):
     g_pad = layout.value_operand(g, rows_q, path.cols, path.modes.values)
     v_pad = layout.value_operand(v, rows_k, path.cols, path.modes.values)
     distance = backward_distance(path.modes, dim)
-    r, c, dv = _mv_grad_sweeps(path, distance, x, y, g_pad, v_pad, n, m)
+    r, c, dv = _mv_grad_sweeps(path, distance, x, y, g_pad, v_pad, n, m, dim)
     # Augmented columns: r = [log2e sum_j A ks_j, sum_j A, .], c = [sum_i A qs_i, ., sum_i A].
+    r, c = r["sums"], c["sums"]
     dqs = r[:, :n, :dim] / LOG2E - qs * r[:, :n, dim : dim + 1]
     dks = c[:, :m, :dim] - ks * c[:, :m, dim + 1 : dim + 2]
     return dqs, dks, dv[:, :m, :out_dim]
@@ -215,9 +214,9 @@ def _kernel_mv_exact_bwd(path: PathConfig, residuals, g):
     g_pad = layout.value_operand(g, rows_q, path.cols, path.modes.values)
     v_pad = layout.value_operand(v, rows_k, path.cols, path.modes.values)
     distance = backward_distance(path.modes, dim, per_dimension)
-    r, c, dv = _mv_grad_sweeps(path, distance, xq, xk, g_pad, v_pad, n, m, scale)
-    dq = _sliced_transpose(r, n, dim) * factor
-    dk = _sliced_transpose(c, m, dim) * factor
+    r, c, dv = _mv_grad_sweeps(path, distance, xq, xk, g_pad, v_pad, n, m, dim, scale)
+    dq = _sliced_transpose(r["sums"], n, dim) * factor
+    dk = _sliced_transpose(c["sums"], m, dim) * factor
     return dq, dk, dv[:, :m, :out_dim], _lengthscale_grad(r, n, dim, lengthscale)
 
 
@@ -292,6 +291,7 @@ def _kde_fast_bwd(path: PathConfig, residuals, g):
     distance = backward_distance(path.modes, dim)
     r, c = _kde_grad_sweeps(path, distance, x, y, w, row_max, row_sum, g, n, m)
     # r = [log2e sum_j A xd_j, sum_j A, .] (A = g p), c = [sum_i A xq_i, ., sum_i A].
+    r, c = r["sums"], c["sums"]
     dxq = r[:, :n, :dim] / LOG2E - xq * r[:, :n, dim : dim + 1]
     dw = c[:, :m, dim + 1]
     dxd = w[..., None] * (c[:, :m, :dim] - xd * dw[..., None])
@@ -334,11 +334,11 @@ def _kde_exact_bwd(path: PathConfig, residuals, g):
                                             per_dimension=True)  # fmt: skip
     distance = backward_distance(path.modes, dim, per_dimension=True, rounded=True)
     r, c = _kde_grad_sweeps(path, distance, xq, xd, w, row_max, row_sum, g, n, m, scale)
-    dquery = _sliced_transpose(r, n, dim) * factor
-    dw = c[:, dim, :m]
-    ddata = w[..., None] * _sliced_transpose(c, m, dim) * factor
+    dquery = _sliced_transpose(r["sums"], n, dim) * factor
+    dw = c["rows"][:, 0, :m]
+    ddata = w[..., None] * _sliced_transpose(c["sums"], m, dim) * factor
     # One bandwidth scales every dimension: the per-dimension squares add up.
-    dh = jnp.sum(_lengthscale_grad(r, n, dim, jnp.broadcast_to(bandwidth, (dim,))))
+    dh = jnp.sum(_lengthscale_grad(r, n, dim, bandwidth))
     return dquery, ddata, dw, dh
 
 
