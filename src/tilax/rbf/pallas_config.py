@@ -99,10 +99,6 @@ class PathConfig:
     dq: Launch
     dk: Launch
 
-    @property
-    def exact(self) -> bool:
-        return self.modes.distance == "difference"
-
     def query_rows(self, n: int, *, backward: bool) -> int:
         """``n`` padded to every query tile of the pass."""
         if not backward:

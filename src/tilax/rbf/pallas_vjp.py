@@ -17,9 +17,10 @@ Backward of ``out = K @ v`` with cotangent ``g`` and ``A = K * (g @ v.T)``:
 ``dq_i = sum_j A_ij (k_j - q_i) / l^2``, ``dk_j = sum_i A_ij (q_i - k_j) / l^2``,
 ``dv = K.T @ g``: one kernel over query tiles (dq) and one over key tiles (dk and, while the
 padded value columns number at most 64 and the exact path has at most 16 dimensions, dv in the
-same sweep; otherwise dv is the forward kernel with queries and keys swapped). The fast path forms the pair sums as
-``sum_j A_ij ks_j - qs_i sum_j A_ij`` (tensor-core dots of the augmented rows), the exact path
-from each pair's coordinate differences. Peak memory stays ``O((N + M) * (D + O))``.
+same sweep; otherwise dv is the forward kernel with queries and keys swapped). The fast path
+forms the pair sums as ``sum_j A_ij ks_j - qs_i sum_j A_ij`` (tensor-core dots of the augmented
+rows), the exact path from each pair's coordinate differences. Peak memory stays
+``O((N + M) * (D + O))``.
 
 The KDE's ``S_i = sum_j w_j K_ij`` comes from a streaming log-sum-exp as ``(m_i, s_i)`` with
 ``S_i = 2^m_i s_i`` (kept apart: at exponents of 1e10 and beyond, ``log2 s_i`` would vanish in
