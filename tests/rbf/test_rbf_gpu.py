@@ -2,6 +2,7 @@
 
 Run on the GPU host: ``PYTHONPATH=src python -m pytest tests/rbf/test_rbf_gpu.py -m gpu -v``.
 The float64 oracle runs on the GPU with x64 enabled only inside the oracle.
+tests/rbf/test_rbf_numerics.py runs on the GPU too (the extreme-scale cases).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from rbf_oracle import (
 )
 
 import tilax
+from tilax.rbf import pallas_config
 
 pytestmark = [
     pytest.mark.gpu,
@@ -66,6 +68,91 @@ def test_kernel_mv_matches_float64(precision, batch, n, m, dim, out):
     # d(lengthscale) sums terms that cancel: judge its error against the terms' size.
     scale = lengthscale_grad_scale(inputs[0], inputs[1], inputs[3], ref_grads[0], ref_grads[1])
     assert np.all(np.abs(np.asarray(grads[3], np.float64) - ref_grads[3]) <= 5 * tolerance * scale)
+
+
+# Every shape runs: a sample of D in 1..128 and O in 1..512 for each precision, forward and
+# backward, with the tiles of large problems (no occupancy shrink) at a size the float64 oracle
+# handles. The launches' shared memory is what tests/rbf/test_rbf_tiles.py models; here Triton
+# itself must accept them. Fast precisions run twice: within their distance budget (the fast
+# path) and beyond it (a small lengthscale: the exact path).
+SHAPE_GRID = {
+    "highest": [(1, 1), (20, 100), (64, 512), (128, 100), (128, 512)],
+    "high": [(3, 1), (20, 100), (33, 512), (128, 16), (128, 512)],
+    None: [(1, 512), (20, 100), (64, 200), (128, 1), (128, 512)],
+}
+GRID_CASES = [(p, d, o) for p, shapes in SHAPE_GRID.items() for d, o in shapes]
+
+
+@pytest.fixture
+def large_problem_tiles(monkeypatch):
+    """Tiles as for problems that fill the GPU (the occupancy rule sees one SM)."""
+    monkeypatch.setattr(pallas_config, "_gpu_sm_count", lambda: 1)
+    pallas_config._gpu_path_config.cache_clear()
+    yield
+    pallas_config._gpu_path_config.cache_clear()
+
+
+@pytest.mark.parametrize("precision, dim, out", GRID_CASES)
+def test_every_shape_runs(large_problem_tiles, precision, dim, out):
+    n, m = 520, 300  # not tile multiples: padding and masking run too
+    q, k, v, lengthscale, cotangent = make_inputs(7, (), n, m, dim, out)
+    lengthscale = lengthscale * np.float32(np.sqrt(dim))  # rho ~ 3-5 at every D
+    run = pallas_fn(precision=precision)
+    tolerance = TOLERANCE[precision or "default"]
+    scales = [lengthscale]
+    if precision != "highest":  # beyond the budget: the exact path
+        scales.append(np.full_like(lengthscale, 0.05))
+    for scale in scales:
+        got, grads = run(q, k, v, scale, cotangent)
+        ref, ref_grads = kernel_mv_value_and_grads(q, k, v, scale, cotangent)
+        assert rel_err(got, ref) < tolerance, (scale[0], rel_err(got, ref))
+        for name, grad, expected in zip(("dq", "dk", "dv"), grads[:3], ref_grads[:3],
+                                        strict=True):  # fmt: skip
+            assert rel_err(grad, expected) < 5 * tolerance, (name, rel_err(grad, expected))
+        scale_l = lengthscale_grad_scale(q, k, scale, ref_grads[0], ref_grads[1])
+        error_l = np.abs(np.asarray(grads[3], np.float64) - ref_grads[3])
+        assert np.all(error_l <= 5 * tolerance * scale_l)
+
+
+def pallas_fn(**kwargs):
+    @jax.jit
+    def run(q, k, v, lengthscale, cotangent):
+        out, vjp = jax.vjp(lambda *a: tilax.rbf_kernel_mv(*a, impl="pallas", **kwargs), q, k, v,
+                           lengthscale)  # fmt: skip
+        return out, vjp(cotangent)
+
+    return run
+
+
+@pytest.mark.parametrize("precision", [None, "highest"])
+def test_kde_log_density_at_tiny_bandwidths(precision):
+    # Exponents near -1e31 at a bandwidth of 1e-16: the forward pass's row maximum and the
+    # backward pass's recomputed exponents must agree to the bit (Triton fuses multiply-adds).
+    rng = np.random.default_rng(8)
+    data = rng.uniform(size=(700, 3)).astype(np.float32)
+    query = rng.uniform(size=(500, 3)).astype(np.float32)
+    query[:50] = data[:50]
+    weights = rng.uniform(0.2, 1.0, size=700).astype(np.float32)
+    g = rng.normal(size=500).astype(np.float32)
+
+    @jax.jit
+    def run(query, data, bandwidth, weights, g):
+        def log_density(*args):
+            return tilax.rbf_kde_density(*args[:3], weights=args[3], log=True, impl="pallas",
+                                         precision=precision)  # fmt: skip
+
+        out, vjp = jax.vjp(log_density, query, data, bandwidth, weights)
+        return out, vjp(g)
+
+    for bandwidth in (1e-3, 1e-6, 1e-16):
+        h = np.float32(bandwidth)
+        got, grads = run(query, data, h, weights, g)
+        ref, ref_grads = kde_value_and_grads(query, data, h, weights, g, log=True)
+        assert np.all(np.isfinite(np.asarray(got))) and rel_err(got, ref) < 1e-6
+        for name, grad, expected in zip(("dquery", "ddata", "dh", "dw"), grads, ref_grads,
+                                        strict=True):  # fmt: skip
+            if np.max(np.abs(expected)) < 1e37:  # within float32
+                assert rel_err(grad, expected) < 1e-4, (bandwidth, name, rel_err(grad, expected))
 
 
 @pytest.mark.parametrize("block_q, block_k, block_o", [(16, 16, 16), (32, 128, 32), (128, 32, 64)])

@@ -35,18 +35,19 @@ def value_and_grads(query, data, bandwidth, weights, cotangent, **kwargs):
 
 
 @pytest.mark.parametrize(
-    "impl, log, precision",
+    "impl, log, precision, dim",
     [
-        ("pallas", True, "highest"),
-        ("pallas", False, "highest"),
-        ("pallas", True, "high"),
-        ("pallas", False, None),
-        ("xla", True, None),
-        ("dense", False, None),
+        ("pallas", True, "highest", 3),
+        ("pallas", False, "highest", 3),
+        ("pallas", True, "highest", 17),  # beyond pallas_triton.HOISTED_DIMS
+        ("pallas", True, "high", 3),
+        ("pallas", False, None, 3),
+        ("xla", True, None, 3),
+        ("dense", False, None, 3),
     ],
 )
-def test_matches_float64(impl, log, precision):
-    inputs = make_inputs(0, (2,), 21, 35, 3)
+def test_matches_float64(impl, log, precision, dim):
+    inputs = make_inputs(0, (2,), 21, 35, dim)
     # The KDE has no value product: Pallas's default modes are those of "high".
     tolerance = 1e-4 if impl == "pallas" and precision != "highest" else 3e-6
     blocks = dict(block_q=16, block_k=16) if impl == "pallas" else {}

@@ -52,6 +52,8 @@ def test_kernel_mv_type_errors(changes, match):
         (dict(lengthscale=np.ones((3, 1), np.float32)), r"lengthscale must be a scalar or"),
         (dict(lengthscale=0.0), "lengthscale must be positive"),
         (dict(lengthscale=np.array([1.0, -1.0, 2.0], np.float32)), "must be positive"),
+        (dict(lengthscale=np.inf), "lengthscale must be positive and finite, got inf"),
+        (dict(lengthscale=np.array([1.0, np.nan, 2.0], np.float32)), "positive and finite"),
         (dict(impl="cuda"), "impl must be one of"),
         (dict(precision="fast"), "precision must be one of"),
         (dict(block_q=24), "block_q must be a power of two >= 16"),
@@ -90,6 +92,11 @@ def test_kde_type_errors(changes, match):
         (dict(weights=np.ones((2, 5), np.float32)), r"weights must have shape \[..., M\] = \(2, 4"),
         (dict(weights=np.ones(4, np.float32)), r"weights must have shape"),
         (dict(weights=np.array([[1, -1, 1, 1]] * 2, np.float32)), "weights must be non-negative"),
+        (dict(weights=np.array([[1, np.nan, 1, 1]] * 2, np.float32)), "weights must be finite"),
+        (dict(weights=np.array([[1, 1, np.inf, 1]] * 2, np.float32)), "weights must be finite"),
+        (dict(weights=np.array([[1, 1, 1, -np.inf]] * 2, np.float32)), "weights must be finite"),
+        (dict(bandwidth=np.nan), "bandwidth must be positive and finite"),
+        (dict(bandwidth=np.float32(np.inf)), "bandwidth must be positive and finite"),
         (dict(weights=np.zeros((2, 4), np.float32)), "weights must not be all zero"),
         (dict(weights=np.array([[1, 1, 1, 1], [0, 0, 0, 0]], np.float32)), "not be all zero"),
         (dict(impl="triton"), "impl must be one of"),
@@ -99,6 +106,15 @@ def test_kde_type_errors(changes, match):
 def test_kde_value_errors(changes, match):
     with pytest.raises(ValueError, match=match):
         call_kde(**changes)
+
+
+@pytest.mark.parametrize("impl", ["pallas", "xla", "dense"])
+def test_bad_weights_raise_for_every_impl(impl):
+    weights = np.array([[1, np.nan, 1, 1], [1, 1, 1, 1]], np.float32)
+    with pytest.raises(ValueError, match="weights must be finite, got 1 non-finite value"):
+        call_kde(weights=weights, impl=impl)
+    with pytest.raises(ValueError, match="weights must be non-negative, got minimum -2"):
+        call_kde(weights=np.array([[1, 1, 1, 1], [1, -2, 1, 1]], np.float32), impl=impl)
 
 
 def test_traced_values_are_not_checked_but_shapes_are():

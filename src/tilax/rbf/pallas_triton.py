@@ -1,42 +1,31 @@
 """Pallas kernels (Triton backend on GPU, interpret mode on CPU) for RBF kernel sums.
 
-Every kernel here works on *augmented* point arrays ``x: [B, P, Dp]`` and ``y: [B, L, Dp]``
-whose row dot product is already the base-2 exponent of the kernel value::
+Every kernel computes base-2 exponents ``t[i, l]`` between the rows ``i`` of one point set (the
+program's tile) and all rows ``l`` of another (a loop over tiles with ``lax.fori_loop``, so the
+accumulators stay in registers and no ``P x L`` matrix exists in memory); kernel values are
+``exp2(t)``. How ``t`` is formed is a static *distance*:
 
-    t[i, l] = x[i] . y[l]           kernel value  exp2(t[i, l])
+* :class:`Expansion`: ``t = min(x_i . y_l, 0)`` for *augmented* points ``x: [B, P, W]``,
+  ``y: [B, L, W]`` whose dot product is the exponent (``tilax.rbf.pallas_layout`` builds them).
+  One tensor-core dot per tile; its error grows with the points' norms
+  (``tilax.rbf.numerics.expansion_error_bound``).
+* :class:`Difference`: ``t = -sum_d (r_d (x[d, i] - y[d, l]))^2`` for *transposed* coordinates
+  ``x: [B, Dx, P]``, ``y: [B, Dx, L]`` pre-scaled by powers of two and a residual scale ``r``
+  (one per dimension, or one in all). Per pair and dimension a subtraction, a multiply (none
+  for one shared scale) and a fused multiply-add on the FMA units; exact at any scale.
 
-``tilax.rbf.api`` builds them from the scaled points (``q / lengthscale``) so that
-``t = -0.5 * log2(e) * ||q_i - k_l||^2`` (plus ``log2(w_l)`` for the KDE). This turns the
-distance into one tensor-core dot with no element-wise work per pair beyond a single ``exp2``,
-and the same kernels serve queries and keys with their roles swapped (the backward pass needs
-both directions). Rows that pad the point count to a tile multiple are built by the caller so
-that they contribute exactly zero (zero values or a ``-1e30`` exponent).
+The gradient kernels may add per-row exponent offsets (``x_offset[i]``, ``y_offset[l]``: minus
+the KDE log-sum-exp's row maximum); their exponents are then clamped at ``EXPONENT_LIMIT``.
+Rows of ``y`` at or beyond ``valid_l`` are padding: they are masked by their index in the last
+tile, and tiles past it are never visited.
 
-Each program owns one tile of ``x`` rows (and one tile of output columns) and loops over all
-tiles of ``y`` with ``lax.fori_loop`` over ``pl.ds`` slices of the full ``y`` block, so the
-accumulators stay in registers and no ``P x L`` matrix ever exists in memory.
-
-Dots take a *mode* naming how float32 operands are multiplied (accumulation is float32):
-
-* ``"ieee"``: full float32 products on the FMA units (slow: no tensor cores);
-* ``"tf32x3"``: each operand split into TF32 ``hi + lo``; ``hi*hi + hi*lo + lo*hi`` on tensor
-  cores, relative error ~2**-21 per product. Used for the distance dot, whose operands are loaded
-  tiles, so the split costs nothing per pair (but the three partial products cost two adds);
-* ``"tf32_parts"``: the same product from operands that ``tf32x3_parts`` laid out in memory as
-  ``[hi | lo | hi]`` and ``[hi | hi | lo]``: one TF32 dot over the concatenation, no adds. Used
-  by the forward kernels, where the wider copies are transient;
-* ``"bf16x3"``: bfloat16 ``hi + lo`` parts, relative error ~2**-16 per product, for dots with a
-  per-pair operand (kernel values, gradient weights): splitting a float32 tile into bfloat16
-  parts is ~3 instructions per element, and a bfloat16 tile feeds the next tensor-core dot
-  straight from registers (a float32/TF32 one needs shuffles);
-* ``"bf16"``: operands rounded to bfloat16 (8-bit mantissa), relative error ~2**-9 per product.
-
-The splits are written out here (not left to Triton's ``tf32x3``, which adds a NaN select per
-output element), so the interpret mode on CPU computes the same rounded parts as the GPU.
+Products with values, cotangents and coordinates are dots of a chosen *mode*
+(``tilax.rbf.pallas_dots``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -45,101 +34,201 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from tilax._pallas import Backend, pallas_call
+from tilax.rbf.pallas_dots import dot, split
 
-DOT_MODES = ("ieee", "tf32x3", "tf32_parts", "bf16x3", "bf16")
+#: Largest base-2 exponent relative to a log-sum-exp's row maximum (taken over weighted points):
+#: a zero-weight point closer than every weighted one has ``K / S`` above 1; the clamp keeps its
+#: terms finite.
+EXPONENT_LIMIT = 64.0
+FLOAT32_MAX = float(jnp.finfo(jnp.float32).max)
+#: Difference kernels hold the program's coordinates (and each tile's differences) in registers
+#: up to this many dimensions; beyond, they loop over dimensions and re-read coordinates per
+#: tile, and the gradient kernels split their per-dimension sums into chunks of this many.
+HOISTED_DIMS = DIM_CHUNK = 16
 
 
-def _round_to_tf32(x: jax.Array) -> jax.Array:
-    """Round float32 values to TF32 (10 mantissa bits), ties away from zero."""
-    bits = lax.bitcast_convert_type(x, jnp.uint32)
-    bits = (bits + jnp.uint32(0x1000)) & jnp.uint32(0xFFFFE000)
-    return lax.bitcast_convert_type(bits, jnp.float32)
+def difference_dims(dim: int) -> int:
+    """Dimensions the :class:`Difference` kernels take for ``dim``-dimensional points: ``dim``,
+    or beyond ``DIM_CHUNK`` the next multiple of it (the layout adds zero coordinates)."""
+    return dim if dim <= DIM_CHUNK else -(-dim // DIM_CHUNK) * DIM_CHUNK
 
 
-def _round_to_bf16(x: jax.Array) -> jax.Array:
-    """Round float32 values to bfloat16 (7 mantissa bits), ties away from zero, kept as float32.
+@dataclasses.dataclass(frozen=True)
+class Expansion:
+    """Exponents ``min(x_i . y_l, 0)`` of augmented points, a ``mode`` dot (see module doc)."""
 
-    Integer add-and-mask is cheaper on GPUs than converting to bfloat16 and widening back.
+    mode: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Difference:
+    """Exponents ``-sum_{d < dim} (r_d (x[d, i] - y[d, l]))^2`` of transposed coordinates.
+
+    ``per_dimension``: ``r`` has ``dim`` entries; otherwise one, applied once per pair to the
+    summed squares. ``rounded``: every square is rounded before it is summed (a ``max`` with 0
+    that compilers cannot fuse into the sum), so that every kernel, however compiled, gets the
+    same bits; the KDE subtracts the forward pass's row maximum from exponents recomputed in
+    its backward pass, and beyond 2^24 two roundings of one exponent differ by more than 1.
     """
-    bits = lax.bitcast_convert_type(x, jnp.uint32)
-    bits = (bits + jnp.uint32(0x8000)) & jnp.uint32(0xFFFF0000)
-    return lax.bitcast_convert_type(bits, jnp.float32)
+
+    dim: int
+    per_dimension: bool
+    rounded: bool = False
 
 
-def _split(a: jax.Array, mode: str) -> tuple[jax.Array, ...]:
-    """The parts a ``mode`` dot multiplies: ``(a,)``, ``(bf16(a),)`` or ``(hi, lo)``."""
-    if mode in ("ieee", "tf32_parts"):
-        return (a,)
-    if mode == "bf16":
-        return (a.astype(jnp.bfloat16),)
-    if mode == "bf16x3":
-        hi = _round_to_bf16(a)  # exact in bfloat16, so the cast below is exact
-        return hi.astype(jnp.bfloat16), (a - hi).astype(jnp.bfloat16)
-    if mode == "tf32x3":
-        hi = _round_to_tf32(a)
-        return hi, _round_to_tf32(a - hi)
-    raise ValueError(f"unknown dot mode {mode!r}; expected one of {DOT_MODES}")
+Distance = Expansion | Difference
 
 
-def tf32x3_parts(x: jax.Array, *, first: bool) -> jax.Array:
-    """``x: [..., K]`` float32 as TF32 parts, ``[hi | lo | hi]`` (``first``) or ``[hi | hi | lo]``.
-
-    Zero-padded to ``max(16, next_power_of_2(3 K))`` columns. The dot of a ``first`` and a
-    second operand is ``hi.hi + lo.hi + hi.lo``, the ``"tf32x3"`` product, in one TF32 dot.
-    """
-    hi = _round_to_tf32(x)
-    lo = _round_to_tf32(x - hi)
-    parts = jnp.concatenate([hi, lo, hi] if first else [hi, hi, lo], axis=-1)
-    width = max(16, 1 << (parts.shape[-1] - 1).bit_length())
-    return jnp.pad(parts, [(0, 0)] * (x.ndim - 1) + [(0, width - parts.shape[-1])])
-
-
-def _dot(a_parts, b_parts, mode: str, backend: Backend, *, b_transposed: bool = False):
-    """``a @ b`` (or ``a @ b.T``) from ``_split`` parts, float32 accumulation."""
-    dims = (((1,), (1,) if b_transposed else (0,)), ((), ()))
-    if mode == "ieee":
-        precision = lax.Precision.HIGHEST
-    elif mode in ("tf32x3", "tf32_parts") and backend != "interpret":
-        precision = lax.DotAlgorithmPreset.TF32_TF32_F32
-    elif mode in ("tf32x3", "tf32_parts"):
-        precision = lax.Precision.HIGHEST  # the parts are exact TF32 values already
-    else:
-        precision = None  # bfloat16 operands
-
-    def dot(a, b):
-        return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
-
-    if len(a_parts) == 1:
-        return dot(a_parts[0], b_parts[0])
-    (a_hi, a_lo), (b_hi, b_lo) = a_parts, b_parts
-    # Small terms first. (Triton does not fold these adds into the dot accumulators.)
-    return dot(a_lo, b_hi) + dot(a_hi, b_lo) + dot(a_hi, b_hi)
-
-
-def _tile(index: jax.Array, size: int) -> pl.Slice:
+def _tile(index, size: int) -> pl.Slice:
+    """Rows ``[index * size, (index + 1) * size)``; a traced start is marked as a multiple."""
+    if isinstance(index, int):
+        return pl.ds(index * size, size)
     return pl.ds(pl.multiple_of(index * size, size), size)
 
 
-def _exponent(x_parts, y_parts, distance: str, backend: Backend) -> jax.Array:
-    """``t[i, l] = x_i . y_l`` (base-2 exponents) from ``_split`` parts."""
-    return _dot(x_parts, y_parts, distance, backend, b_transposed=True)
+# --------------------------------------------------------------------------------------------
+# Operands beside the points: the residual scale and per-row vectors
+
+
+def _row_vectors(block_p: int, num_l: int, vectors: dict):
+    """(names, arrays, specs) of the present optional operands, in a fixed order: ``scale``
+    (``[Dr]``, whole), program-row vectors ``x_*`` (``[B, P]``, the program's tile) and loop-row
+    vectors ``y_*`` (``[B, L]``, whole)."""
+    names = tuple(name for name in sorted(vectors) if vectors[name] is not None)
+    specs = []
+    for name in names:
+        if name == "scale":
+            specs.append(pl.BlockSpec(vectors[name].shape, lambda *g: (0,)))
+        elif name.startswith("x_"):
+            specs.append(pl.BlockSpec((pl.squeezed, block_p), lambda *g: (g[-1], g[0])))
+        else:
+            specs.append(pl.BlockSpec((pl.squeezed, num_l), lambda *g: (g[-1], 0)))
+    return names, [vectors[name] for name in names], specs
+
+
+def _split_refs(refs, names):
+    """``{name: ref}`` of the optional operands (``names``) and the remaining refs."""
+    return dict(zip(names, refs[: len(names)], strict=True)), refs[len(names) :]
+
+
+def _point_specs(distance: Distance, block_p: int, x: jax.Array, y: jax.Array):
+    """BlockSpecs of the program's points and of all loop points (grid: program tile first,
+    batch last)."""
+    if isinstance(distance, Expansion):
+        program = pl.BlockSpec((pl.squeezed, block_p, x.shape[2]), lambda *g: (g[-1], g[0], 0))
+    else:
+        program = pl.BlockSpec((pl.squeezed, x.shape[1], block_p), lambda *g: (g[-1], 0, g[0]))
+    loop = pl.BlockSpec((pl.squeezed, *y.shape[1:]), lambda *g: (g[-1], 0, 0))
+    return program, loop
+
+
+def _num_rows(distance: Distance, points: jax.Array) -> int:
+    return points.shape[-1] if isinstance(distance, Difference) else points.shape[1]
 
 
 # --------------------------------------------------------------------------------------------
-# out[i] = sum_l exp2(x_i . y_l) v_l
+# Exponents of the program's rows against one tile of loop rows
 
 
-def _kernel_matmul_kernel(x_ref, y_ref, v_ref, out_ref, *, block_l, distance, values, backend):
-    x = _split(x_ref[...], distance)
-    num_tiles = y_ref.shape[0] // block_l
+@dataclasses.dataclass(frozen=True)
+class _Pairs:
+    """Exponents of a program's rows against loop tiles, for a static distance and backend."""
 
-    def body(j, acc):
+    distance: Distance
+    backend: Backend
+
+    def program_points(self, x_ref):
+        """What every tile needs of the program's points: dot parts (expansion), or coordinate
+        rows (differences; for many dimensions, the ref itself: rows are re-read per tile
+        rather than held in registers)."""
+        if isinstance(self.distance, Expansion):
+            return split(x_ref[...], self.distance.mode)
+        if self.distance.dim > HOISTED_DIMS:
+            return x_ref
+        return [x_ref[d, :] for d in range(self.distance.dim)]
+
+    def scales(self, scale_ref):
+        """Per-dimension residual scales (the ref itself beyond ``HOISTED_DIMS``), or the
+        squared shared one (applied to the sum)."""
+        if isinstance(self.distance, Expansion):
+            return None
+        if self.distance.per_dimension and self.distance.dim > HOISTED_DIMS:
+            return scale_ref
+        if self.distance.per_dimension:
+            return [scale_ref[d] for d in range(self.distance.dim)]
+        return scale_ref[0] * scale_ref[0]
+
+    def difference(self, points, scales, y_ref, rows, d):
+        """``e_d = x_d - y_d`` of the program's rows against loop rows ``rows`` (``d`` may be
+        traced), times the residual scale where it is per dimension."""
+        e = points[d][:, None] - y_ref[d, rows][None, :]
+        return e * scales[d] if self.distance.per_dimension else e
+
+    def exponent(self, points, scales, y_ref, rows):
+        """``(t, diffs)`` for loop rows ``rows``: ``t <= 0`` and, for :class:`Difference` of up
+        to ``HOISTED_DIMS`` dimensions, the differences ``e_d``, which the gradient sums reuse
+        (beyond, the gradient kernel recomputes the ones of its chunk)."""
+        distance = self.distance
+        if isinstance(distance, Expansion):
+            y = split(y_ref[rows, :], distance.mode)
+            t = jnp.minimum(dot(points, y, distance.mode, self.backend, b_transposed=True), 0.0)
+            return t, None
+
+        def square(e):
+            return jnp.maximum(e * e, 0.0) if distance.rounded else e * e
+
+        diffs = None
+        if distance.dim > HOISTED_DIMS:  # a loop over dimensions: compact code, few registers
+            def subtract_square(d, t):
+                return t - square(self.difference(points, scales, y_ref, rows, d))
+
+            shape = (points.shape[-1], rows.size)
+            t = lax.fori_loop(0, distance.dim, subtract_square, jnp.zeros(shape, jnp.float32))
+        else:
+            diffs, t = [], None
+            for d in range(distance.dim):
+                diffs.append(self.difference(points, scales, y_ref, rows, d))
+                t = -square(diffs[-1]) if t is None else t - square(diffs[-1])
+        if not distance.per_dimension:
+            t = t * scales
+        return t, diffs
+
+
+def _loop_tiles(body, carry, valid_l: int, block_l: int):
+    """``body(j, carry, masked)`` over the tiles holding rows ``[0, valid_l)``: a loop over the
+    full ones, then the partial last tile (if any) with ``masked=True``."""
+    full, partial = divmod(valid_l, block_l)
+    carry = lax.fori_loop(0, full, lambda j, c: body(j, c, False), carry)
+    if partial:
+        carry = body(full, carry, True)
+    return carry
+
+
+def _valid_columns(j, block_l: int, valid_l: int) -> jax.Array:
+    """``[1, block_l]`` booleans: which rows of loop tile ``j`` are below ``valid_l``."""
+    index = j * block_l + lax.broadcasted_iota(jnp.int32, (1, block_l), 1)
+    return index < valid_l
+
+
+# --------------------------------------------------------------------------------------------
+# out[i] = sum_l exp2(t[i, l]) v_l
+
+
+def _kernel_matmul_kernel(x_ref, y_ref, *refs, pairs, names, valid_l, block_l, values):
+    optional, (v_ref, out_ref) = _split_refs(refs, names)
+    points = pairs.program_points(x_ref)
+    scales = pairs.scales(optional.get("scale"))
+
+    def body(j, acc, masked):
         rows = _tile(j, block_l)
-        p = jnp.exp2(_exponent(x, _split(y_ref[rows, :], distance), distance, backend))
-        return acc + _dot(_split(p, values), _split(v_ref[rows, :], values), values, backend)
+        t, _ = pairs.exponent(points, scales, y_ref, rows)
+        p = jnp.exp2(t)
+        if masked:
+            p = jnp.where(_valid_columns(j, block_l, valid_l), p, 0.0)
+        return acc + dot(split(p, values), split(v_ref[rows, :], values), values, pairs.backend)
 
     acc = jnp.zeros(out_ref.shape, jnp.float32)
-    out_ref[...] = lax.fori_loop(0, num_tiles, body, acc).astype(out_ref.dtype)
+    out_ref[...] = _loop_tiles(body, acc, valid_l, block_l).astype(out_ref.dtype)
 
 
 def kernel_matmul(
@@ -147,26 +236,32 @@ def kernel_matmul(
     y: jax.Array,
     v: jax.Array,
     *,
+    distance: Distance,
+    valid_l: int,
     block_p: int,
     block_l: int,
     block_o: int,
-    distance: str,
     values: str,
     backend: Backend,
+    scale: jax.Array | None = None,
     num_warps: int | None = 4,
     num_stages: int | None = 2,
 ) -> jax.Array:
-    """``out[b, i, :] = sum_l exp2(x[b, i] . y[b, l]) * v[b, l, :]``, float32 ``[B, P, O]``.
+    """``out[b, i, :] = sum_{l < valid_l} exp2(t[b, i, l]) * v[b, l, :]``, float32 ``[B, P, O]``.
 
-    ``x: [B, P, Dp]``, ``y: [B, L, Dp]``, ``v: [B, L, O]`` float32 (or bfloat16 for a ``"bf16"``
-    values mode) with ``P``, ``L`` and ``O``
-    multiples of ``block_p``, ``block_l`` and ``block_o``. Grid: (P tiles, O tiles, batch).
+    ``x``, ``y``: points in ``distance``'s layout (module docstring) with ``P``, ``L`` multiples
+    of ``block_p``, ``block_l``; ``v: [B, L, O]`` float32 (or bfloat16 for a ``"bf16"`` values
+    mode), ``O`` a multiple of ``block_o``; ``scale: [Dr]`` for :class:`Difference`.
+    Grid: (P tiles, O tiles, batch).
     """
-    batch, num_p, dim = x.shape
-    num_l, num_o = y.shape[1], v.shape[2]
+    batch, num_p = x.shape[0], _num_rows(distance, x)
+    num_l, num_o = v.shape[1], v.shape[2]
+    program, loop = _point_specs(distance, block_p, x, y)
+    names, optional, optional_specs = _row_vectors(block_p, num_l, dict(scale=scale))
     kernel = functools.partial(
-        _kernel_matmul_kernel, block_l=block_l, distance=distance, values=values, backend=backend
-    )
+        _kernel_matmul_kernel, pairs=_Pairs(distance, backend), names=names, valid_l=valid_l,
+        block_l=block_l, values=values,
+    )  # fmt: skip
     return pallas_call(
         kernel,
         backend=backend,
@@ -174,173 +269,296 @@ def kernel_matmul(
         num_stages=num_stages,
         grid=(num_p // block_p, num_o // block_o, batch),
         in_specs=[
-            pl.BlockSpec((pl.squeezed, block_p, dim), lambda i, o, b: (b, i, 0)),
-            pl.BlockSpec((pl.squeezed, num_l, dim), lambda i, o, b: (b, 0, 0)),
+            program, loop, *optional_specs,
             pl.BlockSpec((pl.squeezed, num_l, block_o), lambda i, o, b: (b, 0, o)),
-        ],
+        ],  # fmt: skip
         out_specs=pl.BlockSpec((pl.squeezed, block_p, block_o), lambda i, o, b: (b, i, o)),
         out_shape=jax.ShapeDtypeStruct((batch, num_p, num_o), jnp.float32),
         name="rbf_kernel_matmul",
-    )(x, y, v)
+    )(x, y, *optional, v)
 
 
 # --------------------------------------------------------------------------------------------
-# r[i] = sum_l exp2(x_i . y_l) (u_i . w_l) y_l        (and optionally pw[i] = sum_l exp2(.) w_l)
+# Gradient sums: with A[i, l] = exp2(t[i, l]) * coefficient[i, l],
+#   Expansion:  sums[i] = sum_l A[i, l] y_l              (augmented columns, a dot)
+#   Difference: sums[d, i] = sum_l A[i, l] e_d[i, l]    (e_d the scaled difference x_d - y_d)
+#               squares[d, i] = sum_l A[i, l] e_d[i, l]^2   (with_squares, per dimension)
+#               rows: sum_l A[i, l] (with_rowsum), then sum_l A[i, l] t[i, l] (with_squares,
+#               shared scale): the lengthscale's gradient, pair by pair
+# and optionally pw[i] = sum_l exp2(t[i, l]) w_l. Difference kernels of more than DIM_CHUNK
+# dimensions split the per-dimension sums over a grid axis of DIM_CHUNK-dimension chunks (each
+# program recomputes the exponents): a program holds 2 DIM_CHUNK + 2 row accumulators at most.
 
 
 def _kernel_matmul_grad_kernel(
-    x_ref, y_ref, u_ref, w_ref, r_ref, *pw_refs, block_l, block_o, distance, values, coords, backend
-):
-    x = _split(x_ref[...], distance)
-    num_tiles = y_ref.shape[0] // block_l
-    chunks = [pl.ds(o * block_o, block_o) for o in range(u_ref.shape[1] // block_o)]
-    # Narrow value tiles stay in registers for the whole loop; wide ones are re-read per tile.
-    hoisted_u = None
-    if len(chunks) * block_o <= 64:
-        hoisted_u = [_split(u_ref[:, c], values) for c in chunks]
+    x_ref, y_ref, *refs, pairs, names, outputs, with_uw, with_rowsum, with_squares, valid_l,
+    block_l, block_o, values, coords,
+):  # fmt: skip
+    optional, refs = _split_refs(refs, names)
+    u_ref, w_ref = refs[:2] if with_uw else (None, None)
+    out = dict(zip(outputs, refs[2:] if with_uw else refs, strict=True))
+    backend = pairs.backend
+    distance = pairs.distance
+    difference = isinstance(distance, Difference)
+    points = pairs.program_points(x_ref)
+    scales = pairs.scales(optional.get("scale"))
+    x_offset = optional["x_offset"][...] if "x_offset" in optional else None
+    x_coef = optional["x_coef"][...] if "x_coef" in optional else None
+    y_offset_ref, y_coef_ref = optional.get("y_offset"), optional.get("y_coef")
+    per_dim_squares = with_squares and difference and distance.per_dimension
+    if difference:
+        chunk = out["sums"].shape[0]  # dimensions of this program's sums
+        first = pl.program_id(1) * chunk if distance.dim > chunk else 0
+    chunks, hoisted_u = [], None
+    if with_uw:
+        chunks = [pl.ds(o * block_o, block_o) for o in range(u_ref.shape[1] // block_o)]
+        # Narrow value tiles stay in registers for the whole loop; wide ones are re-read per tile.
+        if len(chunks) * block_o <= 64:
+            hoisted_u = [split(u_ref[:, c], values) for c in chunks]
 
-    def body(j, carry):
-        r_acc, pw_acc = carry
+    def body(j, carry, masked):
+        sums, squares, row_sums, pw_acc = carry
         rows = _tile(j, block_l)
-        y = y_ref[rows, :]
-        p = jnp.exp2(_exponent(x, _split(y, distance), distance, backend))
-        p_parts = _split(p, values) if pw_refs else None
-        uw = None  # not zeros: 0.0 + x costs an add per pair (it is not x for x = -0.0)
-        new_pw = []
-        for o, c in enumerate(chunks):
-            w = _split(w_ref[rows, c], values)
-            u = hoisted_u[o] if hoisted_u is not None else _split(u_ref[:, c], values)
-            uw_o = _dot(u, w, values, backend, b_transposed=True)
-            uw = uw_o if uw is None else uw + uw_o
-            if pw_refs:
-                new_pw.append(pw_acc[o] + _dot(p_parts, w, values, backend))
-        r_acc = r_acc + _dot(_split(p * uw, coords), _split(y, coords), coords, backend)
-        return r_acc, tuple(new_pw)
+        t, diffs = pairs.exponent(points, scales, y_ref, rows)
+        distance_exponent = t
+        if y_offset_ref is not None or x_offset is not None:
+            if y_offset_ref is not None:
+                t = t + y_offset_ref[rows][None, :]
+            if x_offset is not None:
+                t = t + x_offset[:, None]
+            t = jnp.minimum(t, EXPONENT_LIMIT)
+        p = jnp.exp2(t)
+        if masked:
+            p = jnp.where(_valid_columns(j, block_l, valid_l), p, 0.0)
+        a, new_pw = p, []
+        if with_uw:
+            p_parts = split(p, values) if "pw" in out else None
+            uw = None  # not zeros: 0.0 + x costs an add per pair (it is not x for x = -0.0)
+            for o, c in enumerate(chunks):
+                w = split(w_ref[rows, c], values)
+                u = hoisted_u[o] if hoisted_u is not None else split(u_ref[:, c], values)
+                uw_o = dot(u, w, values, backend, b_transposed=True)
+                uw = uw_o if uw is None else uw + uw_o
+                if "pw" in out:
+                    new_pw.append(pw_acc[o] + dot(p_parts, w, values, backend))
+            a = a * uw
+        if x_coef is not None:
+            a = a * x_coef[:, None]
+        if y_coef_ref is not None:
+            a = a * y_coef_ref[rows][None, :]
+        if not difference:
+            y = y_ref[rows, :]
+            sums = sums + dot(split(a, coords), split(y, coords), coords, backend)
+            return sums, squares, row_sums, tuple(new_pw)
+        new_sums, new_squares = [], []
+        for i in range(chunk):
+            # Beyond HOISTED_DIMS the exponent did not keep the differences: recomputed.
+            e = diffs[i] if diffs else pairs.difference(points, scales, y_ref, rows, first + i)
+            ae = a * e
+            new_sums.append(sums[i] + jnp.sum(ae, axis=1))
+            if per_dim_squares:
+                new_squares.append(squares[i] + jnp.sum(ae * e, axis=1))
+        stats = []
+        if with_rowsum:
+            stats.append(jnp.sum(a, axis=1))
+        if with_squares and not distance.per_dimension:
+            # (t = -inf beyond float32 would give 0 * inf)
+            stats.append(jnp.sum(a * jnp.maximum(distance_exponent, -FLOAT32_MAX), axis=1))
+        row_sums = tuple(acc + s for acc, s in zip(row_sums, stats, strict=True))
+        return tuple(new_sums), tuple(new_squares), row_sums, tuple(new_pw)
 
-    r0 = jnp.zeros(r_ref.shape, jnp.float32)
-    pw0 = tuple(jnp.zeros((r_ref.shape[0], block_o), jnp.float32) for _ in chunks if pw_refs)
-    r_acc, pw_acc = lax.fori_loop(0, num_tiles, body, (r0, pw0))
-    r_ref[...] = r_acc
-    for pw_ref in pw_refs:
-        for c, acc in zip(chunks, pw_acc, strict=True):
-            pw_ref[:, c] = acc
+    num_p = x_ref.shape[-1] if difference else x_ref.shape[0]
+
+    def zeros(count, shape=(num_p,)):
+        return tuple(jnp.zeros(shape, jnp.float32) for _ in range(count))
+
+    if difference:
+        num_stats = int(with_rowsum) + int(with_squares and not distance.per_dimension)
+        init = (zeros(chunk), zeros(chunk if per_dim_squares else 0), zeros(num_stats))
+    else:
+        init = (jnp.zeros(out["sums"].shape, jnp.float32), (), ())
+    init += (zeros(len(chunks) if "pw" in out else 0, (num_p, block_o)),)
+    sums, squares, row_sums, pw_acc = _loop_tiles(body, init, valid_l, block_l)
+    if not difference:
+        out["sums"][...] = sums
+    for name, accs in (("sums", sums if difference else ()), ("squares", squares),
+                       ("rows", row_sums)):  # fmt: skip
+        for i, acc in enumerate(accs):
+            out[name][i, :] = acc
+    for c, acc in zip(chunks if "pw" in out else (), pw_acc, strict=True):
+        out["pw"][:, c] = acc
 
 
 def kernel_matmul_grad(
     x: jax.Array,
     y: jax.Array,
-    u: jax.Array,
-    w: jax.Array,
     *,
-    with_pw: bool,
+    distance: Distance,
+    valid_l: int,
     block_p: int,
     block_l: int,
-    block_o: int,
-    distance: str,
-    values: str,
-    coords: str,
     backend: Backend,
+    scale: jax.Array | None = None,
+    x_offset: jax.Array | None = None,
+    y_offset: jax.Array | None = None,
+    u: jax.Array | None = None,
+    w: jax.Array | None = None,
+    x_coef: jax.Array | None = None,
+    y_coef: jax.Array | None = None,
+    with_pw: bool = False,
+    with_rowsum: bool = False,
+    with_squares: bool = False,
+    block_o: int = 16,
+    values: str = "ieee",
+    coords: str = "ieee",
     num_warps: int | None = 4,
     num_stages: int | None = 2,
-) -> jax.Array | tuple[jax.Array, jax.Array]:
-    """The pair sums the backward pass of ``kernel_matmul`` needs, in one sweep over ``y``.
+) -> dict[str, jax.Array]:
+    """The pair sums of the backward passes, in one sweep over ``y`` (see the section comment).
 
-    With ``K[i, l] = exp2(x_i . y_l)`` this returns ``r[b, i] = sum_l K[i, l] (u_i . w_l) y_l``
-    (``[B, P, Dp]``) and, when ``with_pw``, also ``pw[b, i] = sum_l K[i, l] w_l`` (``[B, P, O]``).
-    With ``(x, y, u, w) = (queries, keys, dout, v)`` ``r`` carries the query gradient; with the
-    roles swapped it carries the key gradient and ``pw`` is the value gradient.
-    ``u: [B, P, O]``, ``w: [B, L, O]``; tile rules as in ``kernel_matmul``. Grid: (P tiles, batch).
+    The coefficient of pair ``(i, l)`` is the product of those given: ``u_i . w_l``
+    (``u: [B, P, O]``, ``w: [B, L, O]``, ``O`` a multiple of ``block_o``), ``x_coef[i]``
+    (``[B, P]``) and ``y_coef[l]`` (``[B, L]``). Exponents get ``y_offset[l] + x_offset[i]``
+    (``[B, L]``, ``[B, P]``). Returns ``{"sums": ...}``: ``[B, P, W]`` for :class:`Expansion`,
+    ``[B, dim, P]`` for :class:`Difference`, which also returns ``"squares"`` (``[B, dim, P]``,
+    ``with_squares`` per dimension) and ``"rows"`` (``[B, S, P]``: the row sums, then the
+    shared scale's squares); with ``with_pw`` (needs ``u``, ``w``; one dimension chunk) also
+    ``"pw": [B, P, O]``. Other arguments as in ``kernel_matmul``.
+    Grid: (P tiles, dimension chunks, batch).
     """
-    batch, num_p, dim = x.shape
-    num_l, num_o = y.shape[1], u.shape[2]
-    kernel = functools.partial(
-        _kernel_matmul_grad_kernel,
-        block_l=block_l,
-        block_o=block_o,
-        distance=distance,
-        values=values,
-        coords=coords,
-        backend=backend,
-    )
-    out_specs = [pl.BlockSpec((pl.squeezed, block_p, dim), lambda i, b: (b, i, 0))]
-    out_shape = [jax.ShapeDtypeStruct((batch, num_p, dim), jnp.float32)]
+    difference = isinstance(distance, Difference)
+    batch, num_p, num_l = x.shape[0], _num_rows(distance, x), _num_rows(distance, y)
+    chunk = min(distance.dim, DIM_CHUNK) if difference else 1
+    num_chunks = distance.dim // chunk if difference else 1
+    if with_pw and num_chunks > 1:
+        raise ValueError("with_pw needs one dimension chunk (every chunk would write pw)")
+    program, loop = _point_specs(distance, block_p, x, y)
+    names, optional, optional_specs = _row_vectors(
+        block_p, num_l, dict(scale=scale, x_offset=x_offset, y_offset=y_offset, x_coef=x_coef,
+                             y_coef=y_coef),
+    )  # fmt: skip
+    with_uw = u is not None
+    value_arrays, value_specs = [], []
+    if with_uw:
+        value_arrays = [u, w]
+        value_specs = [
+            pl.BlockSpec((pl.squeezed, block_p, u.shape[2]), lambda i, c, b: (b, i, 0)),
+            pl.BlockSpec((pl.squeezed, num_l, w.shape[2]), lambda i, c, b: (b, 0, 0)),
+        ]
+    outputs = {}  # name -> (shape, block, index map)
+    if difference:
+        by_chunk = (chunk, block_p), lambda i, c, b: (b, c, i)
+        outputs["sums"] = ((batch, distance.dim, num_p), *by_chunk)
+        if with_squares and distance.per_dimension:
+            outputs["squares"] = ((batch, distance.dim, num_p), *by_chunk)
+        num_stats = int(with_rowsum) + int(with_squares and not distance.per_dimension)
+        if num_stats:  # (every chunk writes the same row sums)
+            outputs["rows"] = ((batch, num_stats, num_p), (num_stats, block_p),
+                               lambda i, c, b: (b, 0, i))  # fmt: skip
+    else:
+        width = x.shape[2]
+        outputs["sums"] = ((batch, num_p, width), (block_p, width), lambda i, c, b: (b, i, 0))
     if with_pw:
-        out_specs.append(pl.BlockSpec((pl.squeezed, block_p, num_o), lambda i, b: (b, i, 0)))
-        out_shape.append(jax.ShapeDtypeStruct((batch, num_p, num_o), jnp.float32))
-    out = pallas_call(
+        num_o = u.shape[2]
+        outputs["pw"] = ((batch, num_p, num_o), (block_p, num_o), lambda i, c, b: (b, i, 0))
+    kernel = functools.partial(
+        _kernel_matmul_grad_kernel, pairs=_Pairs(distance, backend), names=names,
+        outputs=tuple(outputs), with_uw=with_uw, with_rowsum=with_rowsum,
+        with_squares=with_squares, valid_l=valid_l, block_l=block_l, block_o=block_o,
+        values=values, coords=coords,
+    )  # fmt: skip
+    results = pallas_call(
         kernel,
         backend=backend,
         num_warps=num_warps,
         num_stages=num_stages,
-        grid=(num_p // block_p, batch),
-        in_specs=[
-            pl.BlockSpec((pl.squeezed, block_p, dim), lambda i, b: (b, i, 0)),
-            pl.BlockSpec((pl.squeezed, num_l, dim), lambda i, b: (b, 0, 0)),
-            pl.BlockSpec((pl.squeezed, block_p, num_o), lambda i, b: (b, i, 0)),
-            pl.BlockSpec((pl.squeezed, num_l, num_o), lambda i, b: (b, 0, 0)),
-        ],
-        out_specs=out_specs,
-        out_shape=out_shape,
+        grid=(num_p // block_p, num_chunks, batch),
+        in_specs=[program, loop, *optional_specs, *value_specs],
+        out_specs=[pl.BlockSpec((pl.squeezed, *block), index) for _, block, index in
+                   outputs.values()],
+        out_shape=[jax.ShapeDtypeStruct(shape, jnp.float32) for shape, _, _ in outputs.values()],
         name="rbf_kernel_matmul_grad",
-    )(x, y, u, w)
-    return tuple(out) if with_pw else out[0]
+    )(x, y, *optional, *value_arrays)
+    return dict(zip(outputs, results, strict=True))
 
 
 # --------------------------------------------------------------------------------------------
-# lse[i] = log2 sum_l exp2(x_i . y_l), streaming over tiles of y (running max and rescaled sum)
+# Log-sum-exp: m[i] = max_l t[i, l] over weighted rows, s[i] = sum_l w_l exp2(t[i, l] - m[i]),
+# streaming over tiles of y (running maximum and rescaled sum). log2 sum_l w_l exp2(t) is
+# m + log2 s; the two stay apart: at exponents beyond 2^24 the sum would vanish in m's rounding.
 
 
-def _kernel_logsumexp_kernel(x_ref, y_ref, out_ref, *, block_l, distance, backend):
-    x = _split(x_ref[...], distance)
-    num_tiles = y_ref.shape[0] // block_l
+def _kernel_logsumexp_kernel(x_ref, y_ref, *refs, pairs, names, valid_l, block_l):
+    optional, (max_ref, sum_ref) = _split_refs(refs, names)
+    points = pairs.program_points(x_ref)
+    scales = pairs.scales(optional.get("scale"))
+    weight_ref = optional.get("y_weight")
 
-    def body(j, carry):
+    def body(j, carry, masked):
         running_max, running_sum = carry
-        t = _exponent(x, _split(y_ref[_tile(j, block_l), :], distance), distance, backend)
-        new_max = jnp.maximum(running_max, jnp.max(t, axis=1))
-        rescaled = running_sum * jnp.exp2(running_max - new_max)
-        return new_max, rescaled + jnp.sum(jnp.exp2(t - new_max[:, None]), axis=1)
+        rows = _tile(j, block_l)
+        t, _ = pairs.exponent(points, scales, y_ref, rows)
+        counted = None if weight_ref is None else weight_ref[rows][None, :] > 0
+        if masked:
+            valid = _valid_columns(j, block_l, valid_l)
+            counted = valid if counted is None else counted & valid
+        tile_max = jnp.max(t if counted is None else jnp.where(counted, t, -jnp.inf), axis=1)
+        new_max = jnp.maximum(running_max, tile_max)
+        # Rows whose exponents are all -inf so far (squared distances beyond float32) keep a
+        # shift of 0, so that no -inf - -inf = NaN arises. The clamp keeps zero-weight points
+        # closer than every weighted one finite (their weight then makes them 0).
+        shift = jnp.where(new_max == -jnp.inf, 0.0, new_max)
+        p = jnp.exp2(jnp.minimum(t - shift[:, None], EXPONENT_LIMIT))
+        if weight_ref is not None:
+            p = p * weight_ref[rows][None, :]
+        if masked:
+            p = jnp.where(valid, p, 0.0)
+        rescaled = running_sum * jnp.exp2(running_max - shift)
+        return new_max, rescaled + jnp.sum(p, axis=1)
 
-    # exp2(-inf - finite) = 0 clears the initial sum at the first tile. Padded (and zero-weight)
-    # points have exponents near -1e30: a tile of only those adds its count at a -1e30 max, which
-    # the first real point's exp2(-1e30 - max) = 0 rescale clears again (one real point exists).
-    init = (jnp.full(out_ref.shape, -jnp.inf, jnp.float32), jnp.zeros(out_ref.shape, jnp.float32))
-    running_max, running_sum = lax.fori_loop(0, num_tiles, body, init)
-    out_ref[...] = running_max + jnp.log2(running_sum)
+    init = (jnp.full(max_ref.shape, -jnp.inf, jnp.float32), jnp.zeros(sum_ref.shape, jnp.float32))
+    max_ref[...], sum_ref[...] = _loop_tiles(body, init, valid_l, block_l)
 
 
 def kernel_logsumexp(
     x: jax.Array,
     y: jax.Array,
     *,
+    distance: Distance,
+    valid_l: int,
     block_p: int,
     block_l: int,
-    distance: str,
     backend: Backend,
+    scale: jax.Array | None = None,
+    y_weight: jax.Array | None = None,
     num_warps: int | None = 4,
     num_stages: int | None = 2,
-) -> jax.Array:
-    """``lse[b, i] = log2 sum_l exp2(x[b, i] . y[b, l])``, float32 ``[B, P]``.
-
-    Finite even where every ``exp2`` underflows (queries far from all points): the running
-    maximum is subtracted before exponentiating. Grid: (P tiles, batch).
+) -> tuple[jax.Array, jax.Array]:
+    """``(m, s)``, float32 ``[B, P]`` each, with ``log2 sum_{l < valid_l} w_l exp2(t[b, i, l])
+    = m + log2 s`` (see the section comment): ``m`` the largest exponent of a row with positive
+    weight ``y_weight[b, l]`` (``[B, L]``; all rows count without weights), ``s`` (at least the
+    weight of that row) the weighted sum relative to ``m``. Finite even where every ``exp2(t)``
+    underflows (queries far from all points); ``m = -inf`` only where every exponent is
+    ``-inf``. Other arguments as in ``kernel_matmul``. Grid: (P tiles, batch).
     """
-    batch, num_p, dim = x.shape
-    num_l = y.shape[1]
-    kernel = functools.partial(
-        _kernel_logsumexp_kernel, block_l=block_l, distance=distance, backend=backend
+    batch, num_p, num_l = x.shape[0], _num_rows(distance, x), _num_rows(distance, y)
+    program, loop = _point_specs(distance, block_p, x, y)
+    names, optional, optional_specs = _row_vectors(
+        block_p, num_l, dict(scale=scale, y_weight=y_weight)
     )
+    kernel = functools.partial(
+        _kernel_logsumexp_kernel, pairs=_Pairs(distance, backend), names=names, valid_l=valid_l,
+        block_l=block_l,
+    )  # fmt: skip
+    row = pl.BlockSpec((pl.squeezed, block_p), lambda i, b: (b, i))
     return pallas_call(
         kernel,
         backend=backend,
         num_warps=num_warps,
         num_stages=num_stages,
         grid=(num_p // block_p, batch),
-        in_specs=[
-            pl.BlockSpec((pl.squeezed, block_p, dim), lambda i, b: (b, i, 0)),
-            pl.BlockSpec((pl.squeezed, num_l, dim), lambda i, b: (b, 0, 0)),
-        ],
-        out_specs=pl.BlockSpec((pl.squeezed, block_p), lambda i, b: (b, i)),
-        out_shape=jax.ShapeDtypeStruct((batch, num_p), jnp.float32),
+        in_specs=[program, loop, *optional_specs],
+        out_specs=[row, row],
+        out_shape=[jax.ShapeDtypeStruct((batch, num_p), jnp.float32)] * 2,
         name="rbf_kernel_logsumexp",
-    )(x, y)
+    )(x, y, *optional)

@@ -1,68 +1,77 @@
 """Plain-XLA RBF kernel sums: the benchmark baselines and the test oracles.
 
 * ``*_dense`` materialise the full ``[..., N, M]`` kernel matrix (fast for small problems,
-  memory ``O(N * M)``).
+  memory ``O(N * M)``, ``O(N * M * D)`` in the backward pass of the exact path).
 * ``*_xla`` process the queries in chunks with ``lax.map`` over a ``jax.checkpoint``-ed body,
-  so forward *and* backward keep at most one ``[..., chunk, M]`` block alive: memory
+  so forward *and* backward keep at most one chunk's pair arrays alive: memory
   ``O((N + M) * chunk)``. Being plain JAX they are differentiable to any order.
 
 All of them take inputs already validated by ``tilax.rbf.api`` (shapes ``[..., N, D]``,
 ``[..., M, D]``, ``[..., M, O]``; floating dtypes) and compute in float32 (float64 stays
 float64), returning the result type of the point and value inputs.
 
-Squared distances use the expansion ``|q|^2 + |k|^2 - 2 q.k`` with a ``HIGHEST``-precision dot,
-after shifting both point sets by the mean key: the kernel is translation invariant, and the
-shift keeps the norms small so the expansion does not cancel catastrophically for data far
-from the origin. The shift is a constant for autodiff (``stop_gradient``); every derivative is
-still exact because the function does not depend on it.
+Distances follow ``tilax.rbf.numerics``: ``precision="highest"`` sums squared coordinate
+differences ``((q_d - k_d) / l_d)^2`` (exact at any scale); the other precisions use the expansion
+``|a|^2 + |b|^2 - 2 a.b`` of centred, scaled points (one ``HIGHEST`` matrix product, clamped at
+0) while its error bound is within budget, and the differences beyond it. Kernel values are
+always in ``[0, 1]``.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-# Elements of one [..., chunk, M] block in the chunked path (64 MiB in float32).
+from tilax.rbf import numerics
+
+# Elements of one chunk's pair arrays in the chunked path (64 MiB in float32).
 CHUNK_ELEMENTS = 1 << 24
+# Pair arrays the exact path's backward pass keeps per input dimension (XLA on CPU keeps about
+# three [chunk, M] arrays per dimension alive); its chunks shrink by this factor times D.
+EXACT_PAIR_ARRAYS_PER_DIM = 3
 
 
-def compute_dtype(*arrays) -> jnp.dtype:
-    """float64 stays float64; every other floating input computes in float32."""
-    dtype = jnp.result_type(*arrays)
-    return jnp.dtype(jnp.float64) if dtype == jnp.float64 else jnp.dtype(jnp.float32)
-
-
-def centered_scaled(queries, points, scale, dtype=None):
-    """``((queries - c) / scale, (points - c) / scale)`` with ``c`` the mean point (no gradient).
-
-    ``queries: [..., N, D]``, ``points: [..., M, D]`` (``M >= 1``), ``scale`` a scalar or ``[D]``.
-    """
-    dtype = dtype or compute_dtype(queries, points)
-    queries = queries.astype(dtype)
-    points = points.astype(dtype)
-    scale = jnp.asarray(scale).astype(dtype)
-    center = lax.stop_gradient(jnp.mean(points, axis=-2, keepdims=True))
-    return (queries - center) / scale, (points - center) / scale
-
-
-def _half_sq_dist(qs, ks):
-    """``0.5 * ||qs_i - ks_j||^2`` as ``[..., N, M]`` (scaled, centred coordinates)."""
+def _expansion_half_sq(qs, ks):
+    """``0.5 ||qs_i - ks_j||^2 >= 0`` as ``[..., N, M]`` by the expansion (centred, scaled)."""
     cross = jnp.einsum("...nd,...md->...nm", qs, ks, precision=lax.Precision.HIGHEST)
     q_sq = 0.5 * jnp.sum(qs * qs, axis=-1)
     k_sq = 0.5 * jnp.sum(ks * ks, axis=-1)
-    return q_sq[..., :, None] + k_sq[..., None, :] - cross
+    return jnp.maximum(q_sq[..., :, None] + k_sq[..., None, :] - cross, 0.0)
+
+
+def _exact_half_sq(q, k, lengthscale):
+    """``0.5 sum_d ((q_id - k_jd) / l_d)^2`` as ``[..., N, M]`` from coordinate differences."""
+    per_dimension = jnp.ndim(lengthscale) == 1
+    total = None
+    for d in range(q.shape[-1]):
+        scale = lengthscale[d] if per_dimension else lengthscale
+        scaled = numerics.scale_by(q[..., :, None, d] - k[..., None, :, d], scale)
+        # Each square and the result pass through a max with 0 (a no-op) that XLA cannot fuse
+        # into the sums: every recomputation of an exponent (XLA recomputes per use, and in the
+        # backward pass) then rounds alike. A fused multiply-add would not round the product,
+        # and beyond 2^24 two roundings of one exponent differ by more than 1, which the
+        # log-sum-exp's shift turns into factors of 2^1000.
+        square = jnp.maximum(scaled * scaled, 0.0)
+        total = square if total is None else total + square
+    return jnp.maximum(0.5 * total, 0.0)
 
 
 def _product_precision(precision: str | None) -> lax.Precision:
     return lax.Precision.HIGHEST if precision == "highest" else lax.Precision.DEFAULT
 
 
-def default_chunk(n: int, m: int, batch: int) -> int:
-    """Queries per chunk: a ``[batch, chunk, m]`` block of about ``CHUNK_ELEMENTS`` values."""
-    return int(max(1, min(n, CHUNK_ELEMENTS // max(1, m * batch))))
+def default_chunk(n: int, m: int, batch: int, dim: int = 0) -> int:
+    """Queries per chunk: pair arrays of about ``CHUNK_ELEMENTS`` values.
+
+    ``dim > 0`` sizes chunks for the exact path, whose backward pass keeps per-dimension pair
+    arrays (``EXACT_PAIR_ARRAYS_PER_DIM`` per dimension).
+    """
+    per_row = max(1, m * batch) * max(1, EXACT_PAIR_ARRAYS_PER_DIM * dim)
+    return int(max(1, min(n, CHUNK_ELEMENTS // per_row)))
 
 
 def _map_query_chunks(fn, queries, chunk: int):
@@ -81,35 +90,67 @@ def _map_query_chunks(fn, queries, chunk: int):
     return lax.slice_in_dim(out, 0, n, axis=len(lead))
 
 
+def _by_distance_path(q, k, lengthscale, precision, *, fast, exact):
+    """``fast(qs, ks)`` (centred, scaled points) where the expansion is within its budget for
+    ``precision``, else ``exact(q, k)``; always ``exact`` for ``"highest"``."""
+    if not numerics.uses_expansion(precision):
+        return exact(q, k)
+    qs, ks = numerics.centered_scaled(q, k, lengthscale)
+    ok = numerics.fast_distance_ok(qs, ks, precision)
+    # Under vmap both branches run: the fast one gets finite points, so its unused gradient is 0.
+    qs, ks = jnp.where(ok, qs, 0.0), jnp.where(ok, ks, 0.0)
+    return lax.cond(ok, lambda: fast(qs, ks), lambda: exact(q, k))
+
+
+# Jitted (also when called eagerly): the distance switch is a lax.cond, which would otherwise
+# compile both of its branches again at every call.
+@functools.partial(jax.jit, static_argnames=("precision",))
 def kernel_mv_dense(q, k, v, lengthscale, *, precision=None):
     """``exp(-0.5 ||(q_i - k_j)/l||^2) @ v`` through the materialised ``[..., N, M]`` matrix."""
-    dtype = compute_dtype(q, k, v)
-    qs, ks = centered_scaled(q, k, lengthscale, dtype)
-    kernel = jnp.exp(-_half_sq_dist(qs, ks))
-    out = jnp.einsum(
-        "...nm,...mo->...no", kernel, v.astype(dtype), precision=_product_precision(precision)
-    )
+    dtype = numerics.compute_dtype(q, k, v)
+    q, k, values = q.astype(dtype), k.astype(dtype), v.astype(dtype)
+    lengthscale = jnp.asarray(lengthscale).astype(dtype)
+
+    def product(half_sq):
+        return jnp.einsum("...nm,...mo->...no", jnp.exp(-half_sq), values,
+                          precision=_product_precision(precision))  # fmt: skip
+
+    out = _by_distance_path(
+        q, k, lengthscale, precision,
+        fast=lambda qs, ks: product(_expansion_half_sq(qs, ks)),
+        exact=lambda q, k: product(_exact_half_sq(q, k, lengthscale)),
+    )  # fmt: skip
     return out.astype(jnp.result_type(q, k, v))
 
 
+@functools.partial(jax.jit, static_argnames=("precision", "chunk"))
 def kernel_mv_xla(q, k, v, lengthscale, *, precision=None, chunk=None):
     """``rbf_kernel_mv`` in chunks of queries: memory ``O((N + M) * chunk)`` forward and backward.
 
-    ``chunk`` defaults to ``default_chunk`` (a ``[batch, chunk, M]`` block of ~16M values).
+    ``chunk`` defaults to ``default_chunk`` (pair arrays of ~16M values).
     """
-    dtype = compute_dtype(q, k, v)
-    qs, ks = centered_scaled(q, k, lengthscale, dtype)
-    values = v.astype(dtype)
+    dtype = numerics.compute_dtype(q, k, v)
+    q, k, values = q.astype(dtype), k.astype(dtype), v.astype(dtype)
+    lengthscale = jnp.asarray(lengthscale).astype(dtype)
+    n, m, dim = q.shape[-2], k.shape[-2], q.shape[-1]
     batch = math.prod(q.shape[:-2])
-    chunk = chunk or default_chunk(q.shape[-2], k.shape[-2], batch)
 
-    def block(q_chunk):
-        kernel = jnp.exp(-_half_sq_dist(q_chunk, ks))
-        return jnp.einsum(
-            "...nm,...mo->...no", kernel, values, precision=_product_precision(precision)
+    def product(half_sq):
+        return jnp.einsum("...nm,...mo->...no", jnp.exp(-half_sq), values,
+                          precision=_product_precision(precision))  # fmt: skip
+
+    def fast(qs, ks):
+        rows = chunk or default_chunk(n, m, batch)
+        return _map_query_chunks(lambda block: product(_expansion_half_sq(block, ks)), qs, rows)
+
+    def exact(q, k):
+        rows = chunk or default_chunk(n, m, batch, dim)
+        return _map_query_chunks(
+            lambda block: product(_exact_half_sq(block, k, lengthscale)), q, rows
         )
 
-    return _map_query_chunks(block, qs, chunk).astype(jnp.result_type(q, k, v))
+    out = _by_distance_path(q, k, lengthscale, precision, fast=fast, exact=exact)
+    return out.astype(jnp.result_type(q, k, v))
 
 
 def _kde_normaliser_log(dim: int, bandwidth, dtype):
@@ -118,52 +159,77 @@ def _kde_normaliser_log(dim: int, bandwidth, dtype):
     return -0.5 * dim * math.log(2.0 * math.pi) - dim * jnp.log(h)
 
 
-def _kde_block(xq, xd, weights, *, log: bool):
-    """Unnormalised ``sum_j w_j exp(-0.5 ||xq_i - xd_j||^2)`` (or its log) for one block."""
-    exponent = -_half_sq_dist(xq, xd)
-    if log:
-        # log-sum-exp shifted by the largest exponent of a weighted point. Not
-        # jax.nn.logsumexp(b=w): it masks zero weights, which zeroes their (nonzero) gradient.
-        # The clamp only keeps 0 * exp(overflow) = NaN away from zero-weight points far closer
-        # than every weighted one; it changes nothing else.
-        shift = jnp.max(jnp.where(weights[..., None, :] > 0, exponent, -jnp.inf), axis=-1)
-        shift = lax.stop_gradient(shift)
-        limit = 700.0 if exponent.dtype == jnp.float64 else 80.0
-        scaled = jnp.exp(jnp.minimum(exponent - shift[..., None], limit))
-        total = jnp.einsum("...nm,...m->...n", scaled, weights, precision=lax.Precision.HIGHEST)
-        return jnp.log(total) + shift
-    return jnp.einsum(
-        "...nm,...m->...n", jnp.exp(exponent), weights, precision=lax.Precision.HIGHEST
-    )
+def _kde_log_sum(half_sq, weights):
+    """``log sum_j w_j exp(-half_sq_ij)`` for one block, by a log-sum-exp.
+
+    Shifted by the largest exponent of a weighted point. Not ``jax.nn.logsumexp(b=w)``: it masks
+    zero weights, which zeroes their (nonzero) gradient. The clamp only keeps
+    ``0 * exp(overflow) = NaN`` away from zero-weight points far closer than every weighted one.
+    """
+    exponent = -half_sq
+    shift = jnp.max(jnp.where(weights[..., None, :] > 0, exponent, -jnp.inf), axis=-1)
+    # A shift of -inf (every weighted exponent overflowed to -inf) would give -inf - -inf = NaN.
+    shift = lax.stop_gradient(jnp.where(jnp.isfinite(shift), shift, 0.0))
+    limit = 700.0 if exponent.dtype == jnp.float64 else 80.0
+    scaled = jnp.exp(jnp.minimum(exponent - shift[..., None], limit))
+    total = jnp.einsum("...nm,...m->...n", scaled, weights, precision=lax.Precision.HIGHEST)
+    # The largest weighted term is w * exp(0): the sum is at least the smallest positive weight.
+    # Where XLA recomputes that exponent with another rounding (beyond 2^24, two roundings
+    # differ by more than 1) the term could underflow; the floor keeps the log finite.
+    floor = jnp.min(jnp.where(weights > 0, weights, jnp.inf), axis=-1)[..., None]
+    total = jnp.where(total < floor, floor, total)
+    return jnp.log(total) + shift
 
 
-def _kde_finish(raw, dim, bandwidth, dtype, *, log: bool):
-    log_norm = _kde_normaliser_log(dim, bandwidth, dtype)
-    return raw + log_norm if log else raw * jnp.exp(log_norm)
+def _kde_finish(log_sum, dim, bandwidth, *, log: bool):
+    """The (log) density from ``log sum_j w_j K_ij``. The plain density is ``exp`` of the log
+    density, so a huge normaliser (tiny bandwidth) times an underflowed sum is 0, not NaN."""
+    log_p = log_sum + _kde_normaliser_log(dim, bandwidth, log_sum.dtype)
+    return log_p if log else jnp.exp(log_p)
 
 
-def kde_density_dense(query, data, bandwidth, weights, *, log=False):
+@functools.partial(jax.jit, static_argnames=("log", "precision"))
+def kde_density_dense(query, data, bandwidth, weights, *, log=False, precision=None):
     """Gaussian KDE through the materialised ``[..., N, M]`` matrix.
 
     ``weights: [..., M]`` must already sum to one. Returns ``[..., N]`` (log density if ``log``).
     """
-    dtype = compute_dtype(query, data)
-    xq, xd = centered_scaled(query, data, bandwidth, dtype)
-    raw = _kde_block(xq, xd, weights.astype(dtype), log=log)
-    out = _kde_finish(raw, query.shape[-1], bandwidth, dtype, log=log)
+    dtype = numerics.compute_dtype(query, data)
+    query, data, w = query.astype(dtype), data.astype(dtype), weights.astype(dtype)
+    h = jnp.asarray(bandwidth).astype(dtype)
+    raw = _by_distance_path(
+        query, data, h, precision,
+        fast=lambda qs, ks: _kde_log_sum(_expansion_half_sq(qs, ks), w),
+        exact=lambda q, k: _kde_log_sum(_exact_half_sq(q, k, h), w),
+    )  # fmt: skip
+    out = _kde_finish(raw, query.shape[-1], h, log=log)
     return out.astype(jnp.result_type(query, data))
 
 
-def kde_density_xla(query, data, bandwidth, weights, *, log=False, chunk=None):
+@functools.partial(jax.jit, static_argnames=("log", "precision", "chunk"))
+def kde_density_xla(query, data, bandwidth, weights, *, log=False, precision=None, chunk=None):
     """Gaussian KDE in chunks of queries (memory ``O((N + M) * chunk)``), like ``kernel_mv_xla``.
 
-    ``log=True`` uses ``logsumexp``, finite far from all data.
+    The sum is a log-sum-exp (the log density is finite far from all data).
     """
-    dtype = compute_dtype(query, data)
-    xq, xd = centered_scaled(query, data, bandwidth, dtype)
-    w = weights.astype(dtype)
+    dtype = numerics.compute_dtype(query, data)
+    query, data, w = query.astype(dtype), data.astype(dtype), weights.astype(dtype)
+    h = jnp.asarray(bandwidth).astype(dtype)
+    n, m, dim = query.shape[-2], data.shape[-2], query.shape[-1]
     batch = math.prod(query.shape[:-2])
-    chunk = chunk or default_chunk(query.shape[-2], data.shape[-2], batch)
-    raw = _map_query_chunks(lambda block: _kde_block(block, xd, w, log=log), xq, chunk)
-    out = _kde_finish(raw, query.shape[-1], bandwidth, dtype, log=log)
+
+    def fast(qs, ks):
+        rows = chunk or default_chunk(n, m, batch)
+        return _map_query_chunks(
+            lambda block: _kde_log_sum(_expansion_half_sq(block, ks), w), qs, rows
+        )
+
+    def exact(q, k):
+        rows = chunk or default_chunk(n, m, batch, dim)
+        return _map_query_chunks(
+            lambda block: _kde_log_sum(_exact_half_sq(block, k, h), w), q, rows
+        )
+
+    raw = _by_distance_path(query, data, h, precision, fast=fast, exact=exact)
+    out = _kde_finish(raw, dim, h, log=log)
     return out.astype(jnp.result_type(query, data))
