@@ -50,7 +50,9 @@ def short_gpu(name: object) -> str:
 def _impl_label(row) -> str:
     impl = row.impl if isinstance(row.impl, str) else ""
     if row.family != "moe":
-        return impl or row.suite
+        # a precision other than the default is another way to compute: its own label
+        precision = f" ({row.precision})" if isinstance(row.precision, str) else ""
+        return (impl or row.suite) + precision
     if row.routing == "dense":
         return "dense routing" if impl in ("", "auto", "dense") else f"dense routing ({impl})"
     name = f"{impl}/{row.dispatch}" if isinstance(row.dispatch, str) else impl

@@ -74,6 +74,8 @@ class RbfCase:
             parts.append(f"o{self.out}")
         if self.block_q is not None:
             parts.append(f"bq{self.block_q}-bk{self.block_k}-bo{self.block_o}")
+        if self.precision is not None:
+            parts.append(self.precision)
         parts.append(self.op)
         return "-".join(parts)
 
@@ -166,6 +168,31 @@ def kernel_mv_cases(mode: str) -> list[RbfCase]:
                     priority = 10 if (dim, out) == (8, 16) else 12
                     priority += 3 if impl == "keops" else 0
                     cases.append(RbfCase("kernel_mv", impl, op, n, dim, out, priority=priority))
+    return cases + precision_cases(mode)
+
+
+# The precisions besides the default: "high" and "highest" on the headline shape, and every
+# precision on a wide shape (D = 20, O = 100), which needs the most shared memory per tile.
+PRECISIONS = ("high", "highest")
+WIDE_DIM_OUT = (20, 100)
+
+
+def precision_cases(mode: str) -> list[RbfCase]:
+    if mode == "smoke":
+        return [RbfCase("kernel_mv", "pallas", op, 64, 8, 16, precision="highest", priority=11)
+                for op in BOTH_OPS]
+    if mode == "quick":
+        sizes, wide_sizes = [65536], []
+    else:
+        sizes, wide_sizes = [4096, 16384, 65536], [16384, 65536]
+    cases = [RbfCase("kernel_mv", "pallas", op, n, 8, 16, precision=precision, priority=11)
+             for n in sizes for precision in PRECISIONS for op in BOTH_OPS]
+    dim, out = WIDE_DIM_OUT
+    for n in wide_sizes:
+        for impl, precision in [("pallas", None), ("pallas", "high"), ("pallas", "highest"),
+                                ("xla", "highest")]:
+            cases += [RbfCase("kernel_mv", impl, op, n, dim, out, precision=precision,
+                              priority=14) for op in BOTH_OPS]
     return cases
 
 

@@ -202,3 +202,10 @@ def test_few_rounds_and_wide_spread_are_marked():
     assert flags["wide_spread"].tolist() == [False, True, False]
     assert flags["no_spread"].tolist() == [False, False, True]
     assert fmt_time(1.0, 0.99, 1.01, 10) == "1.000 ms (q1–q3 0.990–1.010, 10 rounds)"
+
+
+def test_an_rbf_precision_other_than_the_default_is_its_own_implementation():
+    rbf = {"family": "rbf", "suite": "kernel_mv", "routing": None, "dispatch": None,
+           "run": "a", "device": "GPU A", "median_ms": 1.0}
+    table = tiny_table([rbf | {"impl": "pallas"}, rbf | {"impl": "pallas", "precision": "highest"}])
+    assert list(table["label"]) == ["pallas", "pallas (highest)"]
