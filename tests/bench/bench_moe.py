@@ -568,7 +568,7 @@ def build_piece(case: MoECase, state) -> JaxWorkload:
     sort_by_expert = _moe_internal("tilax.moe.dispatch", "sort_by_expert")
     permute = _moe_internal("tilax.moe.dispatch", "permute")
     combine = _moe_internal("tilax.moe.dispatch", "combine")
-    kernel_tiles = _moe_internal("tilax.moe.api", "kernel_tiles")
+    kernel_tiles = _moe_internal("tilax.moe.pallas", "kernel_tiles")
     config = moe_config(case)
     tiles = kernel_tiles(config)
 
@@ -610,8 +610,8 @@ def build_experts_piece(case, config, tiles, layout, rows, params, key) -> JaxWo
     import jax
     import jax.numpy as jnp
 
-    pallas_experts = _moe_internal("tilax.moe.api", "_pallas_experts")
-    plan_type = _moe_internal("tilax.moe.api", "_Plan")
+    pallas_experts = _moe_internal("tilax.moe.pallas", "pallas_experts")
+    plan_type = _moe_internal("tilax.moe.pallas", "Plan")
     resolve_impl = _moe_internal("tilax.moe.api", "resolve_impl")
     sort_by_expert = _moe_internal("tilax.moe.dispatch", "sort_by_expert")
     gmm_schedule = _moe_internal("tilax.moe.dispatch", "gmm_schedule")

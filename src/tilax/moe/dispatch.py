@@ -70,6 +70,15 @@ def expert_capacity(
     return math.ceil(capacity_factor * num_tokens * top_k / num_experts)
 
 
+def row_count(
+    num_tokens: int, top_k: int, num_experts: int, capacity: int | None = None
+) -> int:
+    """Rows of the row space before padding: ``T * k``, or ``min(T * k, E * C)`` with a
+    capacity ``C``."""
+    copies = num_tokens * top_k
+    return copies if capacity is None else min(copies, num_experts * capacity)
+
+
 def expert_counts(expert_ids: jax.Array, num_experts: int) -> jax.Array:
     """``[E]`` int32: how many entries of ``expert_ids`` (any shape) name each expert.
 
@@ -120,7 +129,7 @@ def sort_by_expert(
             jnp.where(kept, flat_expert, num_experts), stable=True
         ).astype(jnp.int32)
         group_sizes = jnp.minimum(counts, capacity)
-        num_rows = min(copies, num_experts * capacity)
+        num_rows = row_count(num_tokens, top_k, num_experts, capacity)
     padded_rows = round_up(max(num_rows, 1), row_multiple)
     group_offsets = jnp.concatenate(
         [jnp.zeros((1,), jnp.int32), jnp.cumsum(group_sizes).astype(jnp.int32)]

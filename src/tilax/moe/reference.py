@@ -9,6 +9,9 @@ layout (``dispatch.py``):
 - :func:`experts_dense`: dense routing, every expert on every token, weighted by the combine
   weights (zero for experts a token did not choose).
 
+``routed_blocked``, ``routed_ragged_dot`` and ``routed_dense`` wrap them as entries of the
+layer's implementation registry (``base.RoutedExperts``).
+
 :func:`moe_oracle` is written straight from the layer's definition in float32 at the highest
 matmul precision, sharing no code with the implementations: the tests compare everything to it.
 All baselines take bfloat16 or float32 operands and accumulate in float32; intermediate
@@ -23,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from tilax.moe import dispatch
+from tilax.moe.base import RoutedCopies
 from tilax.moe.dispatch import RowLayout
 
 F32 = jnp.float32
@@ -135,6 +139,36 @@ def experts_ragged_dot(
 
     act = swiglu_activation(ragged(xs, w_gate), ragged(xs, w_up))
     return dispatch.combine(ragged(act, w_down), weights, layout)
+
+
+def _layout(copies: RoutedCopies, num_experts: int) -> RowLayout:
+    return dispatch.sort_by_expert(copies.expert_ids, num_experts, capacity=copies.capacity)
+
+
+def _kept_count(copies: RoutedCopies, layout: RowLayout):
+    return None if copies.capacity is None else layout.group_offsets[-1]
+
+
+def routed_blocked(config, x, w_gate, w_up, w_down, copies: RoutedCopies):
+    """:func:`experts_blocked` as a registry entry: blocks of ``min(T, C)`` rows."""
+    layout = _layout(copies, w_gate.shape[0])
+    num_tokens = x.shape[0]
+    rows = num_tokens if copies.capacity is None else min(num_tokens, copies.capacity)
+
+    y = experts_blocked(x, w_gate, w_up, w_down, copies.weights, layout, rows)
+    return y, _kept_count(copies, layout)
+
+
+def routed_ragged_dot(config, x, w_gate, w_up, w_down, copies: RoutedCopies):
+    """:func:`experts_ragged_dot` as a registry entry."""
+    layout = _layout(copies, w_gate.shape[0])
+    y = experts_ragged_dot(x, w_gate, w_up, w_down, copies.weights, layout)
+    return y, _kept_count(copies, layout)
+
+
+def routed_dense(config, x, w_gate, w_up, w_down, copies: RoutedCopies):
+    """:func:`experts_dense` as a registry entry (dense routing keeps every copy)."""
+    return experts_dense(x, w_gate, w_up, w_down, copies.expert_ids, copies.weights), None
 
 
 def moe_oracle(params: dict, x: jax.Array, config) -> jax.Array:
