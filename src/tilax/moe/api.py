@@ -5,7 +5,9 @@ This file validates inputs and chooses the implementation; the work happens else
 - ``router.py`` routes tokens and computes ``aux``; ``dispatch.py`` builds the row layout;
 - ``IMPLEMENTATIONS`` maps an implementation name (``resolve_impl``) to its routed experts
   (a ``base.RoutedExperts``): the Pallas path (``pallas.py``, which owns the custom VJP) once
-  per kernel backend (``gmm_triton.py``), and the plain-XLA ones of ``reference.py``.
+  per kernel backend (``gmm_triton.py``), and the plain-XLA ones of ``reference.py``;
+- with a mesh, ``expert_parallel.py`` runs the same pieces on every device and moves the token
+  copies between the devices that own their experts.
 
 The router, the aux losses, the shared expert, feature padding and the casts stay in plain JAX
 and are differentiated by JAX around the custom-gradient expert path.
@@ -21,7 +23,15 @@ import jax
 import jax.numpy as jnp
 
 from tilax import _pallas
-from tilax.moe import dispatch, gmm_triton, pallas, reference, router
+from tilax.moe import (
+    dispatch,
+    exchange,
+    expert_parallel,
+    gmm_triton,
+    pallas,
+    reference,
+    router,
+)
 from tilax.moe.base import RoutedCopies
 
 IMPLS = ("auto", "pallas", "triton", "mosaic", "blocked", "ragged_dot")
@@ -61,6 +71,10 @@ class MoEConfig:
             default.
         num_warps: Triton warps per program; ``None`` picks the device default.
         num_stages: Triton software-pipelining depth; ``None`` picks the device default.
+        exchange: how expert parallelism (``moe_apply(..., mesh=)``) moves token copies
+            between devices: ``"all_to_all"`` (fixed worst-case blocks, any backend),
+            ``"ragged"`` (``jax.lax.ragged_all_to_all``: only the copies; emulated on CPU) or
+            ``"auto"`` (ragged on GPUs). Both are dropless.
 
     Raises:
         ValueError: a size is not a positive integer, ``top_k > num_experts``, an unknown
@@ -91,6 +105,7 @@ class MoEConfig:
     block_k: int | None = None
     num_warps: int | None = None
     num_stages: int | None = None
+    exchange: str = "auto"
 
     def __post_init__(self):
         for name in ("d_model", "d_hidden", "num_experts", "top_k"):
@@ -104,6 +119,7 @@ class MoEConfig:
             ("routing", ROUTINGS),
             ("impl", IMPLS),
             ("dispatch", DISPATCHES),
+            ("exchange", exchange.TRANSPORTS),
         ):
             value = getattr(self, name)
             if value not in allowed:
@@ -285,7 +301,14 @@ def kernel_tiles(config: MoEConfig):
 # The layer
 
 
-def moe_apply(params: dict, x: jax.Array, config: MoEConfig) -> tuple[jax.Array, dict]:
+def moe_apply(
+    params: dict,
+    x: jax.Array,
+    config: MoEConfig,
+    *,
+    mesh: jax.sharding.Mesh | None = None,
+    expert_axis: str = "expert",
+) -> tuple[jax.Array, dict]:
     """Apply the MoE layer: ``y = sum_k w_k * expert_k(x) + shared(x)``.
 
     ``logits = x @ router`` in float32, ``probs = softmax(logits)``, each token's top-k experts
@@ -294,12 +317,22 @@ def moe_apply(params: dict, x: jax.Array, config: MoEConfig) -> tuple[jax.Array,
     ``config.dtype`` with float32 accumulation. Differentiable (reverse mode) w.r.t. ``params``
     and ``x``; jit-compatible (``config`` is static).
 
+    With a ``mesh``, expert parallelism: the experts' leading dimension is sharded over the
+    mesh axis ``expert_axis`` and the tokens over all mesh axes; every device routes its own
+    tokens, each token copy travels to the device owning its expert and its result travels
+    back (dropless: no copy is dropped, however skewed the routing), and ``y``, ``aux`` and the
+    gradients equal the single-device call up to float rounding (capacity routing keeps the
+    same copies: earliest tokens first over the whole batch). ``y`` comes back sharded over
+    all mesh axes along its tokens. See ``expert_parallel.py`` for how.
+
     Args:
         params: the pytree from `moe_init` (leaves may be float32 masters: they are cast
             to ``config.dtype``, the router to float32).
         x: ``[T, d_model]`` or ``[..., d_model]`` tokens (any float dtype; cast to
             ``config.dtype`` for the experts).
         config: the layer configuration.
+        mesh: a ``jax.sharding.Mesh`` for expert parallelism, or ``None`` (one device).
+        expert_axis: the mesh axis the experts are sharded over.
 
     Returns:
         ``(y, aux)``: ``y`` with the shape of ``x`` in ``config.dtype``; ``aux`` a dict with
@@ -309,9 +342,10 @@ def moe_apply(params: dict, x: jax.Array, config: MoEConfig) -> tuple[jax.Array,
 
     Raises:
         ValueError: ``x``'s last dimension is not ``d_model``, ``x`` holds no token, a
-            parameter is missing or has the wrong shape, or ``impl="mosaic"`` on a device that
-            cannot run it (with the reason).
-        TypeError: ``x`` or a parameter is not a float array.
+            parameter is missing or has the wrong shape, ``impl="mosaic"`` on a device that
+            cannot run it (with the reason), ``expert_axis`` is not an axis of ``mesh``, or
+            ``num_experts`` is not divisible by its size.
+        TypeError: ``x`` or a parameter is not a float array, or ``mesh`` is not a ``Mesh``.
         NotImplementedError: ``impl="mosaic"`` on Hopper (no Mosaic GPU kernel yet).
 
     Examples:
@@ -337,7 +371,14 @@ def moe_apply(params: dict, x: jax.Array, config: MoEConfig) -> tuple[jax.Array,
     num_tokens = math.prod(jnp.shape(x)[:-1])
     if num_tokens == 0:
         raise ValueError(f"x must hold at least one token, got shape {tuple(jnp.shape(x))}")
+    if mesh is not None:
+        expert_parallel.check_mesh(mesh, expert_axis, config.num_experts)
     experts = IMPLEMENTATIONS[resolve_impl(config)]
+    if mesh is not None:
+        y, aux = expert_parallel.moe_apply_sharded(
+            params, x, config, experts, mesh=mesh, expert_axis=expert_axis
+        )
+        return y, aux
 
     x2 = jnp.reshape(x, (num_tokens, config.d_model))
     routed = router.route(x2, params["router"], config.top_k, config.renormalize)

@@ -25,11 +25,17 @@ class RoutedCopies(NamedTuple):
         weights: ``[N, k]`` float32 combine weights.
         capacity: static; keep at most this many copies per expert, earliest tokens first
             (``None``: no limit).
+        kept: ``[N, k]`` bool, the copies to compute when that was decided elsewhere (expert
+            parallelism decides across devices); ``None``: all, or by ``capacity``.
+        sparse_rows: static; the row space is sized for a worst case that is rarely filled
+            (expert parallelism's receive buffer): compute only the kept copies' rows.
     """
 
     expert_ids: jax.Array
     weights: jax.Array
     capacity: int | None = None
+    kept: jax.Array | None = None
+    sparse_rows: bool = False
 
 
 class RoutedExperts(Protocol):
@@ -49,7 +55,8 @@ class RoutedExperts(Protocol):
         Args:
             config: the layer's ``MoEConfig`` (dtype, dispatch, tiles).
             x: ``[N, d]`` tokens in ``config.dtype``.
-            w_gate, w_up: ``[E, d, h]``; w_down: ``[E, h, d]``.
+            w_gate, w_up: ``[E, d, h]``; w_down: ``[E, h, d]`` (``E`` may be a device's share
+                of the experts: ``expert_ids`` index into these).
             copies: the copies to compute.
 
         Returns:

@@ -51,19 +51,23 @@ class Plan:
         backend: the Pallas backend (a key of ``KERNELS``).
         tiles: the backend's tiles.
         num_tokens: rows of the token-space input ``x``.
+        cover_tail: compute the rows past the kept copies too (``dispatch.gmm_schedule``).
     """
 
     dispatch: str
     backend: str
     tiles: Any
     num_tokens: int
+    cover_tail: bool = True
 
     @property
     def kernels(self):
         return KERNELS[self.backend]
 
     def schedule(self, group_offsets: jax.Array, num_rows: int) -> dispatch.GmmSchedule:
-        return dispatch.gmm_schedule(group_offsets, num_rows, self.tiles.block_m)
+        return dispatch.gmm_schedule(
+            group_offsets, num_rows, self.tiles.block_m, cover_tail=self.cover_tail
+        )
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -165,12 +169,15 @@ class PallasExperts:
         num_tokens = copies.expert_ids.shape[0]
         num_experts = w_gate.shape[0]
         layout = dispatch.sort_by_expert(
-            copies.expert_ids, num_experts, capacity=copies.capacity,
+            copies.expert_ids, num_experts, capacity=copies.capacity, kept=copies.kept,
             row_multiple=tiles.row_multiple,
         )
-        plan = Plan(config.dispatch, self.backend, tiles, num_tokens)
+        plan = Plan(config.dispatch, self.backend, tiles, num_tokens,
+                    cover_tail=not copies.sparse_rows)
         schedule = plan.schedule(layout.group_offsets, layout.row_token.shape[0])
         padded = pad_features(config, x, w_gate, w_up, w_down)
         y = pallas_experts(plan, *padded, copies.weights, layout, schedule)
-        kept = None if copies.capacity is None else layout.group_offsets[-1]
+        kept = None
+        if copies.capacity is not None or copies.kept is not None:
+            kept = layout.group_offsets[-1]
         return y[:, : config.d_model], kept

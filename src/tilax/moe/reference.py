@@ -70,12 +70,18 @@ def experts_dense(
     ``c[t, e]`` is the combine weight of expert ``e`` for token ``t`` (zero unless chosen).
     Memory ``E * T * d_hidden``; no sort, no gather.
     """
+    return experts_dense_float32(x, w_gate, w_up, w_down, expert_ids, weights).astype(x.dtype)
+
+
+def experts_dense_float32(x, w_gate, w_up, w_down, expert_ids, weights) -> jax.Array:
+    """:func:`experts_dense` before the final cast: the float32 sum. Experts outside
+    ``[0, E)`` contribute nothing (expert parallelism passes one device's share of experts)."""
     num_experts = w_gate.shape[0]
     one_hot = jax.nn.one_hot(expert_ids, num_experts, dtype=F32)
     coefficients = jnp.einsum("tk,tke->te", weights.astype(F32), one_hot)
     x_blocks = jnp.broadcast_to(x, (num_experts,) + x.shape)
     outputs = _expert_swiglu_batched(x_blocks, w_gate, w_up, w_down)
-    return jnp.einsum("etd,te->td", outputs.astype(F32), coefficients).astype(x.dtype)
+    return jnp.einsum("etd,te->td", outputs.astype(F32), coefficients)
 
 
 def _row_experts(layout: RowLayout, num_rows: int) -> jax.Array:
@@ -142,11 +148,13 @@ def experts_ragged_dot(
 
 
 def _layout(copies: RoutedCopies, num_experts: int) -> RowLayout:
-    return dispatch.sort_by_expert(copies.expert_ids, num_experts, capacity=copies.capacity)
+    return dispatch.sort_by_expert(
+        copies.expert_ids, num_experts, capacity=copies.capacity, kept=copies.kept
+    )
 
 
 def _kept_count(copies: RoutedCopies, layout: RowLayout):
-    return None if copies.capacity is None else layout.group_offsets[-1]
+    return None if copies.capacity is None and copies.kept is None else layout.group_offsets[-1]
 
 
 def routed_blocked(config, x, w_gate, w_up, w_down, copies: RoutedCopies):
