@@ -71,8 +71,9 @@ steps cost a fresh interpreter, 12-22 s each on the H200).
 ===============  =========================================================  ====  =======
 suite            full grid (rows)                                           rows  minutes
 ===============  =========================================================  ====  =======
-maxtok           7 impls, bf16 train step, 131k..32M tokens (powers of two);  ~40   ~10
-                 jumps to the largest size predicted to fit, then bisects
+maxtok           8 ladders (7 impls, and pallas with recompute=True), bf16     ~45   ~11
+                 train step, 131k..32M tokens (powers of two); jumps to the
+                 largest size predicted to fit, then bisects
 layer            11 impls x 32k/131k x fp32/bf16 x fwd/train (first; peers   132   ~10
                  bf16 only), then triton bf16, 5 impls at 4k, E64 top4
                  h256, skew 0.9

@@ -134,6 +134,12 @@ def test_bfloat16_and_leading_dimensions():
                    (3, 15), None, 2e-2)
 
 
+def test_recompute_on_a_mesh():
+    on_cpu_devices(check_matches_one_device, (4,), ("expert",),
+                   dict(LAYER, impl="pallas", dispatch="gather", recompute=True,
+                        recompute_rows=32))
+
+
 def check_errors():
     import jax
     import jax.numpy as jnp

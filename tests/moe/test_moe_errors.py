@@ -32,6 +32,9 @@ def _config(**overrides):
         (dict(block_n=8), "block_n must be an integer >= 16"),
         (dict(num_warps=3), "num_warps must be a power of two"),
         (dict(num_stages=0), "num_stages must be an integer >= 1"),
+        (dict(recompute=1), "recompute must be a bool"),
+        (dict(recompute_rows=0), "recompute_rows must be an integer >= 1"),
+        (dict(exchange="nccl"), "exchange must be one of"),
     ],
 )
 def test_bad_config(overrides, match):

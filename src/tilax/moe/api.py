@@ -71,6 +71,13 @@ class MoEConfig:
             default.
         num_warps: Triton warps per program; ``None`` picks the device default.
         num_stages: Triton software-pipelining depth; ``None`` picks the device default.
+        recompute: save memory in training: the Pallas path runs the experts over slices of
+            ``recompute_rows`` token copies and recomputes the gate/up projections in the
+            backward instead of saving them (one more pair of grouped matmuls; the hidden
+            activations exist one slice at a time); the XLA impls run under
+            ``jax.checkpoint``. Results equal the default up to float rounding.
+        recompute_rows: token copies per slice with ``recompute`` (rounded up to the row
+            tile); smaller saves more memory, larger launches fewer kernels.
         exchange: how expert parallelism (``moe_apply(..., mesh=)``) moves token copies
             between devices: ``"all_to_all"`` (fixed worst-case blocks, any backend),
             ``"ragged"`` (``jax.lax.ragged_all_to_all``: only the copies; emulated on CPU) or
@@ -105,6 +112,8 @@ class MoEConfig:
     block_k: int | None = None
     num_warps: int | None = None
     num_stages: int | None = None
+    recompute: bool = False
+    recompute_rows: int = 262144
     exchange: str = "auto"
 
     def __post_init__(self):
@@ -129,8 +138,10 @@ class MoEConfig:
             raise ValueError(f"capacity_factor must be a number > 0, got {factor!r}")
         if not (math.isfinite(factor) and factor > 0):
             raise ValueError(f"capacity_factor must be a finite number > 0, got {factor!r}")
-        if not isinstance(self.renormalize, bool):
-            raise ValueError(f"renormalize must be a bool, got {self.renormalize!r}")
+        for name in ("renormalize", "recompute"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        _check_int("recompute_rows", self.recompute_rows, minimum=1)
         try:
             dtype = jnp.dtype(self.dtype)
         except TypeError as err:

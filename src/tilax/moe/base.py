@@ -53,7 +53,7 @@ class RoutedExperts(Protocol):
         """``y[t] = sum_j weights[t, j] * SwiGLU_{expert_ids[t, j]}(x[t])`` over kept copies.
 
         Args:
-            config: the layer's ``MoEConfig`` (dtype, dispatch, tiles).
+            config: the layer's ``MoEConfig`` (dtype, dispatch, tiles, recompute).
             x: ``[N, d]`` tokens in ``config.dtype``.
             w_gate, w_up: ``[E, d, h]``; w_down: ``[E, h, d]`` (``E`` may be a device's share
                 of the experts: ``expert_ids`` index into these).

@@ -14,6 +14,10 @@ Triton kernel file run by the Pallas interpreter on CPU). Per ``dispatch``:
   grouped matmul (ragged contraction over each expert's rows). ``sorted`` feeds the kernels
   permuted copies of ``x`` and ``dy``; the other dispatches gather rows through the sort index
   inside the kernels.
+
+With ``MoEConfig.recompute`` the experts run over slices of the row space instead
+(``pallas_slices.py``): nothing of size ``[rows, d_hidden]`` is saved for the backward, which
+recomputes it slice by slice.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from tilax import _pallas
-from tilax.moe import dispatch, gmm_triton, reference
+from tilax.moe import dispatch, gmm_triton, pallas_slices, reference
 from tilax.moe.base import RoutedCopies
 
 # Feature dimensions are zero-padded to a multiple of this for the kernels (tl.dot needs >= 16).
@@ -51,6 +55,8 @@ class Plan:
         backend: the Pallas backend (a key of ``KERNELS``).
         tiles: the backend's tiles.
         num_tokens: rows of the token-space input ``x``.
+        slice_rows: ``None``: one pass over the row space, saving the hidden activations for
+            the backward; else recompute them in slices of this many rows.
         cover_tail: compute the rows past the kept copies too (``dispatch.gmm_schedule``).
     """
 
@@ -58,6 +64,7 @@ class Plan:
     backend: str
     tiles: Any
     num_tokens: int
+    slice_rows: int | None = None
     cover_tail: bool = True
 
     @property
@@ -73,6 +80,8 @@ class Plan:
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def pallas_experts(plan, x, w_gate, w_up, w_down, weights, layout, schedule):
     """``y[t] = sum_j weights[t, j] * SwiGLU_{e(t, j)}(x[t])`` over kept copies, ``[T, d]``."""
+    if plan.slice_rows is not None:
+        return pallas_slices.forward(plan, x, w_gate, w_up, w_down, weights, layout)
     return _forward(plan, x, w_gate, w_up, w_down, weights, layout, schedule, False)[0]
 
 
@@ -107,6 +116,8 @@ def _forward(plan, x, w_gate, w_up, w_down, weights, layout, schedule, save):
 
 def _pallas_experts_fwd(plan, x, w_gate, w_up, w_down, weights, layout, schedule):
     inputs = (x, w_gate, w_up, w_down, weights, layout, schedule)
+    if plan.slice_rows is not None:
+        return pallas_experts(plan, *inputs), (*inputs, None)
     y, saved = _forward(plan, *inputs, True)
     return y, (*inputs, saved)
 
@@ -115,6 +126,8 @@ def _pallas_experts_bwd(plan, residuals, dy):
     """Backward: the SwiGLU backward is fused into the down projection's input-gradient kernel
     for every dispatch; ``sorted`` feeds the kernels permuted copies of ``x`` and ``dy``, the
     others gather rows through the sort index inside the kernels."""
+    if plan.slice_rows is not None:
+        return (*pallas_slices.backward(plan, residuals[:-2], dy), None, None)
     x, w_gate, w_up, w_down, weights, layout, schedule, (xs, gate, up) = residuals
     kernels = plan.kernels
     kw = dict(tiles=plan.tiles, backend=plan.backend)
@@ -158,6 +171,16 @@ def pad_features(config, x, w_gate, w_up, w_down):
     return x, w_gate, w_up, w_down
 
 
+def slice_rows(config, tiles, num_rows: int) -> int | None:
+    """Rows per slice under ``config.recompute`` (``None`` without it): the config's
+    ``recompute_rows`` rounded up to the row tile, at most the padded row space."""
+    if not config.recompute:
+        return None
+    multiple = tiles.row_multiple
+    whole = _pallas.round_up(max(num_rows, 1), multiple)
+    return min(_pallas.round_up(config.recompute_rows, multiple), whole)
+
+
 @dataclasses.dataclass(frozen=True)
 class PallasExperts:
     """The routed experts on a Pallas backend (a ``base.RoutedExperts``)."""
@@ -166,13 +189,15 @@ class PallasExperts:
 
     def __call__(self, config, x, w_gate, w_up, w_down, copies: RoutedCopies):
         tiles = kernel_tiles(config, self.backend)
-        num_tokens = copies.expert_ids.shape[0]
+        num_tokens, top_k = copies.expert_ids.shape
         num_experts = w_gate.shape[0]
+        rows = dispatch.row_count(num_tokens, top_k, num_experts, copies.capacity)
+        slices = slice_rows(config, tiles, rows)
         layout = dispatch.sort_by_expert(
             copies.expert_ids, num_experts, capacity=copies.capacity, kept=copies.kept,
-            row_multiple=tiles.row_multiple,
+            row_multiple=slices or tiles.row_multiple,
         )
-        plan = Plan(config.dispatch, self.backend, tiles, num_tokens,
+        plan = Plan(config.dispatch, self.backend, tiles, num_tokens, slices,
                     cover_tail=not copies.sparse_rows)
         schedule = plan.schedule(layout.group_offsets, layout.row_token.shape[0])
         padded = pad_features(config, x, w_gate, w_up, w_down)

@@ -10,7 +10,8 @@ layout (``dispatch.py``):
   weights (zero for experts a token did not choose).
 
 ``routed_blocked``, ``routed_ragged_dot`` and ``routed_dense`` wrap them as entries of the
-layer's implementation registry (``base.RoutedExperts``).
+layer's implementation registry (``base.RoutedExperts``); with ``MoEConfig.recompute`` they
+run under ``jax.checkpoint`` (the backward recomputes the forward instead of saving it).
 
 :func:`moe_oracle` is written straight from the layer's definition in float32 at the highest
 matmul precision, sharing no code with the implementations: the tests compare everything to it.
@@ -147,6 +148,10 @@ def experts_ragged_dot(
     return dispatch.combine(ragged(act, w_down), weights, layout)
 
 
+def _checkpointed(config, fn):
+    return jax.checkpoint(fn) if config.recompute else fn
+
+
 def _layout(copies: RoutedCopies, num_experts: int) -> RowLayout:
     return dispatch.sort_by_expert(
         copies.expert_ids, num_experts, capacity=copies.capacity, kept=copies.kept
@@ -163,20 +168,24 @@ def routed_blocked(config, x, w_gate, w_up, w_down, copies: RoutedCopies):
     num_tokens = x.shape[0]
     rows = num_tokens if copies.capacity is None else min(num_tokens, copies.capacity)
 
-    y = experts_blocked(x, w_gate, w_up, w_down, copies.weights, layout, rows)
+    def run(x, w_gate, w_up, w_down, weights, layout):
+        return experts_blocked(x, w_gate, w_up, w_down, weights, layout, rows)
+
+    y = _checkpointed(config, run)(x, w_gate, w_up, w_down, copies.weights, layout)
     return y, _kept_count(copies, layout)
 
 
 def routed_ragged_dot(config, x, w_gate, w_up, w_down, copies: RoutedCopies):
     """:func:`experts_ragged_dot` as a registry entry."""
     layout = _layout(copies, w_gate.shape[0])
-    y = experts_ragged_dot(x, w_gate, w_up, w_down, copies.weights, layout)
+    y = _checkpointed(config, experts_ragged_dot)(x, w_gate, w_up, w_down, copies.weights, layout)
     return y, _kept_count(copies, layout)
 
 
 def routed_dense(config, x, w_gate, w_up, w_down, copies: RoutedCopies):
     """:func:`experts_dense` as a registry entry (dense routing keeps every copy)."""
-    return experts_dense(x, w_gate, w_up, w_down, copies.expert_ids, copies.weights), None
+    run = _checkpointed(config, experts_dense)
+    return run(x, w_gate, w_up, w_down, copies.expert_ids, copies.weights), None
 
 
 def moe_oracle(params: dict, x: jax.Array, config) -> jax.Array:
