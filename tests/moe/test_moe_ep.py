@@ -40,16 +40,19 @@ def _run(params, x, config, mesh, expert_axis="expert"):
     return y, aux, grads
 
 
-def _mesh(shape, names):
+def _mesh(shape, names, explicit=False):
+    """A mesh of the first devices; ``explicit``: ``jax.make_mesh``'s explicit-axes kind."""
     import jax
     from jax.sharding import Mesh
 
-    devices = np.array(jax.devices()[: math.prod(shape)]).reshape(shape)
-    return Mesh(devices, names)
+    devices = jax.devices()[: math.prod(shape)]
+    if explicit:
+        return jax.make_mesh(shape, names, devices=devices)
+    return Mesh(np.array(devices).reshape(shape), names)
 
 
 def check_matches_one_device(mesh_shape, axis_names, config_kwargs, tokens=TOKENS,
-                             skew_to=None, tol=1e-5):
+                             skew_to=None, tol=1e-5, explicit=False):
     """The mesh call equals the single-device call: y, aux and all gradients."""
     import jax
 
@@ -58,7 +61,7 @@ def check_matches_one_device(mesh_shape, axis_names, config_kwargs, tokens=TOKEN
     config = tilax.MoEConfig(**config_kwargs)
     params, x = ep_inputs(config, tokens, skew_to)
     y_one, aux_one, grads_one = _run(params, x, config, None)
-    y, aux, grads = _run(params, x, config, _mesh(mesh_shape, axis_names))
+    y, aux, grads = _run(params, x, config, _mesh(mesh_shape, axis_names, explicit))
     assert y.shape == x.shape and y.dtype == y_one.dtype
     assert rel_err(y, y_one) < tol, f"y: {rel_err(y, y_one)}"
     for key in ("expert_counts", "empty_experts"):
@@ -132,6 +135,13 @@ def test_bfloat16_and_leading_dimensions():
     on_cpu_devices(check_matches_one_device, (2, 2), ("expert", "data"),
                    dict(LAYER, impl="pallas", dispatch="fused_gsum", dtype="bfloat16"),
                    (3, 15), None, 2e-2)
+
+
+@pytest.mark.parametrize("impl,tokens", [("pallas", TOKENS), ("ragged_dot", (3, 13))])
+def test_explicit_axes_mesh(impl, tokens):
+    # jax.make_mesh makes explicit-sharding axes: inputs are resharded with jax.reshard
+    on_cpu_devices(check_matches_one_device, (2, 2), ("data", "expert"),
+                   dict(LAYER, impl=impl), tokens, None, 1e-5, True)
 
 
 def test_recompute_on_a_mesh():
