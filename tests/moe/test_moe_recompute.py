@@ -43,8 +43,12 @@ def check_same_as_default(tol, **kwargs):
         assert rel_err(actual, expected) < tol, f"gradient {jax.tree_util.keystr(path)}"
 
 
-@pytest.mark.parametrize("routing", ["dropless", "capacity"])
-@pytest.mark.parametrize("dispatch", ["sorted", "gather", "fused", "fused_gsum"])
+# every dispatch (each reads its rows differently); capacity routing only changes the layout
+@pytest.mark.parametrize(
+    "dispatch,routing",
+    [(d, "dropless") for d in ("sorted", "gather", "fused", "fused_gsum")]
+    + [("sorted", "capacity"), ("fused_gsum", "capacity")],
+)
 def test_pallas_slices_match_one_pass(dispatch, routing):
     check_same_as_default(1e-5, impl="pallas", dispatch=dispatch, routing=routing,
                           dtype=jnp.float32)
