@@ -12,7 +12,9 @@ Suites (``extra_info["suite"]``) mirror the stored seed files:
 - ``pieces``: the train-step cost split of the sorted Pallas path (route, sort_permute,
   experts_grouped_swiglu, unpermute_combine), each timed forward + backward.
 - ``blockm``: the Pallas row-tile sweep (block_m 32/64/128).
-- ``maxtok`` / ``maxtok_summary``: largest bfloat16 train step per impl (see ``bench_ladder``).
+- ``maxtok`` / ``maxtok_summary``: largest bfloat16 train step per impl (see ``bench_ladder``),
+  and for the Pallas path with ``MoEConfig(recompute=True)`` (the memory-saving option: rows
+  carry ``recompute: true`` and ``-recompute`` in their name).
 
 A ``train_step`` is ``value_and_grad`` of ``sum(y * dy)`` (``dy`` a fixed random cotangent)
 with respect to the parameters and the input, returning ``y`` too: forward plus backward, no
@@ -71,6 +73,7 @@ class MoECase:
     skew: float = 0.0
     piece: str | None = None
     block_m: int | None = None
+    recompute: bool = False  # MoEConfig.recompute, the memory-saving option
     numerics: bool = True
     priority: int = 50
     seed: int = 0
@@ -94,6 +97,8 @@ class MoECase:
             parts.append(self.piece)
         if self.block_m:
             parts.append(f"bm{self.block_m}")
+        if self.recompute:
+            parts.append("recompute")
         parts.append(self.op)
         return "-".join(parts)
 
@@ -119,6 +124,8 @@ class MoECase:
             info["piece"] = self.piece
         if self.block_m is not None:
             info["block_m"] = self.block_m
+        if self.recompute:
+            info["recompute"] = True
         return info
 
     def scale_key(self) -> tuple:
@@ -331,15 +338,20 @@ def blockm_cases(mode: str) -> list[MoECase]:
     ]
 
 
-MAXTOK_IMPLS = (P_SORTED, P_GSUM, BLOCKED, RAGGED, TOKAMAX, DENSE, CAPACITY)
+# (impl, dispatch, routing, recompute): the memory-saving option first, the one ladder that
+# should climb past 4M tokens (issue 14: at least 8,388,608 tokens on one H200)
+P_RECOMPUTE = ("pallas", "fused", "dropless", True)
+MAXTOK_IMPLS = (P_RECOMPUTE,) + tuple(
+    impl + (False,) for impl in (P_SORTED, P_GSUM, BLOCKED, RAGGED, TOKAMAX, DENSE, CAPACITY))
 
 
 def maxtok_ladders(mode: str) -> list[tuple[MoECase, list[int]]]:
     """(template case, token ladder) per impl: bf16 train step of the E8 top-2 layer."""
     if mode == "smoke":
-        impls, shape, ladder = (P_SORTED,), SMOKE_LAYER, [64]
+        impls, shape, ladder = (P_SORTED + (False,), P_RECOMPUTE), SMOKE_LAYER, [64]
     elif mode == "quick":
-        impls, shape, ladder = (P_SORTED, RAGGED), SEED_LAYER, [2**20, 2**22, 2**24]
+        impls, shape = (P_SORTED + (False,), RAGGED + (False,), P_RECOMPUTE), SEED_LAYER
+        ladder = [2**20, 2**22, 2**24]
     else:
         impls, shape = MAXTOK_IMPLS, SEED_LAYER
         # every power of two from 131k, the largest layer size every impl runs (ragged_dot ran out
@@ -348,8 +360,8 @@ def maxtok_ladders(mode: str) -> list[tuple[MoECase, list[int]]]:
     return [
         (MoECase(suite="maxtok", impl=impl, dispatch=dispatch, routing=routing,
                  dtype="bfloat16", op="train_step", tokens=ladder[0], numerics=False,
-                 priority=0, **shape), ladder)
-        for impl, dispatch, routing in impls
+                 recompute=recompute, priority=0, **shape), ladder)
+        for impl, dispatch, routing, recompute in impls
     ]
 
 
@@ -382,6 +394,8 @@ def moe_config(case: MoECase, *, dtype=None, routing=None, impl=None, dispatch=N
         if "block_m" not in names:
             raise Unavailable("unsupported: tilax.MoEConfig has no block_m option")
         kwargs["block_m"] = case.block_m
+    if case.recompute:
+        kwargs["recompute"] = True
     return tilax.MoEConfig(**kwargs)
 
 
@@ -568,7 +582,7 @@ def build_piece(case: MoECase, state) -> JaxWorkload:
     sort_by_expert = _moe_internal("tilax.moe.dispatch", "sort_by_expert")
     permute = _moe_internal("tilax.moe.dispatch", "permute")
     combine = _moe_internal("tilax.moe.dispatch", "combine")
-    kernel_tiles = _moe_internal("tilax.moe.api", "kernel_tiles")
+    kernel_tiles = _moe_internal("tilax.moe.pallas", "kernel_tiles")
     config = moe_config(case)
     tiles = kernel_tiles(config)
 
@@ -610,8 +624,8 @@ def build_experts_piece(case, config, tiles, layout, rows, params, key) -> JaxWo
     import jax
     import jax.numpy as jnp
 
-    pallas_experts = _moe_internal("tilax.moe.api", "_pallas_experts")
-    plan_type = _moe_internal("tilax.moe.api", "_Plan")
+    pallas_experts = _moe_internal("tilax.moe.pallas", "pallas_experts")
+    plan_type = _moe_internal("tilax.moe.pallas", "Plan")
     resolve_impl = _moe_internal("tilax.moe.api", "resolve_impl")
     sort_by_expert = _moe_internal("tilax.moe.dispatch", "sort_by_expert")
     gmm_schedule = _moe_internal("tilax.moe.dispatch", "gmm_schedule")

@@ -34,7 +34,8 @@ Options (each also read from the environment variable in brackets):
 
 - ``--bench-suite NAME`` [``TILAX_BENCH_SUITES``, comma separated]: repeatable; suite names
   ``layer decoder pieces blockm maxtok kernel_mv kde_density kernel_mv_tiles kernel_mv_peak
-  kernel_mv_max_n``, short names ``kde tiles peak max_n``, groups ``moe rbf ladders all``.
+  kernel_mv_max_n ep``, short names ``kde tiles peak max_n``, groups ``moe rbf ladders all``
+  (``ep``, on every local GPU, only by name: it is in no group).
 - ``--bench-mode smoke|quick|full|auto`` [``TILAX_BENCH_MODE``], or ``--bench-quick`` /
   ``--bench-smoke``. ``auto`` (default): full on a GPU when the run asks for results
   (``--benchmark-json``) or suites (``--bench-suite``), smoke otherwise (so a plain
@@ -54,7 +55,7 @@ unseen; about a minute on 2 cores), ``quick`` (every suite at one or two realist
 Budget and order: each selected suite is given a share of ``--bench-budget`` in proportion to
 ``SUITE_WEIGHTS`` (the minutes column below: maxtok 3, layer 10, decoder 6, pieces 0.5, blockm
 0.5, kernel_mv_max_n 1.5, kernel_mv_peak 1.5, kernel_mv 4, kde_density 0.7, kernel_mv_tiles
-0.5). A suite's share is reserved for it until its last row has run; a row may use its own
+0.5, ep 3). A suite's share is reserved for it until its last row has run; a row may use its own
 suite's share plus whatever no other suite is still owed (shares of finished suites, time they
 left unused), so the run stays within the budget and no suite starves another. Rows run by
 priority: the ladders first (priority 0, while the parent's memory pool is small; each ladder
@@ -71,8 +72,9 @@ steps cost a fresh interpreter, 12-22 s each on the H200).
 ===============  =========================================================  ====  =======
 suite            full grid (rows)                                           rows  minutes
 ===============  =========================================================  ====  =======
-maxtok           7 impls, bf16 train step, 131k..32M tokens (powers of two);  ~40   ~10
-                 jumps to the largest size predicted to fit, then bisects
+maxtok           8 ladders (7 impls, and pallas with recompute=True), bf16     ~45   ~11
+                 train step, 131k..32M tokens (powers of two); jumps to the
+                 largest size predicted to fit, then bisects
 layer            11 impls x 32k/131k x fp32/bf16 x fwd/train (first; peers   132   ~10
                  bf16 only), then triton bf16, 5 impls at 4k, E64 top4
                  h256, skew 0.9
@@ -88,6 +90,11 @@ kde_density      3 impls x 1k/16k/64k x dim 2/8 x fwd/fwd_bwd               36  
 kernel_mv_tiles  6 tiles x 64k x out 1/16 x fwd/fwd_bwd                     24    ~0.5
 rbf              all five (``--bench-suite rbf``)                           ~280  ~8
 quick            every suite at one or two sizes (``--bench-quick``)        ~60   ~3
+ep               expert parallelism on all n local GPUs (``bench_ep``): E8   24    ~3
+                 top2 d512 h1024 and E64 top8 w128 + shared 1024, bf16
+                 train step, 1 GPU at T and n GPUs at n*T tokens (T 65k,
+                 131k), ragged and all_to_all exchange, the exchange alone,
+                 and the link (a plain all-to-all of the same bytes) first
 ===============  =========================================================  ====  =======
 
 Measured on the H200 (commit 4cab2a4): the layer suite's 32k and 4k rows took 185 s, its 131k,
@@ -127,6 +134,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 from pathlib import Path  # noqa: E402
 
+import bench_ep  # noqa: E402
 import bench_moe  # noqa: E402
 import bench_rbf  # noqa: E402
 import pytest  # noqa: E402
@@ -136,6 +144,9 @@ from bench_rows import append_row, check_extra_info, write_header  # noqa: E402
 
 MOE_SUITES = ("layer", "decoder", "pieces", "blockm", "maxtok")
 RBF_SUITES = ("kernel_mv", "kde_density", "kernel_mv_tiles", "kernel_mv_peak", "kernel_mv_max_n")
+# Multi-device suites: asked for by name only (their rows need every local GPU; a one-GPU
+# run stores them as "unavailable" rows).
+MULTI_DEVICE_SUITES = ("ep",)
 SUITE_GROUPS = {
     "all": MOE_SUITES + RBF_SUITES,
     "moe": MOE_SUITES,
@@ -161,7 +172,7 @@ MODE_SETTINGS = {
 SUITE_WEIGHTS = {
     "maxtok": 3.0, "layer": 10.0, "decoder": 6.0, "pieces": 0.5, "blockm": 0.5,
     "kernel_mv_max_n": 1.5, "kernel_mv_peak": 1.5, "kernel_mv": 4.0, "kde_density": 0.7,
-    "kernel_mv_tiles": 0.5,
+    "kernel_mv_tiles": 0.5, "ep": 3.0,
 }
 STATE = pytest.StashKey[State]()
 ROWS = pytest.StashKey[Path | None]()
@@ -206,10 +217,10 @@ def resolve_suites(config) -> frozenset[str]:
             continue
         if name in SUITE_GROUPS:
             suites.update(SUITE_GROUPS[name])
-        elif name in MOE_SUITES + RBF_SUITES:
+        elif name in MOE_SUITES + RBF_SUITES + MULTI_DEVICE_SUITES:
             suites.add(name)
         else:
-            known = sorted(set(SUITE_GROUPS) | set(MOE_SUITES + RBF_SUITES))
+            known = sorted(set(SUITE_GROUPS) | set(MOE_SUITES + RBF_SUITES + MULTI_DEVICE_SUITES))
             raise pytest.UsageError(
                 f"--bench-suite: unknown suite {name!r}; known: {', '.join(known)}")
     return frozenset(suites)
@@ -281,6 +292,8 @@ def suite_params(suite: str, mode: str) -> list:
                 for step in ladder_steps(case, [case.n], "n", summary=False, name=case.id)]
     if suite in MOE_SUITES:
         return bench_moe.suite_cases(suite, mode)
+    if suite in MULTI_DEVICE_SUITES:
+        return bench_ep.suite_cases(suite, mode)
     return bench_rbf.suite_cases(suite, mode)
 
 

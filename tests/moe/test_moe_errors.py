@@ -6,7 +6,7 @@ import pytest
 
 import tilax
 from tilax import _pallas
-from tilax.moe import api
+from tilax.moe import api, gmm_triton
 
 BASE = dict(d_model=16, d_hidden=32, num_experts=4, top_k=2)
 
@@ -32,6 +32,9 @@ def _config(**overrides):
         (dict(block_n=8), "block_n must be an integer >= 16"),
         (dict(num_warps=3), "num_warps must be a power of two"),
         (dict(num_stages=0), "num_stages must be an integer >= 1"),
+        (dict(recompute=1), "recompute must be a bool"),
+        (dict(recompute_rows=0), "recompute_rows must be an integer >= 1"),
+        (dict(exchange="nccl"), "exchange must be one of"),
     ],
 )
 def test_bad_config(overrides, match):
@@ -136,7 +139,7 @@ def test_resolve_impl_and_tiles():
     assert api.resolve_impl(_config(routing="dense", impl="ragged_dot")) == "dense"
     tiles = api.kernel_tiles(_config(block_m=64, num_warps=8))
     assert (tiles.block_m, tiles.num_warps) == (64, 8)
-    assert tiles.block_n == api.default_tiles(jnp.float32).block_n
+    assert tiles.block_n == gmm_triton.default_tiles(jnp.float32).block_n
 
 
 def test_public_names():

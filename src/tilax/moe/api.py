@@ -1,18 +1,13 @@
 """The MoE layer's public entry points: ``MoEConfig``, ``moe_init`` and ``moe_apply``.
 
-``moe_apply`` validates its inputs, routes the tokens (``router.py``), picks the implementation
-of the routed experts and owns the ``custom_vjp`` of the Pallas grouped-matmul path:
+This file validates inputs and chooses the implementation; the work happens elsewhere:
 
-- forward, per ``dispatch``: ``sorted`` (permuted copy of ``x``, three grouped matmuls, SwiGLU
-  and combine in XLA), ``gather`` (the grouped matmuls read rows of ``x`` through the sort index),
-  ``fused`` (gather, plus gate/up/SwiGLU in one kernel), ``fused_gsum`` (fused, plus the weighted
-  combine in the down projection's epilogue, float32 atomics);
-- backward, shared by all dispatches: the down projection's input gradient with the SwiGLU
-  backward and the combine weights' gradient fused into its epilogue, ``dx`` by a grouped
-  matmul against the transposed gate/up weights, and the weight gradients by the transposed
-  grouped matmul (ragged contraction over each expert's rows), all Pallas. ``sorted`` feeds
-  the kernels permuted copies of ``x`` and ``dy``; the other dispatches gather rows through the
-  sort index inside the kernels.
+- ``router.py`` routes tokens and computes ``aux``; ``dispatch.py`` builds the row layout;
+- ``IMPLEMENTATIONS`` maps an implementation name (``resolve_impl``) to its routed experts
+  (a ``base.RoutedExperts``): the Pallas path (``pallas.py``, which owns the custom VJP) once
+  per kernel backend (``gmm_triton.py``), and the plain-XLA ones of ``reference.py``;
+- with a mesh, ``expert_parallel.py`` runs the same pieces on every device and moves the token
+  copies between the devices that own their experts.
 
 The router, the aux losses, the shared expert, feature padding and the casts stay in plain JAX
 and are differentiated by JAX around the custom-gradient expert path.
@@ -21,7 +16,6 @@ and are differentiated by JAX around the custom-gradient expert path.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import Any
 
@@ -29,16 +23,21 @@ import jax
 import jax.numpy as jnp
 
 from tilax import _pallas
-from tilax.moe import dispatch, gmm_triton, reference, router
-from tilax.moe.gmm_triton import Tiles
+from tilax.moe import (
+    dispatch,
+    exchange,
+    expert_parallel,
+    gmm_triton,
+    pallas,
+    reference,
+    router,
+)
+from tilax.moe.base import RoutedCopies
 
 IMPLS = ("auto", "pallas", "triton", "mosaic", "blocked", "ragged_dot")
 DISPATCHES = ("sorted", "gather", "fused", "fused_gsum")
 ROUTINGS = ("dropless", "capacity", "dense")
 DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-
-# Feature dimensions are zero-padded to a multiple of this for the kernels (tl.dot needs >= 16).
-FEATURE_MULTIPLE = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +71,18 @@ class MoEConfig:
             default.
         num_warps: Triton warps per program; ``None`` picks the device default.
         num_stages: Triton software-pipelining depth; ``None`` picks the device default.
+        recompute: save memory in training: the Pallas path runs the experts over slices of
+            ``recompute_rows`` token copies and recomputes the gate/up projections in the
+            backward instead of saving them (one more pair of grouped matmuls; the hidden
+            activations exist one slice at a time); the XLA impls run under
+            ``jax.checkpoint``. Results equal the default up to float rounding.
+        recompute_rows: token copies per slice with ``recompute`` (rounded up to the row
+            tile); smaller saves more memory, larger launches fewer kernels.
+        exchange: how expert parallelism (``moe_apply(..., mesh=)``) moves token copies
+            between devices: ``"all_to_all"`` (fixed worst-case blocks, any backend),
+            ``"ragged"`` (``jax.lax.ragged_all_to_all``: only the copies; emulated on CPU) or
+            ``"auto"`` (``"all_to_all"`` until ragged is measured faster on GPUs). Both are
+            dropless.
 
     Raises:
         ValueError: a size is not a positive integer, ``top_k > num_experts``, an unknown
@@ -102,6 +113,9 @@ class MoEConfig:
     block_k: int | None = None
     num_warps: int | None = None
     num_stages: int | None = None
+    recompute: bool = False
+    recompute_rows: int = 262144
+    exchange: str = "auto"
 
     def __post_init__(self):
         for name in ("d_model", "d_hidden", "num_experts", "top_k"):
@@ -115,6 +129,7 @@ class MoEConfig:
             ("routing", ROUTINGS),
             ("impl", IMPLS),
             ("dispatch", DISPATCHES),
+            ("exchange", exchange.TRANSPORTS),
         ):
             value = getattr(self, name)
             if value not in allowed:
@@ -124,8 +139,10 @@ class MoEConfig:
             raise ValueError(f"capacity_factor must be a number > 0, got {factor!r}")
         if not (math.isfinite(factor) and factor > 0):
             raise ValueError(f"capacity_factor must be a finite number > 0, got {factor!r}")
-        if not isinstance(self.renormalize, bool):
-            raise ValueError(f"renormalize must be a bool, got {self.renormalize!r}")
+        for name in ("renormalize", "recompute"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        _check_int("recompute_rows", self.recompute_rows, minimum=1)
         try:
             dtype = jnp.dtype(self.dtype)
         except TypeError as err:
@@ -244,7 +261,16 @@ def _check_leaf(name: str, value: Any, shape: tuple[int, ...]) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# Implementation choice and kernel tiles
+# Implementation choice
+
+# resolve_impl's names -> routed experts (base.RoutedExperts). A Pallas backend is one entry
+# here and one kernel module in pallas.KERNELS.
+IMPLEMENTATIONS = {
+    "dense": reference.routed_dense,
+    "blocked": reference.routed_blocked,
+    "ragged_dot": reference.routed_ragged_dot,
+    **{backend: pallas.PallasExperts(backend) for backend in pallas.KERNELS},
+}
 
 
 def resolve_impl(config: MoEConfig) -> str:
@@ -263,10 +289,13 @@ def resolve_impl(config: MoEConfig) -> str:
         reason = _pallas.mosaic_unavailable_reason()
         if reason is not None:
             raise ValueError(f"impl='mosaic' cannot run on this device: {reason}")
-        raise NotImplementedError(
-            "impl='mosaic' is not available yet: tilax has no Mosaic GPU grouped matmul for "
-            "the MoE layer; use impl='triton' (or 'pallas'/'auto', which pick Triton here)"
-        )
+        if "mosaic" not in IMPLEMENTATIONS:
+            raise NotImplementedError(
+                "impl='mosaic' is not available yet: tilax has no Mosaic GPU grouped matmul "
+                "for the MoE layer; use impl='triton' (or 'pallas'/'auto', which pick Triton "
+                "here)"
+            )
+        return "mosaic"
     if config.routing == "dense":
         return "dense"
     if config.impl in ("blocked", "ragged_dot"):
@@ -274,156 +303,24 @@ def resolve_impl(config: MoEConfig) -> str:
     return _pallas.resolve_backend(config.impl)
 
 
-def default_tiles(dtype: Any) -> Tiles:
-    """Device-default kernel tiles for activations of ``dtype``.
-
-    - CPU (interpret mode): 32 x 32 x 32 (the tiles only set the interpreter's loop counts).
-    - GPU, float32 operands (IEEE float32 dots, no tensor-core path): 64 x 64 x 32,
-      4 warps, 2 stages.
-    - Hopper and newer (sm90+), 16-bit operands: 128 x 128 x 64, 8 warps, 3 stages.
-    - Older GPUs (sm80-sm89), 16-bit operands: 64 x 128 x 32, 4 warps, 3 stages.
-    """
-    if _pallas.platform() != "gpu":
-        return Tiles(block_m=32, block_n=32, block_k=32, num_warps=4, num_stages=2)
-    if jnp.dtype(dtype) == jnp.float32:
-        return Tiles(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=2)
-    if _pallas.is_hopper_or_newer():
-        return Tiles(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
-    return Tiles(block_m=64, block_n=128, block_k=32, num_warps=4, num_stages=3)
-
-
-def kernel_tiles(config: MoEConfig) -> Tiles:
-    """The tiles the Pallas path uses: ``default_tiles`` overridden by the config's fields."""
-    tiles = default_tiles(config.dtype)
-    overrides = {
-        name: getattr(config, name)
-        for name in ("block_m", "block_n", "block_k", "num_warps", "num_stages")
-        if getattr(config, name) is not None
-    }
-    return dataclasses.replace(tiles, **overrides)
-
-
-# ----------------------------------------------------------------------------------------------
-# The Pallas expert path and its custom VJP
-
-
-@dataclasses.dataclass(frozen=True)
-class _Plan:
-    """Static choices of one Pallas expert call."""
-
-    dispatch: str
-    backend: str
-    tiles: Tiles
-    num_tokens: int
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _pallas_experts(plan, x, w_gate, w_up, w_down, weights, layout, schedule):
-    """``y[t] = sum_j weights[t, j] * SwiGLU_{e(t, j)}(x[t])`` over kept copies, ``[T, d]``."""
-    return _experts_forward(plan, x, w_gate, w_up, w_down, weights, layout, schedule, False)[0]
-
-
-def _experts_forward(plan, x, w_gate, w_up, w_down, weights, layout, schedule, save):
-    """The forward for ``plan.dispatch``; returns ``(y, residuals)`` (``None`` unless ``save``):
-    the permuted ``x`` (``sorted`` only) and the gate/up pre-activations."""
-    kw = dict(tiles=plan.tiles, backend=plan.backend)
-    tokens = layout.row_token
-    if plan.dispatch in ("sorted", "gather"):
-        if plan.dispatch == "sorted":
-            lhs, index = dispatch.permute(x, layout), None
-        else:
-            lhs, index = x, tokens
-        gate = gmm_triton.gmm(lhs, w_gate, schedule, index=index, **kw)
-        up = gmm_triton.gmm(lhs, w_up, schedule, index=index, **kw)
-        rows = gmm_triton.gmm(reference.swiglu_activation(gate, up), w_down, schedule, **kw)
-        y = dispatch.combine(rows, weights, layout)
-        return y, ((lhs if index is None else None, gate, up) if save else None)
-    act, *pre = gmm_triton.gmm_swiglu(
-        x, w_gate, w_up, schedule, index=tokens, save_preactivations=save, **kw
-    )
-    if plan.dispatch == "fused":
-        y = dispatch.combine(gmm_triton.gmm(act, w_down, schedule, **kw), weights, layout)
-    else:
-        w_rows = dispatch.row_weights(weights, layout)
-        y = gmm_triton.gmm_combine(
-            act, w_down, w_rows, layout.row_target, schedule, num_tokens=plan.num_tokens, **kw
-        ).astype(x.dtype)
-    return y, ((None, *pre) if save else None)
-
-
-def _pallas_experts_fwd(plan, x, w_gate, w_up, w_down, weights, layout, schedule):
-    y, saved = _experts_forward(
-        plan, x, w_gate, w_up, w_down, weights, layout, schedule, True
-    )
-    return y, (x, w_gate, w_up, w_down, weights, layout, schedule, saved)
-
-
-def _pallas_experts_bwd(plan, residuals, dy):
-    """Backward: the SwiGLU backward is fused into the down projection's input-gradient kernel
-    for every dispatch; ``sorted`` feeds the kernels permuted copies of ``x`` and ``dy``, the
-    others gather rows through the sort index inside the kernels."""
-    x, w_gate, w_up, w_down, weights, layout, schedule, (xs, gate, up) = residuals
-    kw = dict(tiles=plan.tiles, backend=plan.backend)
-    offsets = layout.group_offsets
-    if plan.dispatch == "sorted":
-        dy_src, x_src, index = dispatch.permute(dy, layout), xs, None
-    else:
-        dy_src, x_src, index = dy, x, layout.row_token
-    w_rows = dispatch.row_weights(weights, layout)
-    d_gate, d_up, act_scaled, dw_partial = gmm_triton.gmm_swiglu_bwd(
-        dy_src, w_down, gate, up, w_rows, schedule, index=index, **kw
-    )
-    dx_rows = gmm_triton.gmm(
-        d_gate, w_gate, schedule, transpose_rhs=True, lhs2=d_up, rhs2=w_up,
-        out_dtype=x.dtype, **kw,
-    )
-    dw_gate, dw_up = gmm_triton.tgmm(
-        x_src, d_gate, offsets, lhs_index=index, rhs2=d_up, out_dtype=w_gate.dtype, **kw
-    )
-    (dw_down,) = gmm_triton.tgmm(
-        act_scaled, dy_src, offsets, rhs_index=index, out_dtype=w_down.dtype, **kw
-    )
-    dx = dispatch.sum_copies(dx_rows, layout)
-    d_weights = dispatch.copy_values(jnp.sum(dw_partial, axis=0), layout)
-    return dx, dw_gate, dw_up, dw_down, d_weights.astype(weights.dtype), None, None
-
-
-_pallas_experts.defvjp(_pallas_experts_fwd, _pallas_experts_bwd)
-
-
-def _pad_features(config: MoEConfig, x, w_gate, w_up, w_down):
-    """Zero-pad ``d_model`` and ``d_hidden`` to multiples of 16 (exact: zeros add nothing)."""
-    d_pad = _pallas.round_up(config.d_model, FEATURE_MULTIPLE) - config.d_model
-    h_pad = _pallas.round_up(config.d_hidden, FEATURE_MULTIPLE) - config.d_hidden
-    if d_pad == 0 and h_pad == 0:
-        return x, w_gate, w_up, w_down
-    x = jnp.pad(x, ((0, 0), (0, d_pad)))
-    w_gate = jnp.pad(w_gate, ((0, 0), (0, d_pad), (0, h_pad)))
-    w_up = jnp.pad(w_up, ((0, 0), (0, d_pad), (0, h_pad)))
-    w_down = jnp.pad(w_down, ((0, 0), (0, h_pad), (0, d_pad)))
-    return x, w_gate, w_up, w_down
-
-
-def _pallas_routed(config, backend, x, w_gate, w_up, w_down, routed, capacity):
-    tiles = kernel_tiles(config)
-    num_tokens = x.shape[0]
-    layout = dispatch.sort_by_expert(
-        routed.expert_ids, config.num_experts, capacity=capacity, row_multiple=tiles.row_multiple
-    )
-    schedule = dispatch.gmm_schedule(
-        layout.group_offsets, layout.row_token.shape[0], tiles.block_m
-    )
-    plan = _Plan(config.dispatch, backend, tiles, num_tokens)
-    padded = _pad_features(config, x, w_gate, w_up, w_down)
-    y = _pallas_experts(plan, *padded, routed.weights, layout, schedule)
-    return y[:, : config.d_model], layout
+def kernel_tiles(config: MoEConfig):
+    """The tiles the Pallas path uses for ``config`` on this device (its backend's defaults,
+    overridden by the config's tile fields)."""
+    return pallas.kernel_tiles(config)
 
 
 # ----------------------------------------------------------------------------------------------
 # The layer
 
 
-def moe_apply(params: dict, x: jax.Array, config: MoEConfig) -> tuple[jax.Array, dict]:
+def moe_apply(
+    params: dict,
+    x: jax.Array,
+    config: MoEConfig,
+    *,
+    mesh: jax.sharding.Mesh | None = None,
+    expert_axis: str = "expert",
+) -> tuple[jax.Array, dict]:
     """Apply the MoE layer: ``y = sum_k w_k * expert_k(x) + shared(x)``.
 
     ``logits = x @ router`` in float32, ``probs = softmax(logits)``, each token's top-k experts
@@ -432,12 +329,22 @@ def moe_apply(params: dict, x: jax.Array, config: MoEConfig) -> tuple[jax.Array,
     ``config.dtype`` with float32 accumulation. Differentiable (reverse mode) w.r.t. ``params``
     and ``x``; jit-compatible (``config`` is static).
 
+    With a ``mesh``, expert parallelism: the experts' leading dimension is sharded over the
+    mesh axis ``expert_axis`` and the tokens over all mesh axes; every device routes its own
+    tokens, each token copy travels to the device owning its expert and its result travels
+    back (dropless: no copy is dropped, however skewed the routing), and ``y``, ``aux`` and the
+    gradients equal the single-device call up to float rounding (capacity routing keeps the
+    same copies: earliest tokens first over the whole batch). ``y`` comes back sharded over
+    all mesh axes along its tokens. See ``expert_parallel.py`` for how.
+
     Args:
         params: the pytree from `moe_init` (leaves may be float32 masters: they are cast
             to ``config.dtype``, the router to float32).
         x: ``[T, d_model]`` or ``[..., d_model]`` tokens (any float dtype; cast to
             ``config.dtype`` for the experts).
         config: the layer configuration.
+        mesh: a ``jax.sharding.Mesh`` for expert parallelism, or ``None`` (one device).
+        expert_axis: the mesh axis the experts are sharded over.
 
     Returns:
         ``(y, aux)``: ``y`` with the shape of ``x`` in ``config.dtype``; ``aux`` a dict with
@@ -447,9 +354,10 @@ def moe_apply(params: dict, x: jax.Array, config: MoEConfig) -> tuple[jax.Array,
 
     Raises:
         ValueError: ``x``'s last dimension is not ``d_model``, ``x`` holds no token, a
-            parameter is missing or has the wrong shape, or ``impl="mosaic"`` on a device that
-            cannot run it (with the reason).
-        TypeError: ``x`` or a parameter is not a float array.
+            parameter is missing or has the wrong shape, ``impl="mosaic"`` on a device that
+            cannot run it (with the reason), ``expert_axis`` is not an axis of ``mesh``, or
+            ``num_experts`` is not divisible by its size.
+        TypeError: ``x`` or a parameter is not a float array, or ``mesh`` is not a ``Mesh``.
         NotImplementedError: ``impl="mosaic"`` on Hopper (no Mosaic GPU kernel yet).
 
     Examples:
@@ -475,41 +383,34 @@ def moe_apply(params: dict, x: jax.Array, config: MoEConfig) -> tuple[jax.Array,
     num_tokens = math.prod(jnp.shape(x)[:-1])
     if num_tokens == 0:
         raise ValueError(f"x must hold at least one token, got shape {tuple(jnp.shape(x))}")
-    impl = resolve_impl(config)
+    if mesh is not None:
+        expert_parallel.check_mesh(mesh, expert_axis, config.num_experts)
+    experts = IMPLEMENTATIONS[resolve_impl(config)]
+    if mesh is not None:
+        y, aux = expert_parallel.moe_apply_sharded(
+            params, x, config, experts, mesh=mesh, expert_axis=expert_axis
+        )
+        return y, aux
 
     x2 = jnp.reshape(x, (num_tokens, config.d_model))
     routed = router.route(x2, params["router"], config.top_k, config.renormalize)
     dtype = config.dtype
     xc = x2.astype(dtype)
     w_gate, w_up, w_down = (params[n].astype(dtype) for n in ("w_gate", "w_up", "w_down"))
-    kept = None
-    if impl == "dense":
-        y = reference.experts_dense(xc, w_gate, w_up, w_down, routed.expert_ids, routed.weights)
-    else:
-        capacity = None
-        if config.routing == "capacity":
-            capacity = dispatch.expert_capacity(
-                num_tokens, config.top_k, config.num_experts, config.capacity_factor
-            )
-        if impl in ("blocked", "ragged_dot"):
-            layout = dispatch.sort_by_expert(
-                routed.expert_ids, config.num_experts, capacity=capacity
-            )
-            if impl == "blocked":
-                rows = num_tokens if capacity is None else min(num_tokens, capacity)
-                y = reference.experts_blocked(
-                    xc, w_gate, w_up, w_down, routed.weights, layout, rows
-                )
-            else:
-                y = reference.experts_ragged_dot(xc, w_gate, w_up, w_down, routed.weights, layout)
-        else:
-            y, layout = _pallas_routed(
-                config, impl, xc, w_gate, w_up, w_down, routed, capacity
-            )
-        if capacity is not None:
-            kept = layout.group_offsets[-1]
+    capacity = None
+    if config.routing == "capacity":
+        capacity = dispatch.expert_capacity(
+            num_tokens, config.top_k, config.num_experts, config.capacity_factor
+        )
+    copies = RoutedCopies(routed.expert_ids, routed.weights, capacity)
+    y, kept = experts(config, xc, w_gate, w_up, w_down, copies)
     if config.shared_hidden:
-        shared = {n: params["shared"][n].astype(dtype) for n in ("w_gate", "w_up", "w_down")}
-        y = y + reference.shared_expert(xc, shared)
+        y = y + shared_expert(params, xc, config)
     aux = router.router_aux(routed, config.num_experts, kept)
     return y.reshape(jnp.shape(x)[:-1] + (config.d_model,)).astype(dtype), aux
+
+
+def shared_expert(params: dict, x: jax.Array, config: MoEConfig) -> jax.Array:
+    """The shared expert on tokens ``x`` (already in ``config.dtype``)."""
+    shared = {n: params["shared"][n].astype(config.dtype) for n in ("w_gate", "w_up", "w_down")}
+    return reference.shared_expert(x, shared)

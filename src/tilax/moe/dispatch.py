@@ -8,7 +8,8 @@ between token space and row space is always a gather (no scatter of activations)
 
 Capacity routing keeps at most ``C`` copies per expert, the earliest tokens first; the dropped
 copies are sorted behind all kept ones, so the first ``sum(group_sizes)`` rows are exactly the
-kept copies, grouped by expert.
+kept copies, grouped by expert. Under expert parallelism the copies to keep are decided across
+devices and given as a mask (``kept``); the layout is built the same way.
 """
 
 from __future__ import annotations
@@ -70,6 +71,15 @@ def expert_capacity(
     return math.ceil(capacity_factor * num_tokens * top_k / num_experts)
 
 
+def row_count(
+    num_tokens: int, top_k: int, num_experts: int, capacity: int | None = None
+) -> int:
+    """Rows of the row space before padding: ``T * k``, or ``min(T * k, E * C)`` with a
+    capacity ``C``."""
+    copies = num_tokens * top_k
+    return copies if capacity is None else min(copies, num_experts * capacity)
+
+
 def expert_counts(expert_ids: jax.Array, num_experts: int) -> jax.Array:
     """``[E]`` int32: how many entries of ``expert_ids`` (any shape) name each expert.
 
@@ -85,6 +95,7 @@ def sort_by_expert(
     num_experts: int,
     *,
     capacity: int | None = None,
+    kept: jax.Array | None = None,
     row_multiple: int = 1,
 ) -> RowLayout:
     """Build the row layout for ``expert_ids: [T, k]`` (int32).
@@ -94,22 +105,36 @@ def sort_by_expert(
         num_experts: ``E``.
         capacity: keep at most this many copies per expert, earliest tokens first
             (``None``: dropless, keep all).
+        kept: ``[T, k]`` bool, the copies to keep when that was decided elsewhere (expert
+            parallelism: across devices); not together with ``capacity``.
         row_multiple: pad the row count up to a multiple of this (the kernels' row tile).
 
     Returns:
         The :class:`RowLayout`, with ``R_pad = round_up(R, row_multiple)`` rows where
-        ``R = T * k`` (dropless) or ``min(T * k, E * capacity)`` (capacity).
+        ``R = T * k`` (dropless, or ``kept`` given) or ``min(T * k, E * capacity)`` (capacity).
     """
     num_tokens, top_k = expert_ids.shape
     copies = num_tokens * top_k
     flat_expert = expert_ids.reshape(-1).astype(jnp.int32)
-    counts = expert_counts(flat_expert, num_experts)
-    order = jnp.argsort(flat_expert, stable=True).astype(jnp.int32)
-    if capacity is None:
+    if kept is not None:
+        if capacity is not None:
+            raise ValueError("sort_by_expert takes capacity or kept, not both")
+        kept = kept.reshape(-1)
+        # Copies not kept get the key E: the stable sort puts them behind every kept row.
+        order = jnp.argsort(
+            jnp.where(kept, flat_expert, num_experts), stable=True
+        ).astype(jnp.int32)
+        group_sizes = expert_counts(jnp.where(kept, flat_expert, num_experts), num_experts)
+        num_rows = copies
+    elif capacity is None:
+        counts = expert_counts(flat_expert, num_experts)
+        order = jnp.argsort(flat_expert, stable=True).astype(jnp.int32)
         kept = jnp.ones((copies,), bool)
         group_sizes = counts
         num_rows = copies
     else:
+        counts = expert_counts(flat_expert, num_experts)
+        order = jnp.argsort(flat_expert, stable=True).astype(jnp.int32)
         starts = jnp.cumsum(counts) - counts
         rank = jnp.zeros((copies,), jnp.int32).at[order].set(
             jnp.arange(copies, dtype=jnp.int32) - starts[flat_expert[order]]
@@ -120,7 +145,7 @@ def sort_by_expert(
             jnp.where(kept, flat_expert, num_experts), stable=True
         ).astype(jnp.int32)
         group_sizes = jnp.minimum(counts, capacity)
-        num_rows = min(copies, num_experts * capacity)
+        num_rows = row_count(num_tokens, top_k, num_experts, capacity)
     padded_rows = round_up(max(num_rows, 1), row_multiple)
     group_offsets = jnp.concatenate(
         [jnp.zeros((1,), jnp.int32), jnp.cumsum(group_sizes).astype(jnp.int32)]
@@ -145,11 +170,31 @@ def sort_by_expert(
     )
 
 
-def gmm_schedule(group_offsets: jax.Array, num_rows: int, block_m: int) -> GmmSchedule:
+def copy_ranks(expert_ids: jax.Array, num_experts: int, valid: jax.Array) -> jax.Array:
+    """``[T, k]`` int32: each valid copy's rank among the valid copies of its expert, in token
+    order (0 for the earliest token); what capacity routing compares with ``C``."""
+    copies = expert_ids.size
+    key = jnp.where(valid, expert_ids, num_experts).reshape(-1).astype(jnp.int32)
+    counts = expert_counts(key, num_experts + 1)
+    order = jnp.argsort(key, stable=True).astype(jnp.int32)
+    starts = jnp.cumsum(counts) - counts
+    rank = jnp.zeros((copies,), jnp.int32).at[order].set(
+        jnp.arange(copies, dtype=jnp.int32) - starts[key[order]]
+    )
+    return rank.reshape(expert_ids.shape)
+
+
+def gmm_schedule(
+    group_offsets: jax.Array, num_rows: int, block_m: int, *, cover_tail: bool = True
+) -> GmmSchedule:
     """Work items for a grouped matmul over ``num_rows`` rows (a multiple of ``block_m``).
 
-    The last expert's group is stretched to ``num_rows`` so that every row, padding and dropped
-    rows included, is computed by exactly one item: the outputs are fully defined and finite.
+    With ``cover_tail`` the last expert's group is stretched to ``num_rows`` so that every row,
+    padding and dropped rows included, is computed by exactly one item: the outputs are fully
+    defined and finite. Without it the rows past ``group_offsets[-1]`` belong to no item and
+    are never written (their tiles cost an empty program each): for row spaces sized for a
+    worst case that is rarely filled (expert parallelism's receive buffer), whose readers mask
+    those rows out with ``where``.
     """
     if num_rows % block_m:
         raise ValueError(f"num_rows ({num_rows}) must be a multiple of block_m ({block_m})")
@@ -157,7 +202,7 @@ def gmm_schedule(group_offsets: jax.Array, num_rows: int, block_m: int) -> GmmSc
     num_tiles = num_rows // block_m
     num_items = num_tiles + num_experts - 1
     starts = group_offsets[:-1]
-    ends = group_offsets[1:].at[-1].set(num_rows)
+    ends = group_offsets[1:].at[-1].set(num_rows) if cover_tail else group_offsets[1:]
     first_tile = starts // block_m
     tiles_per_expert = jnp.where(ends > starts, -(-ends // block_m) - first_tile, 0)
     item_end = jnp.cumsum(tiles_per_expert)

@@ -1,5 +1,9 @@
 """Grouped matmul kernels for the MoE experts: Pallas, Triton backend (interpret mode on CPU).
 
+One backend of the Pallas expert path (``pallas.py``): this module is the kernel set of the
+``base.GmmKernels`` contract, with its own tile configuration (:class:`Tiles`,
+:func:`default_tiles`, :func:`tiles_for`).
+
 The row space is the token copies sorted by expert (``dispatch.sort_by_expert``), padded to a
 multiple of the row tile. Forward-type kernels run one program per ``[block_m, block_n]`` output
 tile of one work item of a ``dispatch.GmmSchedule`` (a row tile and the expert whose rows it
@@ -62,6 +66,35 @@ class Tiles:
     def row_multiple(self) -> int:
         """Row-space arrays must have a multiple of this many rows."""
         return max(self.block_m, self.block_k)
+
+
+def default_tiles(dtype) -> Tiles:
+    """Device-default kernel tiles for activations of ``dtype``.
+
+    - CPU (interpret mode): 32 x 32 x 32 (the tiles only set the interpreter's loop counts).
+    - GPU, float32 operands (IEEE float32 dots, no tensor-core path): 64 x 64 x 32,
+      4 warps, 2 stages.
+    - Hopper and newer (sm90+), 16-bit operands: 128 x 128 x 64, 8 warps, 3 stages.
+    - Older GPUs (sm80-sm89), 16-bit operands: 64 x 128 x 32, 4 warps, 3 stages.
+    """
+    if _pallas.platform() != "gpu":
+        return Tiles(block_m=32, block_n=32, block_k=32, num_warps=4, num_stages=2)
+    if jnp.dtype(dtype) == jnp.float32:
+        return Tiles(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=2)
+    if _pallas.is_hopper_or_newer():
+        return Tiles(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
+    return Tiles(block_m=64, block_n=128, block_k=32, num_warps=4, num_stages=3)
+
+
+TILE_FIELDS = ("block_m", "block_n", "block_k", "num_warps", "num_stages")
+
+
+def tiles_for(config) -> Tiles:
+    """The tiles for an ``MoEConfig``: ``default_tiles`` overridden by the config's fields."""
+    overrides = {
+        name: getattr(config, name) for name in TILE_FIELDS if getattr(config, name) is not None
+    }
+    return dataclasses.replace(default_tiles(config.dtype), **overrides)
 
 
 def fit_block(block: int, dim: int) -> int:

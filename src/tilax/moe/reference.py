@@ -9,6 +9,10 @@ layout (``dispatch.py``):
 - :func:`experts_dense`: dense routing, every expert on every token, weighted by the combine
   weights (zero for experts a token did not choose).
 
+``routed_blocked``, ``routed_ragged_dot`` and ``routed_dense`` wrap them as entries of the
+layer's implementation registry (``base.RoutedExperts``); with ``MoEConfig.recompute`` they
+run under ``jax.checkpoint`` (the backward recomputes the forward instead of saving it).
+
 :func:`moe_oracle` is written straight from the layer's definition in float32 at the highest
 matmul precision, sharing no code with the implementations: the tests compare everything to it.
 All baselines take bfloat16 or float32 operands and accumulate in float32; intermediate
@@ -23,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from tilax.moe import dispatch
+from tilax.moe.base import RoutedCopies
 from tilax.moe.dispatch import RowLayout
 
 F32 = jnp.float32
@@ -66,12 +71,18 @@ def experts_dense(
     ``c[t, e]`` is the combine weight of expert ``e`` for token ``t`` (zero unless chosen).
     Memory ``E * T * d_hidden``; no sort, no gather.
     """
+    return experts_dense_float32(x, w_gate, w_up, w_down, expert_ids, weights).astype(x.dtype)
+
+
+def experts_dense_float32(x, w_gate, w_up, w_down, expert_ids, weights) -> jax.Array:
+    """:func:`experts_dense` before the final cast: the float32 sum. Experts outside
+    ``[0, E)`` contribute nothing (expert parallelism passes one device's share of experts)."""
     num_experts = w_gate.shape[0]
     one_hot = jax.nn.one_hot(expert_ids, num_experts, dtype=F32)
     coefficients = jnp.einsum("tk,tke->te", weights.astype(F32), one_hot)
     x_blocks = jnp.broadcast_to(x, (num_experts,) + x.shape)
     outputs = _expert_swiglu_batched(x_blocks, w_gate, w_up, w_down)
-    return jnp.einsum("etd,te->td", outputs.astype(F32), coefficients).astype(x.dtype)
+    return jnp.einsum("etd,te->td", outputs.astype(F32), coefficients)
 
 
 def _row_experts(layout: RowLayout, num_rows: int) -> jax.Array:
@@ -135,6 +146,46 @@ def experts_ragged_dot(
 
     act = swiglu_activation(ragged(xs, w_gate), ragged(xs, w_up))
     return dispatch.combine(ragged(act, w_down), weights, layout)
+
+
+def _checkpointed(config, fn):
+    return jax.checkpoint(fn) if config.recompute else fn
+
+
+def _layout(copies: RoutedCopies, num_experts: int) -> RowLayout:
+    return dispatch.sort_by_expert(
+        copies.expert_ids, num_experts, capacity=copies.capacity, kept=copies.kept
+    )
+
+
+def _kept_count(copies: RoutedCopies, layout: RowLayout):
+    return None if copies.capacity is None and copies.kept is None else layout.group_offsets[-1]
+
+
+def routed_blocked(config, x, w_gate, w_up, w_down, copies: RoutedCopies):
+    """:func:`experts_blocked` as a registry entry: blocks of ``min(T, C)`` rows."""
+    layout = _layout(copies, w_gate.shape[0])
+    num_tokens = x.shape[0]
+    rows = num_tokens if copies.capacity is None else min(num_tokens, copies.capacity)
+
+    def run(x, w_gate, w_up, w_down, weights, layout):
+        return experts_blocked(x, w_gate, w_up, w_down, weights, layout, rows)
+
+    y = _checkpointed(config, run)(x, w_gate, w_up, w_down, copies.weights, layout)
+    return y, _kept_count(copies, layout)
+
+
+def routed_ragged_dot(config, x, w_gate, w_up, w_down, copies: RoutedCopies):
+    """:func:`experts_ragged_dot` as a registry entry."""
+    layout = _layout(copies, w_gate.shape[0])
+    y = _checkpointed(config, experts_ragged_dot)(x, w_gate, w_up, w_down, copies.weights, layout)
+    return y, _kept_count(copies, layout)
+
+
+def routed_dense(config, x, w_gate, w_up, w_down, copies: RoutedCopies):
+    """:func:`experts_dense` as a registry entry (dense routing keeps every copy)."""
+    run = _checkpointed(config, experts_dense)
+    return run(x, w_gate, w_up, w_down, copies.expert_ids, copies.weights), None
 
 
 def moe_oracle(params: dict, x: jax.Array, config) -> jax.Array:

@@ -74,11 +74,26 @@ def router_aux(
         The two losses are differentiable float32 scalars; the counts carry no gradient.
     """
     num_tokens, top_k = routed.expert_ids.shape
-    copies = num_tokens * top_k
-    counts = dispatch.expert_counts(routed.expert_ids, num_experts)
-    fractions = counts.astype(jnp.float32) / copies
-    mean_probs = jnp.mean(routed.probs, axis=0)
     z = jax.nn.logsumexp(routed.logits, axis=-1)
+    return aux_from_sums(
+        counts=dispatch.expert_counts(routed.expert_ids, num_experts),
+        prob_sums=jnp.sum(routed.probs, axis=0),
+        z_squared_sum=jnp.sum(z * z),
+        num_tokens=num_tokens,
+        top_k=top_k,
+        kept_copies=kept_copies,
+    )
+
+
+def aux_from_sums(
+    *, counts, prob_sums, z_squared_sum, num_tokens: int, top_k: int, kept_copies=None
+) -> dict[str, jax.Array]:
+    """The ``aux`` dict from sums over the tokens (see :func:`router_aux`): the expert
+    counts, the router probabilities summed per expert, the sum of ``logsumexp(logits)**2``
+    and the kept copies. Expert parallelism adds these up over the devices first."""
+    copies = num_tokens * top_k
+    fractions = counts.astype(jnp.float32) / copies
+    mean_probs = prob_sums / num_tokens
     if kept_copies is None:
         dropped = jnp.zeros((), jnp.float32)
     else:
@@ -88,8 +103,8 @@ def router_aux(
         "max_expert_frac": jnp.max(fractions),
         "empty_experts": jnp.sum(counts == 0).astype(jnp.int32),
         "dropped_frac": dropped,
-        "router_z_loss": jnp.mean(z * z),
-        "load_balance_loss": num_experts * jnp.sum(fractions * mean_probs),
+        "router_z_loss": z_squared_sum / num_tokens,
+        "load_balance_loss": counts.shape[0] * jnp.sum(fractions * mean_probs),
     }
 
 

@@ -1,0 +1,109 @@
+"""The contracts between the MoE layer's parts: what an expert implementation is given and
+returns, and what a Pallas grouped-matmul backend must provide.
+
+``api.py`` picks an implementation by name from its registry (``api.IMPLEMENTATIONS``); every
+entry is a :class:`RoutedExperts`: the XLA ones in ``reference.py``, the Pallas path in
+``pallas.py`` once per backend. The Pallas path owns the custom VJP and calls its backend only
+through the :class:`GmmKernels` functions, so a backend is one kernel file (``gmm_triton.py``;
+``gmm_mosaic.py`` when it lands) registered in ``pallas.KERNELS``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Protocol
+
+import jax
+
+from tilax.moe.dispatch import GmmSchedule
+
+
+class RoutedCopies(NamedTuple):
+    """The token copies an expert implementation computes, and how it combines them.
+
+    Attributes:
+        expert_ids: ``[N, k]`` int32, each token's experts (distinct within a token).
+        weights: ``[N, k]`` float32 combine weights.
+        capacity: static; keep at most this many copies per expert, earliest tokens first
+            (``None``: no limit).
+        kept: ``[N, k]`` bool, the copies to compute when that was decided elsewhere (expert
+            parallelism decides across devices); ``None``: all, or by ``capacity``.
+        sparse_rows: static; the row space is sized for a worst case that is rarely filled
+            (expert parallelism's receive buffer): compute only the kept copies' rows.
+    """
+
+    expert_ids: jax.Array
+    weights: jax.Array
+    capacity: int | None = None
+    kept: jax.Array | None = None
+    sparse_rows: bool = False
+
+
+class RoutedExperts(Protocol):
+    """An implementation of the routed experts (one entry of ``api.IMPLEMENTATIONS``)."""
+
+    def __call__(
+        self,
+        config: Any,
+        x: jax.Array,
+        w_gate: jax.Array,
+        w_up: jax.Array,
+        w_down: jax.Array,
+        copies: RoutedCopies,
+    ) -> tuple[jax.Array, jax.Array | None]:
+        """``y[t] = sum_j weights[t, j] * SwiGLU_{expert_ids[t, j]}(x[t])`` over kept copies.
+
+        Args:
+            config: the layer's ``MoEConfig`` (dtype, dispatch, tiles, recompute).
+            x: ``[N, d]`` tokens in ``config.dtype``.
+            w_gate, w_up: ``[E, d, h]``; w_down: ``[E, h, d]`` (``E`` may be a device's share
+                of the experts: ``expert_ids`` index into these).
+            copies: the copies to compute.
+
+        Returns:
+            ``(y, kept_copies)``: ``y`` ``[N, d]`` in ``x.dtype`` and the number of copies
+            kept (an int32 scalar), or ``None`` when every copy was kept by construction.
+            Differentiable with respect to ``x``, the weights and ``copies.weights``.
+        """
+        ...
+
+
+class GmmKernels(Protocol):
+    """The kernel set of a Pallas grouped-matmul backend (a module such as ``gmm_triton``).
+
+    Rows live in the *row space*: token copies sorted by expert (``dispatch.sort_by_expert``),
+    padded to ``tiles.row_multiple``. Forward-type kernels follow a ``dispatch.GmmSchedule`` of
+    (row tile, expert) work items, store only the rows ``[lo, hi)`` of their item and leave
+    rows of no item unwritten; they take ``index`` to read their left rows through a gather
+    instead of from a sorted copy. All accumulate in float32. The Pallas path's custom VJP
+    (``pallas.py``) is written against exactly these functions:
+
+    - ``gmm(lhs, rhs, schedule, *, tiles, backend, index=None, transpose_rhs=False,
+      lhs2=None, rhs2=None, row_scale=None, out_dtype=None)``:
+      ``out[r] = scale[r] * (lhs[r] @ rhs[e(r)] + lhs2[r] @ rhs2[e(r)])``.
+    - ``gmm_swiglu(x, w_gate, w_up, schedule, *, tiles, backend, index=None,
+      save_preactivations=False)``: ``a = silu(x_r @ w_gate[e]) * (x_r @ w_up[e])``, and the
+      two pre-activations when asked.
+    - ``gmm_swiglu_bwd(dy, w_down, gate, up, row_scale, schedule, *, tiles, backend,
+      index=None)``: ``d_gate, d_up, a * w_r`` and ``[h / block_n, R]`` partial sums of
+      ``dz . a`` (``dz = dy_r @ w_down[e].T``), the combine weights' gradient.
+    - ``gmm_combine(hidden, w_down, row_scale, row_target, schedule, *, num_tokens, tiles,
+      backend)``: ``y[t] = sum over rows r of token t of w_r * hidden[r] @ w_down[e(r)]``,
+      float32 ``[T, d]``.
+    - ``tgmm(lhs, rhs, group_offsets, *, tiles, backend, lhs_index=None, rhs_index=None,
+      rhs2=None, out_dtype=None)``: ``out[e] = lhs[rows of e].T @ rhs[rows of e]`` (weight
+      gradients; rows outside every group are never read).
+    - ``tiles_for(config)``: the backend's tiles for a config (a dataclass with at least
+      ``block_m`` and ``row_multiple``).
+    """
+
+    def gmm(self, lhs, rhs, schedule: GmmSchedule, **kwargs) -> jax.Array: ...
+
+    def gmm_swiglu(self, x, w_gate, w_up, schedule: GmmSchedule, **kwargs) -> tuple: ...
+
+    def gmm_swiglu_bwd(self, dy, w_down, gate, up, row_scale, schedule, **kwargs) -> tuple: ...
+
+    def gmm_combine(self, hidden, w_down, row_scale, row_target, schedule, **kwargs): ...
+
+    def tgmm(self, lhs, rhs, group_offsets, **kwargs) -> tuple: ...
+
+    def tiles_for(self, config: Any) -> Any: ...

@@ -1,0 +1,240 @@
+"""Expert parallelism: the MoE layer over a ``jax.sharding.Mesh`` (``moe_apply(..., mesh=)``).
+
+One ``jax.shard_map`` over all mesh axes. The tokens are split over every axis (device ``i`` in
+row-major mesh order holds tokens ``[i * T_local, (i + 1) * T_local)``, the batch zero-padded
+to a multiple of the device count; padding tokens are masked out of everything), the routed
+experts' leading dimension over ``expert_axis`` (device ``j`` along it owns experts
+``[j * E_local, (j + 1) * E_local)``), the router and the shared expert are replicated. On
+each device:
+
+1. route its tokens (the same ``router.route``);
+2. decide which copies are kept: all of them (dropless), or under capacity routing the same
+   copies as on one device: a copy's rank among the copies of its expert over the *whole*
+   batch is its rank on this device plus the copies of that expert on lower-ranked devices
+   (an ``all_gather`` of the per-device counts), and it is kept when below
+   ``C = ceil(capacity_factor * T * k / E)`` with the global ``T``;
+3. ``aux`` from sums over every device (``psum``): the same numbers as on one device;
+4. send each kept copy along ``expert_axis`` to its expert's device (``exchange.py``: a
+   dropless exchange sized for the worst case), run the local experts on what arrived with
+   the same implementation as on one device (the Pallas kernels compute only the rows that
+   arrived), send the results back and combine them with the routing weights where the token
+   lives;
+5. add the shared expert.
+
+Dense routing runs every expert on every token instead: each device all-gathers the tokens of
+its row of ``expert_axis``, applies its own experts weighted by the routing weights (float32
+partial sums), and a ``psum_scatter`` adds the partial sums up and hands each device its own
+tokens' outputs. Gradients come from JAX's transposes of the collectives and the custom VJPs
+of the expert path and of the exchange's gathers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from tilax import _pallas
+from tilax.moe import dispatch, exchange, reference, router
+from tilax.moe.base import RoutedCopies
+
+EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down")
+
+
+def check_mesh(mesh, expert_axis: str, num_experts: int) -> None:
+    """Raise unless ``mesh`` is a Mesh with an axis ``expert_axis`` dividing ``num_experts``."""
+    if not isinstance(mesh, jax.sharding.Mesh):
+        raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+    if expert_axis not in mesh.axis_names:
+        raise ValueError(
+            f"expert_axis {expert_axis!r} is not an axis of the mesh "
+            f"(its axes are {tuple(mesh.axis_names)})"
+        )
+    size = mesh.shape[expert_axis]
+    if num_experts % size:
+        raise ValueError(
+            f"num_experts ({num_experts}) must be divisible by the size of mesh axis "
+            f"{expert_axis!r} ({size}): each device along it owns num_experts / {size} experts"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshPlan:
+    """Static facts of one sharded call."""
+
+    token_axes: tuple[str, ...]  # every mesh axis, in mesh order
+    axis_sizes: tuple[int, ...]
+    expert_axis: str
+    num_tokens: int  # the real T (before padding)
+    capacity: int | None
+    transport: str
+
+    @property
+    def expert_devices(self) -> int:
+        return self.axis_sizes[self.token_axes.index(self.expert_axis)]
+
+    def token_shard(self) -> jax.Array:
+        """This device's index among the token shards (row-major over the mesh axes)."""
+        index = jnp.zeros((), jnp.int32)
+        for name, size in zip(self.token_axes, self.axis_sizes, strict=True):
+            index = index * size + lax.axis_index(name)
+        return index
+
+
+def moe_apply_sharded(params, x, config, experts, *, mesh, expert_axis):
+    """``moe_apply`` with expert parallelism; inputs already validated (see module docs)."""
+    token_axes = tuple(mesh.axis_names)
+    lead_shape = jnp.shape(x)[:-1]
+    num_tokens = math.prod(lead_shape)
+    devices = mesh.size
+    padded = _pallas.round_up(num_tokens, devices)
+    x2 = jnp.reshape(x, (num_tokens, config.d_model))
+    if padded != num_tokens:
+        x2 = jnp.pad(x2, ((0, padded - num_tokens), (0, 0)))
+    capacity = None
+    if config.routing == "capacity":
+        capacity = dispatch.expert_capacity(
+            num_tokens, config.top_k, config.num_experts, config.capacity_factor
+        )
+    plan = MeshPlan(token_axes, tuple(mesh.shape[a] for a in token_axes), expert_axis,
+                    num_tokens, capacity, exchange.resolve_transport(config.exchange))
+    used = {name: params[name] for name in ("router", *EXPERT_WEIGHTS)}
+    specs = {"router": P(), **{name: P(expert_axis) for name in EXPERT_WEIGHTS}}
+    if config.shared_hidden:
+        used["shared"] = params["shared"]
+        specs["shared"] = {name: P() for name in params["shared"]}
+    token_spec = P(token_axes)
+    used = jax.tree.map(lambda v, s: _placed(v, mesh, s), used, specs)
+    x2 = _placed(x2, mesh, token_spec)
+
+    def local(params, x):
+        return _local_layer(params, x, config=config, experts=experts, plan=plan)
+
+    # check_vma=False: pallas_call's output types say nothing of the mesh axes they vary over.
+    # Without the check, shard_map's transpose still sums the gradients of the replicated
+    # inputs (router, shared expert; expert weights over the axes other than expert_axis).
+    y, aux = jax.shard_map(
+        local, mesh=mesh, in_specs=(specs, token_spec), out_specs=(token_spec, P()),
+        check_vma=False,
+    )(used, x2)
+    if padded != num_tokens or len(lead_shape) != 1:
+        y = _placed(y, mesh, P())[:num_tokens].reshape(lead_shape + (config.d_model,))
+    return y, aux
+
+
+def _placed(value, mesh, spec):
+    """``value`` sharded as ``spec``: explicit-axis meshes need it said (``jax.reshard``);
+    ``shard_map`` reshards its inputs itself over automatic axes."""
+    explicit = jax.sharding.AxisType.Explicit
+    if mesh.axis_types and all(t == explicit for t in mesh.axis_types):
+        return jax.reshard(value, NamedSharding(mesh, spec))
+    return value
+
+
+def _local_layer(params, x, *, config, experts, plan: MeshPlan):
+    """The layer on one device's tokens ``x: [T_local, d]``; returns ``(y, aux)``."""
+    local_tokens = x.shape[0]
+    first = plan.token_shard() * local_tokens
+    token_valid = first + jnp.arange(local_tokens, dtype=jnp.int32) < plan.num_tokens
+    routed = router.route(x, params["router"], config.top_k, config.renormalize)
+    copy_valid = jnp.broadcast_to(token_valid[:, None], routed.expert_ids.shape)
+    kept = _kept_copies(routed.expert_ids, copy_valid, config.num_experts, plan)
+    aux = _global_aux(routed, copy_valid, kept, config, plan)
+
+    dtype = config.dtype
+    xc = x.astype(dtype)
+    weights = [params[n].astype(dtype) for n in EXPERT_WEIGHTS]
+    if config.routing == "dense":
+        y = _dense_experts(xc, weights, routed, token_valid, plan)
+    else:
+        y = _exchanged_experts(config, experts, xc, weights, routed, kept, plan)
+    if config.shared_hidden:
+        shared = {n: params["shared"][n].astype(dtype) for n in EXPERT_WEIGHTS}
+        y = y + reference.shared_expert(xc, shared)
+    return y.astype(dtype), aux
+
+
+def _kept_copies(expert_ids, copy_valid, num_experts: int, plan: MeshPlan):
+    """``[T_local, k]`` bool: the copies computed. Capacity routing keeps a copy when fewer
+    than ``C`` copies of its expert come before it in the whole batch."""
+    if plan.capacity is None:
+        return copy_valid
+    local_counts = dispatch.expert_counts(jnp.where(copy_valid, expert_ids, num_experts),
+                                          num_experts)
+    every_device = lax.all_gather(local_counts, plan.token_axes)  # [devices, E], mesh order
+    earlier = jnp.arange(every_device.shape[0]) < plan.token_shard()
+    before = jnp.sum(jnp.where(earlier[:, None], every_device, 0), axis=0)
+    rank = before[expert_ids] + dispatch.copy_ranks(expert_ids, num_experts, copy_valid)
+    return copy_valid & (rank < plan.capacity)
+
+
+def _global_aux(routed, copy_valid, kept, config, plan: MeshPlan):
+    """``aux`` of the whole batch: per-device sums added up over every mesh axis."""
+    axes = plan.token_axes
+    token_valid = copy_valid[:, 0]
+    ids = jnp.where(copy_valid, routed.expert_ids, config.num_experts)
+    z = jax.nn.logsumexp(routed.logits, axis=-1)
+    kept_copies = None
+    if plan.capacity is not None:
+        kept_copies = lax.psum(jnp.sum(kept, dtype=jnp.int32), axes)
+    return router.aux_from_sums(
+        counts=lax.psum(dispatch.expert_counts(ids, config.num_experts), axes),
+        prob_sums=lax.psum(jnp.sum(jnp.where(token_valid[:, None], routed.probs, 0.0), 0), axes),
+        z_squared_sum=lax.psum(jnp.sum(jnp.where(token_valid, z * z, 0.0)), axes),
+        num_tokens=plan.num_tokens,
+        top_k=config.top_k,
+        kept_copies=kept_copies,
+    )
+
+
+def _exchanged_experts(config, experts, x, weights, routed, kept, plan: MeshPlan):
+    """Send the kept copies to their experts' devices, run the local experts, bring the
+    results back and combine them: ``[T_local, d]``."""
+    devices = plan.expert_devices
+    local_experts = config.num_experts // devices
+    rows = exchange.block_rows(x.shape[0], config.top_k, local_experts, plan.capacity)
+    ragged = plan.transport == "ragged"
+    slots = exchange.make_slots(routed.expert_ids, kept, config.num_experts, devices, rows,
+                                packed=ragged)
+    if ragged:
+        transport = exchange.Ragged.create(plan.expert_axis, devices, rows, slots)
+        received = transport.there(exchange.to_slots(x, slots))
+        expert = transport.there(slots.slot_expert, fill=local_experts)
+    else:
+        transport = exchange.AllToAll(plan.expert_axis, devices, rows)
+        received = transport.there(exchange.to_slots(x, slots))
+        expert = transport.there(slots.slot_expert)
+    arrived = expert < local_experts
+    copies = RoutedCopies(
+        expert_ids=jnp.where(arrived, expert, 0)[:, None],
+        weights=arrived.astype(jnp.float32)[:, None],  # unit weights: combined at home
+        kept=arrived[:, None],
+        sparse_rows=True,
+    )
+    results, _ = experts(config, received, *weights, copies)
+    if ragged:
+        back = transport.back(results, slots.slot_copy.shape[0])
+    else:
+        back = transport.back(results)
+    return exchange.from_slots(back, routed.weights, slots)
+
+
+def _dense_experts(x, weights, routed, token_valid, plan: MeshPlan):
+    """Dense routing: this device's experts on all tokens of its ``expert_axis`` group,
+    weighted, summed over the group and scattered back (float32 partial sums)."""
+    axis = plan.expert_axis
+    local_experts = weights[0].shape[0]
+    first_expert = lax.axis_index(axis) * local_experts
+    combine = jnp.where(token_valid[:, None], routed.weights, 0.0)
+    group_x, group_ids, group_combine = (
+        lax.all_gather(v, axis, tiled=True) for v in (x, routed.expert_ids, combine)
+    )
+    partial = reference.experts_dense_float32(
+        group_x, *weights, group_ids - first_expert, group_combine
+    )
+    return lax.psum_scatter(partial, axis, scatter_dimension=0, tiled=True)

@@ -1,0 +1,208 @@
+"""The Pallas expert path: row layout, work schedule and the custom VJP over a kernel backend.
+
+The path is backend-neutral: it calls the grouped-matmul kernels of a backend module through
+the ``base.GmmKernels`` contract, and ``KERNELS`` names the modules (``"interpret"`` is the
+Triton kernel file run by the Pallas interpreter on CPU). Per ``dispatch``:
+
+- forward: ``sorted`` (permuted copy of ``x``, three grouped matmuls, SwiGLU and combine in
+  XLA), ``gather`` (the grouped matmuls read rows of ``x`` through the sort index),
+  ``fused`` (gather, plus gate/up/SwiGLU in one kernel), ``fused_gsum`` (fused, plus the
+  weighted combine in the down projection's epilogue, float32 atomics);
+- backward, shared by all dispatches: the down projection's input gradient with the SwiGLU
+  backward and the combine weights' gradient fused into its epilogue, ``dx`` by a grouped
+  matmul against the transposed gate/up weights, and the weight gradients by the transposed
+  grouped matmul (ragged contraction over each expert's rows). ``sorted`` feeds the kernels
+  permuted copies of ``x`` and ``dy``; the other dispatches gather rows through the sort index
+  inside the kernels.
+
+With ``MoEConfig.recompute`` the experts run over slices of the row space instead
+(``pallas_slices.py``): nothing of size ``[rows, d_hidden]`` is saved for the backward, which
+recomputes it slice by slice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from tilax import _pallas
+from tilax.moe import dispatch, gmm_triton, pallas_slices, reference
+from tilax.moe.base import RoutedCopies
+
+# Feature dimensions are zero-padded to a multiple of this for the kernels (tl.dot needs >= 16).
+FEATURE_MULTIPLE = 16
+
+# Pallas backend name (``_pallas.resolve_backend``) -> its kernel module (``base.GmmKernels``).
+KERNELS = {"triton": gmm_triton, "interpret": gmm_triton}
+
+
+def kernel_tiles(config, backend: str | None = None):
+    """The tiles the Pallas path uses for ``config`` on ``backend`` (default: this device's)."""
+    backend = backend or _pallas.resolve_backend("pallas")
+    return KERNELS[backend].tiles_for(config)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Static choices of one Pallas expert call.
+
+    Attributes:
+        dispatch: the ``MoEConfig.dispatch``.
+        backend: the Pallas backend (a key of ``KERNELS``).
+        tiles: the backend's tiles.
+        num_tokens: rows of the token-space input ``x``.
+        slice_rows: ``None``: one pass over the row space, saving the hidden activations for
+            the backward; else recompute them in slices of this many rows.
+        cover_tail: compute the rows past the kept copies too (``dispatch.gmm_schedule``).
+    """
+
+    dispatch: str
+    backend: str
+    tiles: Any
+    num_tokens: int
+    slice_rows: int | None = None
+    cover_tail: bool = True
+
+    @property
+    def kernels(self):
+        return KERNELS[self.backend]
+
+    def schedule(self, group_offsets: jax.Array, num_rows: int) -> dispatch.GmmSchedule:
+        return dispatch.gmm_schedule(
+            group_offsets, num_rows, self.tiles.block_m, cover_tail=self.cover_tail
+        )
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def pallas_experts(plan, x, w_gate, w_up, w_down, weights, layout, schedule):
+    """``y[t] = sum_j weights[t, j] * SwiGLU_{e(t, j)}(x[t])`` over kept copies, ``[T, d]``."""
+    if plan.slice_rows is not None:
+        return pallas_slices.forward(plan, x, w_gate, w_up, w_down, weights, layout)
+    return _forward(plan, x, w_gate, w_up, w_down, weights, layout, schedule, False)[0]
+
+
+def _forward(plan, x, w_gate, w_up, w_down, weights, layout, schedule, save):
+    """The forward for ``plan.dispatch``; returns ``(y, residuals)`` (``None`` unless ``save``):
+    the permuted ``x`` (``sorted`` only) and the gate/up pre-activations."""
+    kernels = plan.kernels
+    kw = dict(tiles=plan.tiles, backend=plan.backend)
+    tokens = layout.row_token
+    if plan.dispatch in ("sorted", "gather"):
+        if plan.dispatch == "sorted":
+            lhs, index = dispatch.permute(x, layout), None
+        else:
+            lhs, index = x, tokens
+        gate = kernels.gmm(lhs, w_gate, schedule, index=index, **kw)
+        up = kernels.gmm(lhs, w_up, schedule, index=index, **kw)
+        rows = kernels.gmm(reference.swiglu_activation(gate, up), w_down, schedule, **kw)
+        y = dispatch.combine(rows, weights, layout)
+        return y, ((lhs if index is None else None, gate, up) if save else None)
+    act, *pre = kernels.gmm_swiglu(
+        x, w_gate, w_up, schedule, index=tokens, save_preactivations=save, **kw
+    )
+    if plan.dispatch == "fused":
+        y = dispatch.combine(kernels.gmm(act, w_down, schedule, **kw), weights, layout)
+    else:
+        w_rows = dispatch.row_weights(weights, layout)
+        y = kernels.gmm_combine(
+            act, w_down, w_rows, layout.row_target, schedule, num_tokens=plan.num_tokens, **kw
+        ).astype(x.dtype)
+    return y, ((None, *pre) if save else None)
+
+
+def _pallas_experts_fwd(plan, x, w_gate, w_up, w_down, weights, layout, schedule):
+    inputs = (x, w_gate, w_up, w_down, weights, layout, schedule)
+    if plan.slice_rows is not None:
+        return pallas_experts(plan, *inputs), (*inputs, None)
+    y, saved = _forward(plan, *inputs, True)
+    return y, (*inputs, saved)
+
+
+def _pallas_experts_bwd(plan, residuals, dy):
+    """Backward: the SwiGLU backward is fused into the down projection's input-gradient kernel
+    for every dispatch; ``sorted`` feeds the kernels permuted copies of ``x`` and ``dy``, the
+    others gather rows through the sort index inside the kernels."""
+    if plan.slice_rows is not None:
+        return (*pallas_slices.backward(plan, residuals[:-2], dy), None, None)
+    x, w_gate, w_up, w_down, weights, layout, schedule, (xs, gate, up) = residuals
+    kernels = plan.kernels
+    kw = dict(tiles=plan.tiles, backend=plan.backend)
+    offsets = layout.group_offsets
+    if plan.dispatch == "sorted":
+        dy_src, x_src, index = dispatch.permute(dy, layout), xs, None
+    else:
+        dy_src, x_src, index = dy, x, layout.row_token
+    w_rows = dispatch.row_weights(weights, layout)
+    d_gate, d_up, act_scaled, dw_partial = kernels.gmm_swiglu_bwd(
+        dy_src, w_down, gate, up, w_rows, schedule, index=index, **kw
+    )
+    dx_rows = kernels.gmm(
+        d_gate, w_gate, schedule, transpose_rhs=True, lhs2=d_up, rhs2=w_up,
+        out_dtype=x.dtype, **kw,
+    )
+    dw_gate, dw_up = kernels.tgmm(
+        x_src, d_gate, offsets, lhs_index=index, rhs2=d_up, out_dtype=w_gate.dtype, **kw
+    )
+    (dw_down,) = kernels.tgmm(
+        act_scaled, dy_src, offsets, rhs_index=index, out_dtype=w_down.dtype, **kw
+    )
+    dx = dispatch.sum_copies(dx_rows, layout)
+    d_weights = dispatch.copy_values(jnp.sum(dw_partial, axis=0), layout)
+    return dx, dw_gate, dw_up, dw_down, d_weights.astype(weights.dtype), None, None
+
+
+pallas_experts.defvjp(_pallas_experts_fwd, _pallas_experts_bwd)
+
+
+def pad_features(config, x, w_gate, w_up, w_down):
+    """Zero-pad ``d_model`` and ``d_hidden`` to multiples of 16 (exact: zeros add nothing)."""
+    d_pad = _pallas.round_up(config.d_model, FEATURE_MULTIPLE) - config.d_model
+    h_pad = _pallas.round_up(config.d_hidden, FEATURE_MULTIPLE) - config.d_hidden
+    if d_pad == 0 and h_pad == 0:
+        return x, w_gate, w_up, w_down
+    x = jnp.pad(x, ((0, 0), (0, d_pad)))
+    w_gate = jnp.pad(w_gate, ((0, 0), (0, d_pad), (0, h_pad)))
+    w_up = jnp.pad(w_up, ((0, 0), (0, d_pad), (0, h_pad)))
+    w_down = jnp.pad(w_down, ((0, 0), (0, h_pad), (0, d_pad)))
+    return x, w_gate, w_up, w_down
+
+
+def slice_rows(config, tiles, num_rows: int) -> int | None:
+    """Rows per slice under ``config.recompute`` (``None`` without it): the config's
+    ``recompute_rows`` rounded up to the row tile, at most the padded row space."""
+    if not config.recompute:
+        return None
+    multiple = tiles.row_multiple
+    whole = _pallas.round_up(max(num_rows, 1), multiple)
+    return min(_pallas.round_up(config.recompute_rows, multiple), whole)
+
+
+@dataclasses.dataclass(frozen=True)
+class PallasExperts:
+    """The routed experts on a Pallas backend (a ``base.RoutedExperts``)."""
+
+    backend: str
+
+    def __call__(self, config, x, w_gate, w_up, w_down, copies: RoutedCopies):
+        tiles = kernel_tiles(config, self.backend)
+        num_tokens, top_k = copies.expert_ids.shape
+        num_experts = w_gate.shape[0]
+        rows = dispatch.row_count(num_tokens, top_k, num_experts, copies.capacity)
+        slices = slice_rows(config, tiles, rows)
+        layout = dispatch.sort_by_expert(
+            copies.expert_ids, num_experts, capacity=copies.capacity, kept=copies.kept,
+            row_multiple=slices or tiles.row_multiple,
+        )
+        plan = Plan(config.dispatch, self.backend, tiles, num_tokens, slices,
+                    cover_tail=not copies.sparse_rows)
+        schedule = plan.schedule(layout.group_offsets, layout.row_token.shape[0])
+        padded = pad_features(config, x, w_gate, w_up, w_down)
+        y = pallas_experts(plan, *padded, copies.weights, layout, schedule)
+        kept = None
+        if copies.capacity is not None or copies.kept is not None:
+            kept = layout.group_offsets[-1]
+        return y[:, : config.d_model], kept

@@ -1,0 +1,123 @@
+"""The Pallas expert path in row slices: the memory-saving variant (``MoEConfig.recompute``).
+
+The one-pass path keeps, per token copy, the gate and up pre-activations from the forward to
+the backward and, in the backward, their gradients and the scaled activation next to them:
+five ``[rows, d_hidden]`` arrays at once, most of a train step's memory. Here the forward and
+the backward loop (``lax.fori_loop``) over slices of ``plan.slice_rows`` rows of the row
+space; the hidden activations exist for one slice at a time, and the backward recomputes the
+gate and up projections of its slice (one more pair of grouped matmuls). What stays is of
+size ``[rows, d_model]``: the down projection's output rows and the input gradient's rows.
+
+Every slice runs the backend's kernels on its own schedule: the expert group offsets clipped
+to the slice. The weight gradients are summed over slices in float32. The forward combines in
+XLA for every dispatch (``fused_gsum``'s in-kernel combine would need its float32 token
+accumulator to outlive the loop).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+from tilax.moe import dispatch, reference
+
+
+def _slice(plan, layout, number):
+    """Slice ``number``'s first row, sort index, clipped group offsets and schedule."""
+    rows = plan.slice_rows
+    start = number * rows
+    index = lax.dynamic_slice_in_dim(layout.row_token, start, rows)
+    offsets = jnp.clip(layout.group_offsets - start, 0, rows)
+    return start, index, offsets, plan.schedule(offsets, rows)
+
+
+def _sources(plan, x, index):
+    """The left operand and row index the kernels read a slice's rows of ``x`` through:
+    a permuted copy for ``sorted``, the sort index for the gathering dispatches."""
+    if plan.dispatch == "sorted":
+        return jnp.take(x, index, axis=0), None
+    return x, index
+
+
+def _hidden(plan, x_src, index, w_gate, w_up, schedule, *, preactivations: bool):
+    """The slice's SwiGLU activation, or its gate and up pre-activations."""
+    kernels, kw = plan.kernels, dict(tiles=plan.tiles, backend=plan.backend)
+    if plan.dispatch in ("sorted", "gather"):
+        gate = kernels.gmm(x_src, w_gate, schedule, index=index, **kw)
+        up = kernels.gmm(x_src, w_up, schedule, index=index, **kw)
+        return (gate, up) if preactivations else reference.swiglu_activation(gate, up)
+    act, *pre = kernels.gmm_swiglu(
+        x_src, w_gate, w_up, schedule, index=index, save_preactivations=preactivations, **kw
+    )
+    return tuple(pre) if preactivations else act
+
+
+def forward(plan, x, w_gate, w_up, w_down, weights, layout):
+    """``y[t] = sum_j weights[t, j] * SwiGLU_{e(t, j)}(x[t])``, slice by slice."""
+    num_rows, rows = layout.row_token.shape[0], plan.slice_rows
+    kernels, kw = plan.kernels, dict(tiles=plan.tiles, backend=plan.backend)
+
+    def body(number, out_rows):
+        start, index, _, schedule = _slice(plan, layout, number)
+        x_src, src_index = _sources(plan, x, index)
+        act = _hidden(plan, x_src, src_index, w_gate, w_up, schedule, preactivations=False)
+        out = kernels.gmm(act, w_down, schedule, **kw)
+        return lax.dynamic_update_slice_in_dim(out_rows, out, start, axis=0)
+
+    out_rows = jnp.zeros((num_rows, w_down.shape[2]), x.dtype)
+    out_rows = lax.fori_loop(0, num_rows // rows, body, out_rows)
+    return dispatch.combine(out_rows, weights, layout)
+
+
+def backward(plan, inputs, dy):
+    """Cotangents of ``(x, w_gate, w_up, w_down, weights)``; the gate and up pre-activations
+    of each slice are recomputed, then the slice's part of every gradient is computed as the
+    one-pass backward does."""
+    x, w_gate, w_up, w_down, weights, layout = inputs
+    num_rows, rows = layout.row_token.shape[0], plan.slice_rows
+    kernels, kw = plan.kernels, dict(tiles=plan.tiles, backend=plan.backend)
+    w_rows = dispatch.row_weights(weights, layout)
+    f32 = jnp.float32
+
+    def body(number, carry):
+        dx_rows, dw_row_sums, dw_gate, dw_up, dw_down = carry
+        start, index, offsets, schedule = _slice(plan, layout, number)
+        x_src, src_index = _sources(plan, x, index)
+        dy_src, _ = _sources(plan, dy, index)
+        gate, up = _hidden(plan, x_src, src_index, w_gate, w_up, schedule, preactivations=True)
+        w_slice = lax.dynamic_slice_in_dim(w_rows, start, rows)
+        d_gate, d_up, act_scaled, dw_partial = kernels.gmm_swiglu_bwd(
+            dy_src, w_down, gate, up, w_slice, schedule, index=src_index, **kw
+        )
+        dx_slice = kernels.gmm(
+            d_gate, w_gate, schedule, transpose_rhs=True, lhs2=d_up, rhs2=w_up,
+            out_dtype=x.dtype, **kw,
+        )
+        d_gate_w, d_up_w = kernels.tgmm(
+            x_src, d_gate, offsets, lhs_index=src_index, rhs2=d_up, out_dtype=f32, **kw
+        )
+        (d_down_w,) = kernels.tgmm(
+            act_scaled, dy_src, offsets, rhs_index=src_index, out_dtype=f32, **kw
+        )
+        return (
+            lax.dynamic_update_slice_in_dim(dx_rows, dx_slice, start, axis=0),
+            lax.dynamic_update_slice_in_dim(dw_row_sums, jnp.sum(dw_partial, axis=0), start, 0),
+            dw_gate + d_gate_w,
+            dw_up + d_up_w,
+            dw_down + d_down_w,
+        )
+
+    carry = (
+        jnp.zeros((num_rows, x.shape[1]), x.dtype),
+        jnp.zeros((num_rows,), f32),
+        jnp.zeros(w_gate.shape, f32),
+        jnp.zeros(w_up.shape, f32),
+        jnp.zeros(w_down.shape, f32),
+    )
+    dx_rows, dw_row_sums, dw_gate, dw_up, dw_down = lax.fori_loop(
+        0, num_rows // rows, body, carry
+    )
+    dx = dispatch.sum_copies(dx_rows, layout)
+    d_weights = dispatch.copy_values(dw_row_sums, layout).astype(weights.dtype)
+    return (dx, dw_gate.astype(w_gate.dtype), dw_up.astype(w_up.dtype),
+            dw_down.astype(w_down.dtype), d_weights)
