@@ -56,6 +56,8 @@ def _impl_label(row) -> str:
     if row.routing == "dense":
         return "dense routing" if impl in ("", "auto", "dense") else f"dense routing ({impl})"
     name = f"{impl}/{row.dispatch}" if isinstance(row.dispatch, str) else impl
+    if pd.notna(row.recompute) and bool(row.recompute):  # memory-saving variant: its own line
+        name += " +recompute"
     if row.routing == "capacity":
         return f"capacity ({name})"
     return name or "?"

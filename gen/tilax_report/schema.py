@@ -65,6 +65,8 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "shared_hidden": ("Int64", "shared-expert hidden width (0 or missing: none)"),
     "skew": ("float64", "router skew of the synthetic tokens (0: balanced)"),
     "block_m": ("Int64", "grouped-matmul row tile (suite blockm, pieces)"),
+    "recompute": ("boolean", "MoE: expert activations recomputed in the backward instead of "
+                             "saved (MoEConfig.recompute)"),
     "slab_elems": ("Int64", "scatter slab size in elements (slab sweep runs; 0: one slab)"),
     "n": ("Int64", "RBF query points"),
     "m": ("Int64", "RBF data points"),

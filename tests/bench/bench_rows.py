@@ -26,13 +26,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-MOE_SUITES = {"layer", "decoder", "pieces", "blockm", "maxtok", "maxtok_summary"}
+MOE_SUITES = {"layer", "decoder", "pieces", "blockm", "maxtok", "maxtok_summary", "ep"}
 RBF_SUITES = {
     "kernel_mv", "kde_density", "kernel_mv_tiles", "kernel_mv_crossover", "kernel_mv_peak",
     "kernel_mv_max_n",
 }
 MOE_IMPLS = {"pallas", "triton", "mosaic", "blocked", "ragged_dot", "tokamax", "torch_grouped_mm",
-             "torch_grouped_mm_compile", "dense"}
+             "torch_grouped_mm_compile", "dense", "all_to_all"}
+EP_PARTS = {"link", "step", "exchange"}  # the link alone, a full step, the exchange alone
 RBF_IMPLS = {"pallas", "xla", "dense", "torch_dense", "keops"}
 MOE_PIECES = {"route", "sort_permute", "experts_grouped_swiglu", "unpermute_combine"}
 RBF_GRAD_KEYS = {"dq", "dk", "dv", "dlengthscale"}
@@ -152,9 +153,16 @@ def check_extra_info(info: dict) -> list[str]:
                 problems.append(f"piece {info.get('piece')!r}")
         if suite == "blockm":
             need("block_m")
+        if suite == "ep":
+            need("devices", "mesh", "part", "tokens_per_device", "exchange")
+            if info.get("part") not in EP_PARTS:
+                problems.append(f"ep part {info.get('part')!r}")
         if suite == "maxtok_summary":
             if not failed:
                 need("max_tokens")
+        elif suite == "ep" and info.get("part") != "step":
+            if not failed:
+                need("bytes", "tokens_per_s", *(("gbps",) if info.get("part") == "link" else ()))
         elif not failed:
             need("flops", "tflops")
             if not _is_number(info.get("tflops")):

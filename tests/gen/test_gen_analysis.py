@@ -209,3 +209,10 @@ def test_an_rbf_precision_other_than_the_default_is_its_own_implementation():
            "run": "a", "device": "GPU A", "median_ms": 1.0}
     table = tiny_table([rbf | {"impl": "pallas"}, rbf | {"impl": "pallas", "precision": "highest"}])
     assert list(table["label"]) == ["pallas", "pallas (highest)"]
+
+
+def test_the_memory_saving_variant_is_its_own_implementation():
+    table = tiny_table([{"run": "a", "device": "GPU A", "impl": "pallas", "median_ms": 1.0},
+                        {"run": "a", "device": "GPU A", "impl": "pallas", "median_ms": 1.2,
+                         "recompute": True}])
+    assert list(table["label"]) == ["pallas/sorted", "pallas/sorted +recompute"]

@@ -28,7 +28,7 @@ SAME_NAME = [
     "routing", "dispatch", "tokens", "d_model", "d_hidden", "experts", "top_k",
     "shared_hidden", "skew", "flops", "tflops", "max_expert_frac", "empty_experts",
     "rel_err_out", "rel_err_grad_x", "rel_err_grad_params", "piece", "block_m", "peak_mb",
-    "max_tokens",
+    "max_tokens", "recompute",
     # RBF
     "n", "m", "dim", "out", "batch", "block_q", "block_k", "block_o", "pairs_per_s",
     "max_n", "precision",
