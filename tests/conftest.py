@@ -21,6 +21,16 @@ TESTS = Path(__file__).resolve().parent
 FOLDER_GROUPS = {TESTS / "site": "site", TESTS / "bench": "bench"}
 XDIST_ENVIRONMENT = ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_XDIST_TESTRUNUID")
 
+# Every test process gets eight virtual CPU devices before any conftest starts JAX's backend
+# (tests/bench's does, to size its runs), so tests/moe's expert-parallel tests run on a mesh in
+# this process instead of one child interpreter per check. Single-device code is unaffected: it
+# runs on device 0. Only the CPU backend reads this setting.
+CPU_DEVICES = 8
+try:
+    jax.config.update("jax_num_cpu_devices", CPU_DEVICES)
+except RuntimeError:  # a backend already started (a plugin imported JAX and used it)
+    pass
+
 if "PYTEST_XDIST_WORKER" in os.environ:
     # Workers on a GPU machine share its GPU: none may take most of its memory up front (JAX's
     # default). Set before any test module starts JAX's backend.
