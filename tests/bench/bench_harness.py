@@ -182,6 +182,14 @@ def jax_device_memory() -> tuple[int | None, int | None]:
     return stats.get("peak_bytes_in_use"), stats.get("bytes_limit")
 
 
+def torch_device_memory(torch) -> tuple[int | None, int | None]:
+    """(max_memory_allocated, total memory) of torch's first CUDA device; ``None`` on a CPU."""
+    if not torch.cuda.is_available():
+        return None, None
+    total = torch.cuda.get_device_properties(0).total_memory
+    return int(torch.cuda.max_memory_allocated()), int(total)
+
+
 def _no_op() -> None:
     return None
 

@@ -32,7 +32,7 @@ import sys
 from typing import Any
 
 import numpy as np
-from bench_harness import Unavailable, jax_device_memory
+from bench_harness import Unavailable, jax_device_memory, torch_device_memory
 
 NUMERICS_ROWS = 1024
 REFERENCE_CHUNK_ELEMENTS = 1 << 24
@@ -563,10 +563,7 @@ class TorchWorkload:
                              masked_grads)
 
     def memory(self) -> tuple[int | None, int | None]:
-        if self.device != "cuda":
-            return None, None
-        total = self.torch.cuda.get_device_properties(0).total_memory
-        return int(self.torch.cuda.max_memory_allocated()), int(total)
+        return torch_device_memory(self.torch)
 
     def close(self) -> None:
         self.tensors, self.g = [], None

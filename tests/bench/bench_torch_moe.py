@@ -15,7 +15,7 @@ backward). Only the benchmark uses this; it is not part of the package.
 from __future__ import annotations
 
 import numpy as np
-from bench_harness import Unavailable
+from bench_harness import Unavailable, torch_device_memory
 
 TORCH_IMPLS = ("torch_grouped_mm", "torch_grouped_mm_compile")
 PARAM_NAMES = ("router", "w_gate", "w_up", "w_down")
@@ -146,10 +146,7 @@ class TorchMoEWorkload:
         return self._numerics(numpy(y), numpy(grads[-1]), grad_params)
 
     def memory(self) -> tuple[int | None, int | None]:
-        if self.device != "cuda":
-            return None, None
-        total = self.torch.cuda.get_device_properties(0).total_memory
-        return int(self.torch.cuda.max_memory_allocated()), int(total)
+        return torch_device_memory(self.torch)
 
     def close(self) -> None:
         self.params, self.x, self.dy, self.layer = {}, None, None, None
