@@ -488,10 +488,17 @@ print("keops probe ok")
 """
 
 
+class KeOpsFailed(RuntimeError):
+    """KeOps ran its probe and crashed or hung: its rows are failures, with the probe's error."""
+
+
 def probe_keops(state) -> None:
     """Run a tiny KeOps reduction (forward + backward) in a fresh subprocess once per session:
     KeOps compiles C++/CUDA at first use and has crashed the process doing so. Time limit: six
-    times the per-row limit (120 s full, 60 s quick), within what is left of the budget."""
+    times the per-row limit (120 s full, 60 s quick), within what is left of the budget.
+
+    A probe that ran and crashed is an attempt: every KeOps row then fails (not skipped) with
+    the probe's error. Only a missing module makes the rows "unavailable" (``precheck``)."""
     if "keops" not in state.probes:
         settings = state.settings
         timeout = max(30.0, min(6 * settings.row_limit_s, settings.remaining()))
@@ -502,13 +509,14 @@ def probe_keops(state) -> None:
                 state.probes["keops"] = None
             else:
                 tail = (proc.stderr or proc.stdout).strip()[-1200:]
-                state.probes["keops"] = (f"unavailable: KeOps failed its probe in a fresh "
-                                         f"subprocess (exit code {proc.returncode}): {tail}")
+                state.probes["keops"] = (f"KeOps failed its probe in a fresh subprocess "
+                                         f"(exit code {proc.returncode}): {tail}")
         except subprocess.TimeoutExpired:
-            state.probes["keops"] = (f"unavailable: KeOps probe timed out after {timeout:.0f} s "
+            state.probes["keops"] = (f"KeOps probe timed out after {timeout:.0f} s "
                                      f"(compiling its first formula)")
     if state.probes["keops"]:
-        raise Unavailable(state.probes["keops"])
+        raise KeOpsFailed(state.probes["keops"])
+
 
 
 class TorchWorkload:
