@@ -146,6 +146,7 @@ SEED_DIM_OUT = ((2, 1), (8, 16), (32, 16), (3, 1))
 # torch before JAX's dense: JAX's memory pool keeps what dense rows grew it to, torch's cache
 # is emptied after each of its rows
 ALL_IMPLS = ("pallas", "xla", "torch_dense", "dense", "keops")
+MATRIX_FREE_IMPLS = ("pallas", "xla", "keops")
 BOTH_OPS = ("fwd", "fwd_bwd")
 SEED_TILES = ((64, 64, 64), (64, 64, 16), (128, 64, 16), (64, 128, 16), (128, 128, 16),
               (32, 64, 16))
@@ -161,8 +162,11 @@ def kernel_mv_cases(mode: str) -> list[RbfCase]:
     cases = []
     for n in sizes:  # n-major: a size's time predicts the next one's
         shapes = dim_out if n <= 65536 else ((8, 16), (3, 1))
+        # The n x m matrix of the dense impls outgrows the GPU beyond 64k (16 GiB per matrix
+        # at 64k, 256 GiB at 262k): kernel_mv_max_n brackets their limit instead.
+        impls = ALL_IMPLS if n <= 65536 else MATRIX_FREE_IMPLS
         for dim, out in shapes:
-            for impl in ALL_IMPLS:
+            for impl in impls:
                 for op in BOTH_OPS:
                     # every n of one shape first; KeOps compiles each formula on first use
                     priority = 10 if (dim, out) == (8, 16) else 12

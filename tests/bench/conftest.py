@@ -45,6 +45,9 @@ Options (each also read from the environment variable in brackets):
   that would start after their suite's time are stored as failure rows (``skipped: not
   attempted, the run's time budget ... was spent``), so a GPU call never runs past its limit
   and says what it left out.
+- ``--bench-row-limit SECONDS`` [``TILAX_BENCH_ROW_LIMIT``]: the most one in-process row may
+  take, predicted from the last size of its config (full 20 s, quick 10 s); rows predicted
+  slower are skipped. Raise it for a call of only the largest sizes (``-k n1048576``).
 - ``--bench-rows PATH``: the JSON-lines side file (default: beside ``--benchmark-json``).
 
 Modes: ``smoke`` (CPU, Pallas interpret mode: tiny shapes, 1-2 rounds, ladders of two tiny
@@ -84,8 +87,10 @@ blockm           block_m 32/64/128 x 32k x fp32/bf16 x fwd/train            12  
 moe              all five (``--bench-suite moe``)                           ~255  ~20
 kernel_mv_max_n  pallas/xla/dense fwd_bwd d8 o16, 64k..8M (jumping)         ~10   ~1.5
 kernel_mv_peak   pallas/xla/dense x 4k/64k x fwd/fwd_bwd, subprocess each   12    ~1.5
-kernel_mv        5 impls x n 1k..1M x (dim, out) x fwd/fwd_bwd; (8, 16) at  200   ~4
-                 every n first; 262k and 1M only (8, 16) and (3, 1)
+kernel_mv        5 impls x n 1k..1M x (dim, out) x fwd/fwd_bwd; (8, 16) at  212   ~4
+                 every n first; 262k and 1M only (8, 16) and (3, 1), and
+                 only the matrix-free impls (pallas, xla, keops); plus the
+                 precisions (high/highest at d8 o16, all at d20 o100)
 kde_density      3 impls x 1k/16k/64k x dim 2/8 x fwd/fwd_bwd               36    ~0.7
 kernel_mv_tiles  6 tiles x 64k x out 1/16 x fwd/fwd_bwd                     24    ~0.5
 rbf              all five (``--bench-suite rbf``)                           ~280  ~8
@@ -188,6 +193,8 @@ def pytest_addoption(parser):
     group.addoption("--bench-smoke", action="store_true", help="smoke mode (tiny, any device)")
     group.addoption("--bench-budget", type=float, default=None,
                     help="wall-clock budget of the session in seconds")
+    group.addoption("--bench-row-limit", type=float, default=None,
+                    help="most seconds one row may take (predicted); default per mode")
     group.addoption("--bench-rows", default=None, help="JSON-lines side file of finished rows")
 
 
@@ -245,6 +252,9 @@ def pytest_configure(config):
     budget = config.getoption("bench_budget") or os.environ.get("TILAX_BENCH_BUDGET")
     if budget:
         values["budget_s"] = float(budget)
+    row_limit = config.getoption("bench_row_limit") or os.environ.get("TILAX_BENCH_ROW_LIMIT")
+    if row_limit:
+        values["row_limit_s"] = float(row_limit)
     settings = Settings(mode=mode, suites=resolve_suites(config), **values)
     config.stash[STATE] = State(settings, device_bytes=_device_bytes())
     rows = config.getoption("bench_rows")
