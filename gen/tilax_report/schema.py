@@ -47,7 +47,8 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "family": ("str", "moe, rbf or nn"),
     "suite": ("str", "benchmark suite (MoE: layer, decoder, pieces, blockm, maxtok, "
                      "maxtok_summary, ep; RBF: kernel_mv, kde_density, kernel_mv_tiles, "
-                     "kernel_mv_crossover, kernel_mv_peak, kernel_mv_max_n; NN: transformer, "
+                     "kernel_mv_launches, kernel_mv_crossover, kernel_mv_peak, kernel_mv_max_n; "
+                     "NN: transformer, "
                      "diffusion, moe, ssm, unet)"),
     "impl": ("str", "implementation (NN suites: attention variant or SSM cell)"),
     "dispatch": ("str", "MoE token dispatch: sorted, gather, fused, fused_gsum"),
@@ -85,6 +86,17 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "block_q": ("Int64", "RBF query tile"),
     "block_k": ("Int64", "RBF key tile"),
     "block_o": ("Int64", "RBF value-column tile"),
+    "path": ("str", "RBF launch sweep: the distance path whose kernels it launches, fast "
+                    "(expansion) or exact (differences)"),
+    "kernel": ("str", "RBF launch sweep: the kernel family, fwd (the forward launch) or bwd "
+                      "(the dq and dk launches, timed as fwd_bwd)"),
+    "block_p": ("Int64", "RBF launch sweep: program tile (rows of the point set a program "
+                         "owns)"),
+    "block_l": ("Int64", "RBF launch sweep: loop tile (rows of the other point set per step)"),
+    "num_warps": ("Int64", "RBF launch sweep: Triton warps per program"),
+    "num_stages": ("Int64", "RBF launch sweep: Triton pipeline stages"),
+    "default_launch": ("boolean", "RBF launch sweep: the launch rbf_kernel_mv picks by "
+                                  "default for this problem on this GPU"),
     "repeat": ("Int64", "repeat index (crossover probe)"),
     "resolution": ("Int64", "image side (NN unet)"),
     "model_dim": ("Int64", "model width (NN suites)"),

@@ -35,6 +35,8 @@ SAME_NAME = [
     # RBF
     "n", "m", "dim", "out", "batch", "block_q", "block_k", "block_o", "pairs_per_s",
     "max_n", "precision",
+    # RBF launch sweep
+    "path", "kernel", "block_p", "block_l", "num_warps", "num_stages", "default_launch",
     # Ladder summaries
     "limit_kind", "max_is_lower_bound", "stopped_by",
 ]
