@@ -18,6 +18,7 @@ from ..render import (
     fmt_ratio,
     fmt_size,
     join_names,
+    plural,
     rounds_cell,
     short_error,
     skip_gist,
@@ -41,6 +42,8 @@ LAUNCH_SHORT = {("fast", "fwd"): "fast fwd", ("fast", "bwd"): "fast bwd (fwd_bwd
                 ("exact", "fwd"): "exact fwd", ("exact", "bwd"): "exact bwd (fwd_bwd)"}
 LAUNCH_KEYS = ["source_file", "run", "device", "path", "kernel", "precision", "config", "n",
                "op"]
+PEERS = {"torch_dense": "PyTorch (`torch_dense`, the dense kernel matrix)",
+         "keops": "KeOps (`keops`, LazyTensor reduction)"}
 GRAD_ERRORS = ["rel_err_dq", "rel_err_dk", "rel_err_dv", "rel_err_dlengthscale"]
 LOWER_BOUND_NOTE = (
     "The limit lies between the largest n that ran and the smallest larger n that failed. "
@@ -69,6 +72,7 @@ def build(results: StoredResults) -> str:
     _headlines(page, table)
     _kernel_mv(page, rbf[rbf["suite"] == "kernel_mv"])
     _speedups(page, rbf[rbf["suite"] == "kernel_mv"])
+    _peers(page, rbf[rbf["suite"] == "kernel_mv"])
     _kde(page, rbf[rbf["suite"] == "kde_density"])
     _tiles(page, rbf[rbf["suite"] == "kernel_mv_tiles"])
     _launches(page, rbf[rbf["suite"] == LAUNCH_SUITE])
@@ -152,6 +156,30 @@ def _speedups(page: Page, rows: pd.DataFrame) -> None:
                        "Blue: faster than the baseline; red: slower (colours saturate at 4×); "
                        "~: no clear difference (within the noise); tooltip: the range from "
                        "the quartiles.")
+
+
+def _peers(page: Page, rows: pd.DataFrame) -> None:
+    """Per run, whether each peer library ran: counts by status and the gist of why not."""
+    page.md("## Peers: PyTorch and KeOps\n")
+    peers = rows[rows["impl"].isin(PEERS)]
+    if peers.empty:
+        page.md("No stored `kernel_mv` run has PyTorch or KeOps rows.")
+        return
+    lines = []
+    counts = analysis.status_counts(peers, ["run", "device", "impl"])
+    for _, count in counts.iterrows():
+        group = peers[(peers["run"] == count["run"]) & (peers["impl"] == count["impl"])]
+        parts = [f"{plural(count['measured'], 'case')} measured"]
+        if count["failed"]:
+            gist = analysis.failures(group)["error"].map(short_error).mode().iloc[0]
+            parts.append(f"{count['failed']} failed ({gist})")
+        if count["skipped"]:
+            gist = analysis.skipped(group)["error"].map(skip_gist).mode().iloc[0]
+            parts.append(f"{count['skipped']} skipped ({gist})")
+        lines.append(f"{PEERS[count['impl']]} on {analysis.short_gpu(count['device'])} "
+                     f"(run {count['run']}): " + "; ".join(parts) + ".")
+    page.md("Each peer computes the same sums; a row that did not run says why (its full "
+            "error is in the stored file):\n\n" + "\n".join(f"- {line}" for line in lines))
 
 
 def _kde(page: Page, rows: pd.DataFrame) -> None:
