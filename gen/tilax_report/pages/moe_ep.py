@@ -72,21 +72,22 @@ def build(results: StoredResults) -> str:
 
 def _ratio(value: float, low: float, high: float, digits: int = 3) -> str:
     """'0.870 (0.861–0.879)'."""
-    if pd.isna(value):
-        return ""
-    text = f"{value:.{digits}f}"
-    if not pd.isna(low) and not pd.isna(high):
-        text += f" ({low:.{digits}f}–{high:.{digits}f})"
-    return text
+    return _ranged(value, low, high, digits)
 
 
 def _percent(value: float, low: float, high: float) -> str:
     """'26.1% (25.4–26.8%)'."""
+    return _ranged(value, low, high, digits=1, scale=100.0, unit="%")
+
+
+def _ranged(value: float, low: float, high: float, digits: int, scale: float = 1.0,
+            unit: str = "") -> str:
+    """``value`` with its range in brackets (the range left out where it is unknown)."""
     if pd.isna(value):
         return ""
-    text = f"{value * 100:.1f}%"
+    text = f"{value * scale:.{digits}f}{unit}"
     if not pd.isna(low) and not pd.isna(high):
-        text += f" ({low * 100:.1f}–{high * 100:.1f}%)"
+        text += f" ({low * scale:.{digits}f}–{high * scale:.{digits}f}{unit})"
     return text
 
 
