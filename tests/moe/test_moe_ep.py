@@ -202,7 +202,7 @@ def check_program_exchanges_tokens(exchange_name, routing):
     rows = 32 if routing == "dropless" else 24
     blocks = [line for line in lowered.as_text().splitlines()
               if "stablehlo.all_to_all" in line and f"tensor<4x{rows}x24xf32>" in line
-              and "[[0, 1, 2, 3]]" in line]
+              and "split_count = 4" in line]  # among all 4 devices (jax 0.11 names mesh axes)
     assert len(blocks) >= 4, lowered.as_text()
     if routing == "capacity":  # every device learns how many copies earlier devices hold
         assert "all-gather" in compiled or "all-reduce" in compiled

@@ -150,7 +150,9 @@ def sort_by_expert(
     group_offsets = jnp.concatenate(
         [jnp.zeros((1,), jnp.int32), jnp.cumsum(group_sizes).astype(jnp.int32)]
     )
-    row_copy = jnp.zeros((padded_rows,), jnp.int32).at[:num_rows].set(order[:num_rows])
+    # A pad, not ``zeros.at[:num_rows].set``: under shard_map jax 0.11.2's partitioner
+    # crashes (segfault) on that scatter when it covers the whole array.
+    row_copy = jnp.pad(order[:num_rows], (0, padded_rows - num_rows))
     row_token = row_copy // top_k
     row_valid = jnp.arange(padded_rows, dtype=jnp.int32) < group_offsets[-1]
     row_target = jnp.where(row_valid, row_token, num_tokens)
