@@ -35,7 +35,8 @@ TOKENS_PER_DEVICE = (65536, 131072)
 # (shape, dispatch): the E8 layer and the E64 decoder layer
 SHAPES = ((bench_moe.SEED_LAYER, "sorted"), (bench_moe.SEED_DECODER, "fused"))
 SMOKE_SHAPES = ((bench_moe.SMOKE_LAYER, "sorted"), (bench_moe.SMOKE_DECODER, "fused"))
-TRANSPORTS = ("ragged", "all_to_all")
+TRANSPORTS = ("all_gather", "ragged", "all_to_all")
+LINKS = ("all_to_all", "all_gather")  # the collective each link row times
 MESH_AXIS = "expert"
 
 
@@ -92,7 +93,7 @@ class EpCase:
     def extra_info(self) -> dict[str, Any]:
         info = {
             "family": "moe", "suite": "ep", "part": self.part,
-            "impl": "all_to_all" if self.part == "link" else self.impl,
+            "impl": self.exchange if self.part == "link" else self.impl,
             "dispatch": None if self.part == "link" else self.dispatch,
             "routing": self.routing, "dtype": self.dtype, "op": self.op,
             "tokens": self.tokens, "tokens_per_device": self.tokens_per_device,
@@ -107,7 +108,10 @@ class EpCase:
         return info
 
     def link_bytes(self) -> int:
-        """Bytes that leave each device in one trip: its copies' share for the other devices."""
+        """Bytes that leave each device in one trip: its copies' share for the other devices
+        (``all_to_all``), or its tokens once for each other device (``all_gather``)."""
+        if self.exchange == "all_gather":
+            return self.tokens_per_device * self.d_model * 2 * (self.devices - 1)
         copies = self.tokens_per_device * self.top_k
         return copies * self.d_model * 2 * (self.devices - 1) // max(self.devices, 1)
 
@@ -192,8 +196,8 @@ def ep_cases(mode: str) -> list[EpCase]:
                       experts=shape["experts"], top_k=shape["top_k"],
                       shared_hidden=shape.get("shared_hidden", 0), dispatch=dispatch)
         for t in tokens:
-            cases.append(EpCase(part="link", devices=n, tokens_per_device=t, priority=5,
-                                exchange="all_to_all", **common))
+            cases += [EpCase(part="link", devices=n, tokens_per_device=t, priority=5,
+                             exchange=link, **common) for link in LINKS]
             cases.append(EpCase(part="step", devices=1, tokens_per_device=t, priority=10,
                                 **common))
             for transport in TRANSPORTS:
@@ -207,8 +211,12 @@ def ep_cases(mode: str) -> list[EpCase]:
 
 
 def identity_experts(config, x, w_gate, w_up, w_down, copies):
-    """Routed experts that return their input: the ``exchange`` part's stand-in."""
-    return x, None
+    """Routed experts that return their input weighted by its kept copies' weights: the
+    ``exchange`` part's stand-in."""
+    import jax.numpy as jnp
+
+    weight = jnp.sum(jnp.where(copies.kept, copies.weights, 0.0), axis=1, keepdims=True)
+    return (x * weight).astype(x.dtype), None
 
 
 def _mesh(case: EpCase):
@@ -298,7 +306,8 @@ def _versus_one_device(case, config, inputs, y) -> float:
 
 
 def build_link(case: EpCase) -> bench_moe.JaxWorkload:
-    """A jitted all-to-all of ``[n, rows, d]`` bf16 blocks on every device."""
+    """A jitted all-to-all of ``[n, rows, d]`` bf16 blocks on every device, or (``all_gather``)
+    an all-gather of each device's ``[T, d]`` tokens."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding
@@ -306,12 +315,19 @@ def build_link(case: EpCase) -> bench_moe.JaxWorkload:
 
     mesh = _mesh(case)
     n = case.devices
-    rows = math.ceil(case.tokens_per_device * case.top_k / n)
-    blocks = jnp.ones((n * n, rows, case.d_model), jnp.bfloat16)
-    blocks = jax.device_put(blocks, NamedSharding(mesh, P(MESH_AXIS)))
+    if case.exchange == "all_gather":
+        blocks = jnp.ones((n * case.tokens_per_device, case.d_model), jnp.bfloat16)
 
-    def exchange(local):
-        return jax.lax.all_to_all(local, MESH_AXIS, 0, 0)
+        def exchange(local):
+            return jax.lax.all_gather(local, MESH_AXIS, tiled=True)[None]
+    else:
+        rows = math.ceil(case.tokens_per_device * case.top_k / n)
+        blocks = jnp.ones((n * n, rows, case.d_model), jnp.bfloat16)
+
+        def exchange(local):
+            return jax.lax.all_to_all(local, MESH_AXIS, 0, 0)
+
+    blocks = jax.device_put(blocks, NamedSharding(mesh, P(MESH_AXIS)))
 
     fn = jax.jit(jax.shard_map(exchange, mesh=mesh, in_specs=P(MESH_AXIS),
                                out_specs=P(MESH_AXIS)))

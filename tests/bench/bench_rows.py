@@ -32,7 +32,7 @@ RBF_SUITES = {
     "kernel_mv_peak", "kernel_mv_max_n",
 }
 MOE_IMPLS = {"pallas", "triton", "mosaic", "blocked", "ragged_dot", "tokamax", "torch_grouped_mm",
-             "torch_grouped_mm_compile", "dense", "all_to_all"}
+             "torch_grouped_mm_compile", "dense", "all_to_all", "all_gather"}
 EP_PARTS = {"link", "step", "exchange"}  # the link alone, a full step, the exchange alone
 RBF_IMPLS = {"pallas", "xla", "dense", "torch_dense", "keops"}
 MOE_PIECES = {"route", "sort_permute", "experts_grouped_swiglu", "unpermute_combine"}

@@ -125,6 +125,22 @@ def test_ragged_exchange(impl, dispatch):
                    dict(LAYER, impl=impl, dispatch=dispatch, exchange="ragged"), 61, 2)
 
 
+@pytest.mark.parametrize(
+    "impl,dispatch,routing,mesh_shape,axis_names,skew_to",
+    [("pallas", "sorted", "dropless", (4,), ("expert",), None),
+     ("pallas", "fused_gsum", "capacity", (2, 2), ("data", "expert"), None),
+     ("pallas", "gather", "dropless", (4,), ("expert",), 0),
+     ("pallas", "fused", "dropless", (2, 2), ("expert", "data"), 6),
+     ("ragged_dot", "sorted", "capacity", (4,), ("expert",), None),
+     ("blocked", "sorted", "dropless", (2, 2), ("data", "expert"), None)],
+)
+def test_all_gather_exchange(impl, dispatch, routing, mesh_shape, axis_names, skew_to):
+    # tokens gathered over the expert axis, partial outputs reduce-scattered: the same layer
+    on_cpu_devices(check_matches_one_device, mesh_shape, axis_names,
+                   dict(LAYER, impl=impl, dispatch=dispatch, routing=routing,
+                        exchange="all_gather"), TOKENS, skew_to)
+
+
 def test_expert_axis_of_eight_with_top_k_above_local_experts():
     # one expert per device: a token's copies go to top_k different devices
     on_cpu_devices(check_matches_one_device, (8,), ("expert",),
@@ -192,7 +208,7 @@ def check_program_exchanges_tokens(exchange_name, routing):
         lambda p, x: tilax.moe_apply(p, x, config, mesh=mesh)[0].sum(), argnums=(0, 1)))
     lowered = step.lower(params, x)
     compiled = lowered.compile().as_text()
-    if routing == "dense":
+    if routing == "dense" or exchange_name == "all_gather":
         assert "all-gather" in compiled and "reduce-scatter" in compiled
         return
     assert "all-to-all" in compiled  # not optimised away
@@ -211,6 +227,10 @@ def check_program_exchanges_tokens(exchange_name, routing):
 @pytest.mark.parametrize("routing", ["dropless", "capacity", "dense"])
 def test_compiled_program_exchanges_tokens(routing):
     on_cpu_devices(check_program_exchanges_tokens, "all_to_all", routing)
+
+
+def test_compiled_all_gather_exchange_gathers_and_scatters():
+    on_cpu_devices(check_program_exchanges_tokens, "all_gather", "dropless")
 
 
 def check_always_fails():

@@ -32,7 +32,7 @@ from jax import lax
 from tilax import _pallas
 from tilax.moe import dispatch
 
-TRANSPORTS = ("auto", "all_to_all", "ragged")
+TRANSPORTS = ("auto", "all_gather", "all_to_all", "ragged")
 
 
 class Slots(NamedTuple):

@@ -151,6 +151,8 @@ def _local_layer(params, x, *, config, experts, plan: MeshPlan):
     weights = [params[n].astype(dtype) for n in EXPERT_WEIGHTS]
     if config.routing == "dense":
         y = _dense_experts(xc, weights, routed, token_valid, plan)
+    elif plan.transport == "all_gather":
+        y = _gathered_experts(config, experts, xc, weights, routed, kept, plan)
     else:
         y = _exchanged_experts(config, experts, xc, weights, routed, kept, plan)
     if config.shared_hidden:
@@ -222,6 +224,31 @@ def _exchanged_experts(config, experts, x, weights, routed, kept, plan: MeshPlan
     else:
         back = transport.back(results)
     return exchange.from_slots(back, routed.weights, slots)
+
+
+def _gathered_experts(config, experts, x, weights, routed, kept, plan: MeshPlan):
+    """The ``all_gather`` transport: every device of an ``expert_axis`` group gets the group's
+    tokens and routing (``all_gather``), computes the copies bound for its own experts, weighted
+    (the same sparse expert path, other copies masked), and a ``psum_scatter`` adds the partial
+    outputs up and hands each device its own tokens': ``[T_local, d]``. Per trip each device
+    sends its ``T_local`` tokens once, whatever ``top_k``, and nothing is sized for a worst
+    case; the partial sums travel in the activation dtype."""
+    axis = plan.expert_axis
+    local_experts = weights[0].shape[0]
+    first_expert = lax.axis_index(axis) * local_experts
+    group_x, group_ids, group_weights, group_kept = (
+        lax.all_gather(v, axis, tiled=True) for v in (x, routed.expert_ids, routed.weights, kept)
+    )
+    local_ids = group_ids - first_expert
+    local = group_kept & (local_ids >= 0) & (local_ids < local_experts)
+    copies = RoutedCopies(
+        expert_ids=jnp.where(local, local_ids, 0),
+        weights=jnp.where(local, group_weights, 0.0),
+        kept=local,
+        sparse_rows=True,
+    )
+    partial, _ = experts(config, group_x, *weights, copies)
+    return lax.psum_scatter(partial, axis, scatter_dimension=0, tiled=True)
 
 
 def _dense_experts(x, weights, routed, token_valid, plan: MeshPlan):
