@@ -57,8 +57,9 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "op": ("str", "forward, train_step, fwd+bwd (MoE pieces); fwd, fwd_bwd (RBF)"),
     "piece": ("str", "train-step piece (suite pieces)"),
     "part": ("str", "what an expert-parallel row (suite ep) times: link (a plain all-to-all "
-                    "or all-gather of the exchange's bytes), step (the train step) or exchange (the step with "
-                    "identity experts: routing and the token copies' trips alone)"),
+                    "or all-gather of the exchange's bytes), step (the train step) or exchange "
+                    "(the step with identity experts: routing and the token copies' trips "
+                    "alone)"),
     "exchange": ("str", "how token copies travel between GPUs (suite ep, MoEConfig.exchange): "
                         "all_gather, ragged or all_to_all; missing on one GPU"),
     "mesh": ("str", "device mesh of the call, e.g. expert=2 (suite ep; missing: one device, no "
