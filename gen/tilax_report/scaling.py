@@ -110,10 +110,12 @@ def step_rows(rows: pd.DataFrame) -> pd.DataFrame:
 
 
 def link_rows(rows: pd.DataFrame) -> pd.DataFrame:
-    """Every ``link`` row with ``mib`` (bytes leaving each GPU per trip, MiB), ``gbps`` (as
+    """Every ``link`` row with ``collective`` (its ``exchange``: ``all_to_all`` or
+    ``all_gather``), ``mib`` (bytes leaving each GPU per trip, MiB), ``gbps`` (as
     stored; ``bytes / median`` where a measured row lacks it) and ``gbps_lo``/``_hi`` from the
     quartiles (``bytes / q3``, ``bytes / q1``)."""
     link = rows[rows["part"] == "link"].copy()
+    link["collective"] = link["exchange"].fillna("all_to_all")
     size = link["bytes"].astype("float64")
     link["mib"] = size / 2**20
     computed = size / (link["median_ms"] / 1e3) / 1e9
@@ -121,4 +123,5 @@ def link_rows(rows: pd.DataFrame) -> pd.DataFrame:
     link["gbps"] = link["gbps"].where(link["status"] == "measured")
     link["gbps_lo"] = size / (link["q3_ms"] / 1e3) / 1e9
     link["gbps_hi"] = size / (link["q1_ms"] / 1e3) / 1e9
-    return link.sort_values(["source_file", "devices", "bytes"]).reset_index(drop=True)
+    return link.sort_values(["source_file", "devices", "collective", "bytes"]).reset_index(
+        drop=True)

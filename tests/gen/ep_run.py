@@ -11,7 +11,8 @@ the times are chosen here so the tests can check the report's ratios by hand:
   failed (out of memory). Link rows at 65,536 and 131,072 tokens per GPU.
 - E64 top-8 d512 h128 shared 1024 (``pallas/fused``), 65,536 tokens per GPU: one GPU 20.0 ms;
   two GPUs over ``all_to_all`` 25.0 ms (efficiency 0.800), exchange 8.0 ms (share 32.0%);
-  the ``ragged`` step and exchange were skipped (the run's time budget). One link row.
+  the ``ragged`` step and exchange were skipped (the run's time budget). Link rows of both
+  collectives.
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ ROWS = [
                      **LAYER), 0.38, None),
     (bench_ep.EpCase(part="link", devices=2, tokens_per_device=T, exchange="all_to_all",
                      **DECODER), 0.70, None),
+    (bench_ep.EpCase(part="link", devices=2, tokens_per_device=T, exchange="all_gather",
+                     **LAYER), 0.25, None),
     (bench_ep.EpCase(part="step", devices=1, tokens_per_device=T, **LAYER), 10.0, None),
     (bench_ep.EpCase(part="step", devices=2, tokens_per_device=T, exchange="ragged", **LAYER),
      11.5, None),
@@ -74,6 +77,7 @@ EFFICIENCY_RAGGED = 10.0 / 11.5
 EFFICIENCY_ALL_TO_ALL = 10.0 / 12.5
 SHARE_RAGGED = 3.0 / 11.5
 LINK_GBPS = ROWS[0][0].link_bytes() / 0.20e-3 / 1e9
+LINK_GATHER_GBPS = ROWS[3][0].link_bytes() / 0.25e-3 / 1e9  # each GPU sends its T tokens
 
 
 def _rounds(median_ms: float) -> list[float]:

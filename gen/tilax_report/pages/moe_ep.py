@@ -1,7 +1,7 @@
-"""MoE expert parallel (suite ``ep``): per run and layer shape, the link's all-to-all
-bandwidth, weak scaling (one GPU at T tokens against n GPUs at n·T tokens, bf16 train step, per
-exchange transport) and the exchange's share of the step; failed and skipped rows kept apart.
-The numbers come from `scaling`; this module words them."""
+"""MoE expert parallel (suite ``ep``): per run and layer shape, the link's bandwidth (the
+collectives of the exchanges), weak scaling (one GPU at T tokens against n GPUs at n·T tokens,
+bf16 train step, per exchange transport) and the exchange's share of the step; failed and
+skipped rows kept apart. The numbers come from `scaling`; this module words them."""
 
 from __future__ import annotations
 
@@ -41,11 +41,12 @@ def build(results: StoredResults) -> str:
         "The MoE layer split over the GPUs of one host (`moe_apply` with a mesh: the experts "
         "divided over the GPUs, the tokens too, every token copy sent to the GPU that holds "
         "its expert and back), from the `ep` benchmark suite. Per run and layer shape: "
-        "**the link**, a plain all-to-all of the bytes one trip of the copies moves (GB/s "
-        "counts the bytes that leave each GPU); **weak scaling**, the bf16 train step on one "
-        "GPU at T tokens against n GPUs at n·T tokens, for each exchange transport "
-        "(`MoEConfig.exchange`: `ragged` sends only the copies, `all_to_all` fixed worst-case "
-        "blocks); and **the exchange's share** of the step, from the same step with the "
+        "**the link**, a plain all-to-all or all-gather of the bytes one trip of an exchange "
+        "moves (GB/s counts the bytes that leave each GPU); **weak scaling**, the bf16 train "
+        "step on one GPU at T tokens against n GPUs at n·T tokens, for each exchange transport "
+        "(`MoEConfig.exchange`: `all_gather` gathers the tokens and reduce-scatters partial "
+        "outputs, `ragged` sends only the copies, `all_to_all` fixed worst-case blocks); "
+        "and **the exchange's share** of the step, from the same step with the "
         "experts replaced by the identity and no shared expert (routing, the copies' trips "
         "there and back and the weighted combine, forward and backward)."
     )
@@ -215,30 +216,34 @@ def _run_section(page: Page, rows: pd.DataFrame, steps: pd.DataFrame, dates: pd.
 
 def _link(page: Page, rows: pd.DataFrame, run: str) -> None:
     link = scaling.link_rows(rows)
-    page.md("### The link: all-to-all bandwidth\n")
+    page.md("### The link: collective bandwidth\n")
     if link.empty:
         page.md("This run stored no link row.")
         return
     page.md(
-        "A plain `jax.lax.all_to_all` of the bytes one trip of the token copies moves for each "
-        "layer and token count (every GPU sends an equal share of its T × top-k copies of "
-        "d_model bf16 values to every GPU); GB/s counts the bytes that leave each GPU, "
-        "(n − 1)/n of its buffer, over the median time."
+        "For each layer and token count, the collective of an exchange alone on the bytes of "
+        "one trip: `all_to_all`, a plain `jax.lax.all_to_all` (every GPU sends an equal share "
+        "of its T × top-k copies of d_model bf16 values to every GPU; the bytes leaving each "
+        "GPU are (n − 1)/n of its buffer); `all_gather`, a plain `jax.lax.all_gather` of each "
+        "GPU's T tokens (d_model bf16 values each; (n − 1) × T × d_model × 2 bytes leave each "
+        "GPU). GB/s counts the bytes that leave each GPU over the median time."
     )
     good = link[link["status"] == "measured"].assign(
-        series=lambda f: f["devices"].map(lambda n: plural(int(n), "GPU")))
+        series=lambda f: [f"{c}, {plural(int(n), 'GPU')}"
+                          for c, n in zip(f["collective"], f["devices"], strict=True)])
     if not good.empty:
         chart = charts.lines(
             good, x="mib", x_title="MiB leaving each GPU per trip", y="gbps",
-            y_title="GB/s per GPU", color="series", color_title="GPUs", spread=False,
+            y_title="GB/s per GPU", color="series", color_title="collective", spread=False,
             log_y=False, x_format="~g",
             tips=["config", "tokens_per_device", "median_ms", "q1_ms", "q3_ms", "gbps_lo",
                   "gbps_hi"],
-            title=f"{rows['device'].iloc[0]}: all-to-all bandwidth per message size",
+            title=f"{rows['device'].iloc[0]}: collective bandwidth per message size",
         )
         page.chart(chart, link, "Log x axis; tooltips give the median and the GB/s range "
                                 "from the quartiles.")
     display = pd.DataFrame({
+        "collective": link["collective"],
         "MiB per GPU": link["mib"].map(lambda v: fmt_num(v, 4)),
         "GPUs": link["devices"].map(fmt_int),
         "GB/s (range)": [_ratio(r.gbps, r.gbps_lo, r.gbps_hi, 1) if r.status == "measured"
@@ -249,7 +254,7 @@ def _link(page: Page, rows: pd.DataFrame, run: str) -> None:
         "tokens/GPU": link["tokens_per_device"].map(fmt_size),
     })
     page.table(display, link, "Bytes and GB/s per GPU; the range is bytes / q3 to bytes / q1.",
-               name=f"ep-link-{run}", key_columns=3)
+               name=f"ep-link-{run}", key_columns=4)
 
 
 def _shape(page: Page, rows: pd.DataFrame, steps: pd.DataFrame, run: str) -> None:
