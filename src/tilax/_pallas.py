@@ -34,6 +34,15 @@ def gpu_compute_capability() -> tuple[int, int] | None:
     return int(major), int(minor or 0)
 
 
+@functools.cache
+def gpu_core_count() -> int | None:
+    """Streaming multiprocessors of the first CUDA device (persistent kernels launch one
+    program per SM), or ``None`` off CUDA GPUs."""
+    if platform() != "gpu":
+        return None
+    return getattr(jax.devices()[0], "core_count", None) or None
+
+
 def is_hopper_or_newer() -> bool:
     """True on sm90+ (H100, H200, ...): the devices where Mosaic GPU kernels run."""
     capability = gpu_compute_capability()
@@ -55,9 +64,10 @@ def mosaic_unavailable_reason() -> str | None:
 def resolve_backend(requested: str) -> Backend:
     """Map a user-facing kernel choice to the Pallas backend that will run it.
 
-    ``"auto"``/``"pallas"`` pick Triton on GPUs and interpret mode on CPU. ``"triton"`` runs the
-    Triton kernel, interpreted on CPU (the same kernel code, so CPU tests cover it).
-    ``"mosaic"`` needs Hopper and raises ``ValueError`` with the reason elsewhere.
+    ``"auto"``/``"pallas"`` pick Triton on GPUs and interpret mode on CPU (Mosaic GPU is not
+    picked until measurements say where it wins). ``"triton"`` runs the Triton kernel,
+    interpreted on CPU (the same kernel code, so CPU tests cover it). ``"mosaic"`` needs
+    Hopper and raises ``ValueError`` with the reason elsewhere.
     """
     if requested == "mosaic":
         reason = mosaic_unavailable_reason()
@@ -77,7 +87,8 @@ def pallas_call(
     num_stages: int | None = None,
     **kwargs: Any,
 ) -> Callable[..., Any]:
-    """``pl.pallas_call`` for the Triton backend, or interpret mode on CPU.
+    """``pl.pallas_call`` for the Triton backend, or interpret mode on CPU (the Mosaic GPU
+    kernels launch through ``plgpu.kernel`` themselves).
 
     Passing Triton compiler params explicitly selects the Triton lowering on GPUs even where
     JAX's default Pallas GPU backend is Mosaic GPU.

@@ -2,7 +2,8 @@
 
 The path is backend-neutral: it calls the grouped-matmul kernels of a backend module through
 the ``base.GmmKernels`` contract, and ``KERNELS`` names the modules (``"interpret"`` is the
-Triton kernel file run by the Pallas interpreter on CPU). Per ``dispatch``:
+Triton kernel file run by the Pallas interpreter on CPU; ``"mosaic"`` the Mosaic GPU kernels
+of Hopper). Per ``dispatch``:
 
 - forward: ``sorted`` (permuted copy of ``x``, three grouped matmuls, SwiGLU and combine in
   XLA), ``gather`` (the grouped matmuls read rows of ``x`` through the sort index),
@@ -30,14 +31,15 @@ import jax
 import jax.numpy as jnp
 
 from tilax import _pallas
-from tilax.moe import dispatch, gmm_triton, pallas_slices, reference
+from tilax.moe import dispatch, gmm_mosaic, gmm_triton, pallas_slices, reference
 from tilax.moe.base import RoutedCopies
 
-# Feature dimensions are zero-padded to a multiple of this for the kernels (tl.dot needs >= 16).
+# Feature dimensions are zero-padded to a multiple of this for the kernels (tl.dot and the
+# Mosaic GPU kernels' tiles need >= 16).
 FEATURE_MULTIPLE = 16
 
 # Pallas backend name (``_pallas.resolve_backend``) -> its kernel module (``base.GmmKernels``).
-KERNELS = {"triton": gmm_triton, "interpret": gmm_triton}
+KERNELS = {"triton": gmm_triton, "interpret": gmm_triton, "mosaic": gmm_mosaic}
 
 
 def kernel_tiles(config, backend: str | None = None):
