@@ -128,6 +128,12 @@ def test_mosaic_on_hopper_runs_16_bit_experts_only(setup, monkeypatch):
         tilax.moe_apply(params, x, config)
 
 
+def test_mosaic_tiles(monkeypatch):
+    monkeypatch.setattr(_pallas, "mosaic_unavailable_reason", lambda: None)
+    tiles = api.kernel_tiles(_config(impl="mosaic", dtype=jnp.bfloat16, block_n=64))
+    assert (tiles.block_m, tiles.block_n, tiles.programs_per_sm) == (128, 64, 2)
+
+
 def test_auto_never_picks_mosaic(monkeypatch):
     # No measurement of the Mosaic GPU backend exists yet: auto and pallas keep Triton.
     monkeypatch.setattr(_pallas, "platform", lambda: "gpu")

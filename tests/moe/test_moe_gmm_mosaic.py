@@ -6,6 +6,8 @@ swizzles or timing: test_moe_mosaic_lowering.py lowers the kernels for CUDA, and
 test_moe_gpu.py runs them on Hopper. ``gmm_combine`` (TMA reduce-add) has no interpreter.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,7 +20,7 @@ from tilax import _pallas
 from tilax.moe import dispatch, gmm_mosaic, gmm_mosaic_parts, reference, skew_tokens
 from tilax.moe.gmm_mosaic import Config
 
-TILES = Config(block_m=64, block_n=64, block_k=64, num_stages=2)
+TILES = Config(block_m=64, block_n=64, block_k=64, num_stages=2, programs_per_sm=2)
 # Experts 1 and 4 get no rows, expert 0 ends mid-tile, expert 2 spans three tiles.
 GROUP_SIZES = np.array([7, 0, 137, 5, 0, 90])
 NUM_ROWS = int(GROUP_SIZES.sum())  # 239: not a multiple of the row tile
@@ -34,8 +36,8 @@ def rng():
 
 @pytest.fixture
 def few_sms(monkeypatch):
-    """Four persistent programs instead of an H100's 132: the interpreter runs each."""
-    monkeypatch.setattr(gmm_mosaic_parts, "DEFAULT_SMS", 4)
+    """Two SMs (four programs) instead of an H100's 132: the interpreter runs each program."""
+    monkeypatch.setattr(gmm_mosaic_parts, "DEFAULT_SMS", 2)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -48,7 +50,7 @@ def _layer_config(**overrides):
 
 def test_default_tiles_and_overrides():
     tiles = gmm_mosaic.tiles_for(_layer_config())
-    assert tiles == Config(block_m=128, block_n=128, block_k=64, num_stages=4)
+    assert tiles == Config(block_m=128, block_n=128, block_k=64, num_stages=4, programs_per_sm=2)
     assert tiles.row_multiple == 128
     tiles = gmm_mosaic.tiles_for(_layer_config(block_m=64, block_k=128, num_stages=3, num_warps=8))
     assert (tiles.block_m, tiles.block_k, tiles.num_stages) == (64, 128, 3)
@@ -75,17 +77,21 @@ def test_epilogue_register_cap():
 
 
 def test_pipeline_fits_shared_memory():
-    tiles = Config(block_m=128, block_n=128, block_k=64, num_stages=4)
-    row = (128 + 128) * 2  # bytes per contraction step row of a [128, k] and a [k, 128] tile
-    assert gmm_mosaic_parts.fit_pipeline(tiles, 64, row) == (64, 4)
-    # dx: two products per step fit three stages
-    assert gmm_mosaic_parts.fit_pipeline(tiles, 64, 2 * row) == (64, 3)
-    # 256-wide steps of two products do not fit twice: the step is halved until they do
-    assert gmm_mosaic_parts.fit_pipeline(tiles, 256, 2 * row) == (64, 3)
+    whole_sm = Config(block_m=128, block_n=128, block_k=64, num_stages=4, programs_per_sm=1)
+    half_sm = dataclasses.replace(whole_sm, programs_per_sm=2)
+    assert gmm_mosaic_parts.smem_budget(whole_sm) == 227 * 1024 - 3072
+    assert gmm_mosaic_parts.smem_budget(half_sm) == 114 * 1024 - 3072
+    row = (128 + 128) * 2  # bytes per contraction row of a [128, k] and a [k, 128] tile
+    assert gmm_mosaic_parts.fit_pipeline(whole_sm, 64, row) == (64, 4)
+    assert gmm_mosaic_parts.fit_pipeline(half_sm, 64, row) == (64, 3)
+    # dx (two products per step): three stages in a whole SM; in half of one, the K step is
+    # halved until three fit
+    assert gmm_mosaic_parts.fit_pipeline(whole_sm, 64, 2 * row) == (64, 3)
+    assert gmm_mosaic_parts.fit_pipeline(half_sm, 64, 2 * row) == (32, 3)
     # tiles live around the pipeline take their room first
-    assert gmm_mosaic_parts.fit_pipeline(tiles, 64, row, live_bytes=128 * 1024) == (64, 3)
+    assert gmm_mosaic_parts.fit_pipeline(whole_sm, 64, row, live_bytes=160 * 1024) == (64, 2)
     with pytest.raises(ValueError, match="shared memory"):
-        gmm_mosaic_parts.fit_pipeline(tiles, 64, 4096, min_block_k=64)
+        gmm_mosaic_parts.fit_pipeline(half_sm, 64, 4096, min_block_k=64)
 
 
 def test_float32_operands_are_rejected():

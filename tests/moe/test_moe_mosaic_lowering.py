@@ -9,13 +9,17 @@ sizes, so every kernel is lowered with the tiles it gets there. What lowering ca
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import pytest
 from jax import export
+from jax.experimental.mosaic.gpu import core as mosaic_core
 
 import tilax
 from tilax import _pallas
+from tilax.moe import gmm_mosaic_parts as parts
 
 MOSAIC_CALL = "stablehlo.custom_call @mosaic_gpu_v2"
 # Kernels per train step: forward (gate, up and down projections; gate/up/SwiGLU fused in one
@@ -31,6 +35,8 @@ def as_on_hopper(monkeypatch):
 
 
 def lower_train_step(config, tokens: int) -> str:
+    """The CUDA module of a train step; every kernel must fit the shared memory its program
+    gets (two programs share an SM by default: half of it, less the 1 KiB CUDA keeps)."""
     params = tilax.moe_init(jax.random.key(0), config)
     x = jax.ShapeDtypeStruct((tokens, config.d_model), config.dtype)
 
@@ -38,7 +44,10 @@ def lower_train_step(config, tokens: int) -> str:
         return jnp.sum(tilax.moe_apply(params, x, config)[0].astype(jnp.float32))
 
     step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
-    return export.export(step, platforms=["cuda"])(params, x).mlir_module()
+    programs = parts.tiles_for(config).programs_per_sm
+    limit = min(parts.SMEM_PER_BLOCK, parts.SMEM_PER_SM // programs - 1024)
+    with mosaic_core.artificial_shared_memory_limit(limit):
+        return export.export(step, platforms=["cuda"])(params, x).mlir_module()
 
 
 @pytest.mark.parametrize("dispatch", list(KERNELS))
@@ -62,3 +71,10 @@ def test_fine_grained_decoder_lowers(dispatch):
 def test_variants_lower(overrides):
     config = tilax.MoEConfig(**{**LAYER, "impl": "mosaic", **overrides})
     assert lower_train_step(config, 1000).count(MOSAIC_CALL) >= KERNELS["sorted"]
+
+
+def test_one_program_per_sm_lowers(monkeypatch):
+    whole_sm = dataclasses.replace(parts.default_config(jnp.bfloat16), programs_per_sm=1)
+    monkeypatch.setattr(parts, "default_config", lambda dtype: whole_sm)
+    config = tilax.MoEConfig(**LAYER, impl="mosaic", dispatch="fused_gsum")
+    assert lower_train_step(config, 4096).count(MOSAIC_CALL) == KERNELS["fused_gsum"]

@@ -310,9 +310,11 @@ def resolve_impl(config: MoEConfig) -> str:
 
 
 def kernel_tiles(config: MoEConfig):
-    """The tiles the Pallas path uses for ``config`` on this device (its backend's defaults,
-    overridden by the config's tile fields)."""
-    return pallas.kernel_tiles(config)
+    """The tiles the Pallas path uses for ``config`` on this device: the defaults of the
+    backend ``config.impl`` runs (the default Pallas backend for the XLA impls), overridden by
+    the config's tile fields. Raises as :func:`resolve_impl` does."""
+    backend = resolve_impl(config)
+    return pallas.kernel_tiles(config, backend if backend in pallas.KERNELS else None)
 
 
 # ----------------------------------------------------------------------------------------------

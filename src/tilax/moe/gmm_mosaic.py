@@ -6,9 +6,11 @@ The second backend of the Pallas expert path (``pallas.py``): the kernel set of 
 float16 operands only: float32 raises ``ValueError`` (float32 experts run on Triton, and
 ``api.resolve_impl`` rejects ``impl="mosaic"`` with ``dtype=float32``).
 
-Every kernel is persistent: one program per SM walks the work items, and each item runs a
-TMA pipeline over the contraction (``num_stages`` swizzled SMEM buffers) that feeds ``wgmma``
-with a float32 accumulator in registers, the next steps' copies landing while the MMAs run.
+Every kernel is persistent: ``Config.programs_per_sm`` programs per SM walk the work items,
+and each item runs a TMA pipeline over the contraction (``num_stages`` swizzled SMEM buffers)
+that feeds ``wgmma`` with a float32 accumulator in registers, the next steps' copies landing
+while the MMAs run; with two programs per SM, one's prologue and epilogue overlap the other's
+MMAs.
 Forward-type kernels follow the ``dispatch.GmmSchedule`` items of the Triton path: an item's
 tile is staged in SMEM and only its rows ``[lo, hi)`` are stored, by one TMA store per set bit
 of ``hi - lo`` (a TMA store has no row mask), so every row is written by exactly one program.
@@ -28,8 +30,9 @@ Kernels (each wrapper launches one):
   chunk of each expert have the other rows zeroed in SMEM.
 
 Not warp-specialised: the contractions are short (``d_model`` or ``d_hidden``: a few
-``block_k`` steps) and the first H200 measurements should say whether a producer warpgroup
-pays. ``impl="auto"`` does not pick this backend until they exist.
+``block_k`` steps), where two programs per SM already overlap loads, MMAs and epilogues; the
+first H200 measurements should say whether a producer warpgroup pays on top. ``impl="auto"``
+does not pick this backend until they exist.
 
 Mosaic GPU APIs relied on, read in jax 0.10.2 (installed here) and jax-ml/jax main at
 0.11.1.dev (2026-08), where they are unchanged except that 0.11 makes ``Warpgroup`` lowering
@@ -159,7 +162,7 @@ def gmm(
 
     args = [*schedule, *[a for pair in pairs for a in pair]] + ([row_scale] if scaled else [])
     out = jax.ShapeDtypeStruct((num_rows, n_dim), out_dtype)
-    return parts.launch(body, out, "moe_gmm_mosaic")(*args)
+    return parts.launch(body, out, "moe_gmm_mosaic", tiles)(*args)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -221,7 +224,8 @@ def gmm_swiglu(
         parts.for_each_item(schedule_refs, h_dim // block_n, block_m, item_fn)
 
     out = jax.ShapeDtypeStruct((num_rows, h_dim), x.dtype)
-    kernel = parts.launch(body, [out] * (3 if save_preactivations else 1), "moe_gmm_swiglu_mosaic")
+    outs = [out] * (3 if save_preactivations else 1)
+    kernel = parts.launch(body, outs, "moe_gmm_swiglu_mosaic", tiles)
     return tuple(kernel(*schedule, x, w_gate, w_up))
 
 
@@ -315,7 +319,7 @@ def gmm_swiglu_bwd(
     rows = jax.ShapeDtypeStruct((num_rows, h_dim), gate.dtype)
     per_item = jax.ShapeDtypeStruct((n_tiles, num_items, block_m), jnp.float32)
     d_gate, d_up, act_scaled, dw_items = parts.launch(
-        body, [rows, rows, rows, per_item], "moe_gmm_swiglu_bwd_mosaic"
+        body, [rows, rows, rows, per_item], "moe_gmm_swiglu_bwd_mosaic", tiles
     )(*schedule, dy, w_down, gate, up, row_scale)
     return d_gate, d_up, act_scaled, _owned_rows(dw_items.sum(0), schedule, num_rows)[None]
 
@@ -364,7 +368,7 @@ def gmm_combine(
 
     def kernel(refs):
         schedule_refs, (a_g, w_g, scale_g, target_g, y_g) = refs[:4], refs[4:]
-        mesh = plgpu.Mesh(grid=(parts.num_sms(),), grid_names=("sm",))
+        mesh = plgpu.Mesh(grid=(parts.num_programs(tiles),), grid_names=("sm",))
 
         @pl.core_map(mesh, compiler_params=parts.PARAMS, name="moe_gmm_combine_mosaic")
         def _():
@@ -498,6 +502,6 @@ def tgmm(
             pl.run_scoped(store, *[out_smem] * len(rights))
 
     out = jax.ShapeDtypeStruct((num_experts, k_pad, n_dim), out_dtype)
-    results = parts.launch(body, [out] * len(rights), "moe_tgmm_mosaic")(group_offsets, lhs,
-                                                                         *rights)
+    kernel = parts.launch(body, [out] * len(rights), "moe_tgmm_mosaic", tiles)
+    results = kernel(group_offsets, lhs, *rights)
     return tuple(r[:, :k_dim] if k_pad != k_dim else r for r in results)

@@ -30,8 +30,11 @@ MIN_BLOCK = 16
 # accumulator stored into the row-sliceable staging tile, and at block_m = 128 it would not
 # fit one warpgroup's registers anyway.
 MAX_BLOCK_N = 128
-# Per-block shared memory of sm90 (the opt-in limit), less room for barriers and alignment.
-SMEM_BYTES = 227 * 1024 - 2048
+# Shared memory of an sm90 SM, and the most one block may have (the opt-in limit); the
+# system keeps 1 KiB per block, and the pipelines' barriers and alignment take some more.
+SMEM_PER_SM = 228 * 1024
+SMEM_PER_BLOCK = 227 * 1024
+SMEM_SLACK = 1024 + 2048
 # Registers per thread that the float32 tiles live through an epilogue may take: one
 # warpgroup (128 threads) holds a [block_m, block_n] tile in block_m * block_n / 128.
 TILE_REGISTERS = 128
@@ -50,12 +53,16 @@ class Config:
     columns per tile (at most ``MAX_BLOCK_N``); ``block_k``: contraction step (features for
     forward-type kernels, rows for ``tgmm``); ``num_stages``: TMA buffers in flight. Powers
     of two. Each kernel may narrow them (``capped_block_n``, ``fit_pipeline``).
+    ``programs_per_sm``: persistent programs sharing an SM, each with that share of its
+    shared memory: with two, one program's pipeline prologue and epilogue overlap the other's
+    MMAs, which matters when the contraction is a few steps long.
     """
 
     block_m: int
     block_n: int
     block_k: int
     num_stages: int
+    programs_per_sm: int = 2
 
     @property
     def row_multiple(self) -> int:
@@ -64,11 +71,17 @@ class Config:
 
 
 def default_config(dtype) -> Config:
-    """128 x 128 x 64 tiles and 4 stages, for bfloat16 and float16 alike: 64-wide K steps are
-    one 128-byte swizzle of 16-bit operands; a plain grouped matmul's stage is 32 KiB of SMEM.
-    Not measured yet: the first H200 run sets these."""
+    """128 x 128 x 64 tiles, up to 4 stages, two programs per SM, for bfloat16 and float16
+    alike: 64-wide K steps are one 128-byte swizzle of 16-bit operands, and a plain grouped
+    matmul's stage is 32 KiB, three of which fit in half an SM's shared memory. Not measured
+    yet: the first H200 run sets these."""
     del dtype
-    return Config(block_m=128, block_n=128, block_k=64, num_stages=4)
+    return Config(block_m=128, block_n=128, block_k=64, num_stages=4, programs_per_sm=2)
+
+
+def smem_budget(tiles: Config) -> int:
+    """Shared memory one program may use."""
+    return min(SMEM_PER_BLOCK, SMEM_PER_SM // tiles.programs_per_sm) - SMEM_SLACK
 
 
 CONFIG_FIELDS = ("block_m", "block_n", "block_k", "num_stages")
@@ -120,13 +133,14 @@ def fit_pipeline(
     ``block_k`` halved (not below ``min_block_k``) while two do not. SMEM of scopes that end
     before the pipeline or start after it is reused, so the staged outputs do not count.
     """
+    budget = smem_budget(tiles)
     while True:
-        stages = (SMEM_BYTES - live_bytes) // (row_bytes * block_k)
+        stages = (budget - live_bytes) // (row_bytes * block_k)
         if stages >= 2:
             return block_k, min(tiles.num_stages, stages)
         if block_k // 2 < min_block_k:
             raise ValueError(
-                f"tiles {tiles} leave no room in {SMEM_BYTES} bytes of shared memory for two "
+                f"tiles {tiles} leave no room in {budget} bytes of shared memory for two "
                 "pipeline stages: use smaller block_m/block_n"
             )
         block_k //= 2
@@ -147,16 +161,17 @@ def gathered(x: jax.Array | None, index: jax.Array | None) -> jax.Array | None:
     return x if x is None or index is None else jnp.take(x, index, axis=0)
 
 
-def num_sms() -> int:
-    """Programs of a persistent kernel: one per SM."""
-    return _pallas.gpu_core_count() or DEFAULT_SMS
+def num_programs(tiles: Config) -> int:
+    """Programs of a persistent kernel: ``programs_per_sm`` per SM."""
+    return tiles.programs_per_sm * (_pallas.gpu_core_count() or DEFAULT_SMS)
 
 
-def launch(body, out_type, name: str):
-    """``plgpu.kernel`` with one program per SM (``"sm"``), each looping over work items."""
+def launch(body, out_type, name: str, tiles: Config):
+    """``plgpu.kernel`` with :func:`num_programs` programs (grid axis ``"sm"``), each looping
+    over work items."""
     return plgpu.kernel(
-        body, out_type=out_type, grid=(num_sms(),), grid_names=("sm",), kernel_name=name,
-        compiler_params=PARAMS,
+        body, out_type=out_type, grid=(num_programs(tiles),), grid_names=("sm",),
+        kernel_name=name, compiler_params=PARAMS,
     )
 
 
