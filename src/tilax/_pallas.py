@@ -49,6 +49,16 @@ def is_hopper_or_newer() -> bool:
     return capability is not None and capability >= (9, 0)
 
 
+@functools.cache
+def mosaic_import_error() -> str | None:
+    """Why ``jax.experimental.pallas.mosaic_gpu`` does not import here, or ``None``."""
+    try:
+        import jax.experimental.pallas.mosaic_gpu  # noqa: F401
+    except ImportError as err:  # jax 0.10's Mosaic GPU imports absl-py, not a jax dependency
+        return f"jax.experimental.pallas.mosaic_gpu does not import: {err}"
+    return None
+
+
 def mosaic_unavailable_reason() -> str | None:
     """Why the Mosaic GPU backend cannot run here, or ``None`` when it can."""
     if platform() != "gpu":
@@ -58,7 +68,7 @@ def mosaic_unavailable_reason() -> str | None:
         return (
             f"Mosaic GPU kernels need compute capability 9.0+ (Hopper); this GPU has {capability}"
         )
-    return None
+    return mosaic_import_error()
 
 
 def resolve_backend(requested: str) -> Backend:

@@ -128,6 +128,14 @@ def test_mosaic_on_hopper_runs_16_bit_experts_only(setup, monkeypatch):
         tilax.moe_apply(params, x, config)
 
 
+def test_mosaic_without_its_jax_module_gives_the_reason(monkeypatch):
+    monkeypatch.setattr(_pallas, "platform", lambda: "gpu")
+    monkeypatch.setattr(_pallas, "gpu_compute_capability", lambda: (9, 0))
+    monkeypatch.setattr(_pallas, "mosaic_import_error", lambda: "no module named absl")
+    with pytest.raises(ValueError, match="cannot run on this device: no module named absl"):
+        api.resolve_impl(_config(impl="mosaic", dtype=jnp.bfloat16))
+
+
 def test_mosaic_tiles(monkeypatch):
     monkeypatch.setattr(_pallas, "mosaic_unavailable_reason", lambda: None)
     tiles = api.kernel_tiles(_config(impl="mosaic", dtype=jnp.bfloat16, block_n=64))

@@ -4,8 +4,9 @@ returns, and what a Pallas grouped-matmul backend must provide.
 ``api.py`` picks an implementation by name from its registry (``api.IMPLEMENTATIONS``); every
 entry is a :class:`RoutedExperts`: the XLA ones in ``reference.py``, the Pallas path in
 ``pallas.py`` once per backend. The Pallas path owns the custom VJP and calls its backend only
-through the :class:`GmmKernels` functions, so a backend is one kernel file (``gmm_triton.py``,
-``gmm_mosaic.py``) registered in ``pallas.KERNELS``.
+through the :class:`GmmKernels` functions, so a backend is one kernel file (``gmm_triton.py``;
+``gmm_mosaic.py``, with its building blocks in ``gmm_mosaic_parts.py``) registered in
+``pallas.KERNELS``.
 """
 
 from __future__ import annotations

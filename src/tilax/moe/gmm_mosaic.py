@@ -10,8 +10,7 @@ Every kernel is persistent: ``Config.programs_per_sm`` programs per SM walk the 
 and each item runs a TMA pipeline over the contraction (``num_stages`` swizzled SMEM buffers)
 that feeds ``wgmma`` with a float32 accumulator in registers, the next steps' copies landing
 while the MMAs run; with two programs per SM, one's prologue and epilogue overlap the other's
-MMAs.
-Forward-type kernels follow the ``dispatch.GmmSchedule`` items of the Triton path: an item's
+MMAs. Forward-type kernels follow the ``dispatch.GmmSchedule`` items of the Triton path: an item's
 tile is staged in SMEM and only its rows ``[lo, hi)`` are stored, by one TMA store per set bit
 of ``hi - lo`` (a TMA store has no row mask), so every row is written by exactly one program.
 Rows a kernel reads through ``index`` are gathered in XLA first: Hopper's TMA copies tiles,
@@ -56,12 +55,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from tilax import _pallas
 from tilax.moe import gmm_mosaic_parts as parts
 from tilax.moe.dispatch import GmmSchedule
-from tilax.moe.gmm_mosaic_parts import Config, default_config, tiles_for
+from tilax.moe.gmm_mosaic_parts import Config, default_config, plgpu, tiles_for
 
 __all__ = ["Config", "default_config", "tiles_for", "gmm", "gmm_swiglu", "gmm_swiglu_bwd",
            "gmm_combine", "tgmm"]
@@ -370,7 +368,7 @@ def gmm_combine(
         schedule_refs, (a_g, w_g, scale_g, target_g, y_g) = refs[:4], refs[4:]
         mesh = plgpu.Mesh(grid=(parts.num_programs(tiles),), grid_names=("sm",))
 
-        @pl.core_map(mesh, compiler_params=parts.PARAMS, name="moe_gmm_combine_mosaic")
+        @pl.core_map(mesh, compiler_params=parts.compiler_params(), name="moe_gmm_combine_mosaic")
         def _():
             def item_fn(item, _):
                 tile = item.row_start // block_m

@@ -20,9 +20,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from tilax import _pallas
+
+try:
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+except ImportError:  # tilax imports anyway; _pallas.mosaic_unavailable_reason says why
+    plgpu = None  # (jax 0.10's Mosaic GPU imports absl-py, which jax does not depend on)
 
 # Tile sides are powers of two >= 16; wgmma takes M in multiples of 64 per warpgroup.
 MIN_BLOCK = 16
@@ -41,7 +45,6 @@ TILE_REGISTERS = 128
 # SMs of an H100/H200, for lowering without a GPU (jax.export); a GPU reports its own.
 DEFAULT_SMS = 132
 
-PARAMS = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,12 +169,17 @@ def num_programs(tiles: Config) -> int:
     return tiles.programs_per_sm * (_pallas.gpu_core_count() or DEFAULT_SMS)
 
 
+def compiler_params():
+    """Warpgroup lowering: the default from jax 0.11, asked for explicitly on 0.10."""
+    return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
+
+
 def launch(body, out_type, name: str, tiles: Config):
     """``plgpu.kernel`` with :func:`num_programs` programs (grid axis ``"sm"``), each looping
     over work items."""
     return plgpu.kernel(
         body, out_type=out_type, grid=(num_programs(tiles),), grid_names=("sm",),
-        kernel_name=name, compiler_params=PARAMS,
+        kernel_name=name, compiler_params=compiler_params(),
     )
 
 
