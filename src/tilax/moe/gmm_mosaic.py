@@ -43,8 +43,9 @@ kernel_name=, compiler_params=)``, ``plgpu.CompilerParams(lowering_semantics=)``
 ``plgpu.SwizzleTransform``, ``plgpu.find_swizzle``, ``plgpu.copy_gmem_to_smem``,
 ``plgpu.barrier_wait``, ``plgpu.copy_smem_to_gmem(predicate=, commit_group=,
 reduction_op="add")``, ``plgpu.commit_smem``, ``plgpu.commit_smem_to_gmem_group``,
-``plgpu.wait_smem_to_gmem``, ``plgpu.Mesh`` with ``pl.core_map`` under ``pl.run_state``,
-``pl.run_scoped``, ``pl.loop``, ``pl.when``.
+``plgpu.wait_smem_to_gmem``; ``pl.pallas_call`` with a named grid (``grid=(("sm", n),)``),
+``pl.BlockSpec(memory_space=plgpu.GMEM)`` and ``input_output_aliases``; ``pl.run_scoped``,
+``pl.loop``, ``pl.when``.
 """
 
 from __future__ import annotations
@@ -351,9 +352,9 @@ def gmm_combine(
     (``gmm_triton.gmm_combine``'s contract): ``[T, d]`` float32.
 
     Each kept row is added into its token's output row by a TMA reduce-add from the staged
-    float32 tile (a target of ``num_tokens`` is skipped); the output starts as zeros (the
-    kernel runs under ``pl.run_state``). With at most two copies per token the sums are
-    bitwise deterministic (``0 + a + b == 0 + b + a``).
+    float32 tile (a target of ``num_tokens`` is skipped) into an output that aliases an input
+    of zeros (``pl.pallas_call``: ``plgpu.kernel`` has no aliases). With at most two copies per
+    token the sums are bitwise deterministic (``0 + a + b == 0 + b + a``).
     """
     del backend
     parts.check_dtypes(hidden, w_down)
@@ -364,40 +365,48 @@ def gmm_combine(
         live_bytes=2 * block_m * 4,
     )
 
-    def kernel(refs):
-        schedule_refs, (a_g, w_g, scale_g, target_g, y_g) = refs[:4], refs[4:]
-        mesh = plgpu.Mesh(grid=(parts.num_programs(tiles),), grid_names=("sm",))
+    def body(*refs):
+        schedule_refs, (a_g, w_g, scale_g, target_g, _, y_g) = refs[:4], refs[4:]
 
-        @pl.core_map(mesh, compiler_params=parts.compiler_params(), name="moe_gmm_combine_mosaic")
-        def _():
-            def item_fn(item, _):
-                tile = item.row_start // block_m
-                operands = [
-                    (a_g, (block_m, block_k), lambda k: (tile, k)),
-                    (w_g.at[item.expert], (block_k, block_n), lambda k: (k, item.n)),
-                ]
+        def item_fn(item, _):
+            tile = item.row_start // block_m
+            operands = [
+                (a_g, (block_m, block_k), lambda k: (tile, k)),
+                (w_g.at[item.expert], (block_k, block_n), lambda k: (k, item.n)),
+            ]
 
-                def run(acc):
-                    def step(_, a_smem, w_smem):
-                        plgpu.wgmma(acc, a_smem, w_smem)
+            def run(acc):
+                def step(_, a_smem, w_smem):
+                    plgpu.wgmma(acc, a_smem, w_smem)
 
-                    parts.pipeline(step, h_dim // block_k, operands, stages)
+                parts.pipeline(step, h_dim // block_k, operands, stages)
 
-                def compute(wait):
-                    (acc,) = parts.accumulate(1, block_m, block_n, run)
-                    scale_smem, target_smem = wait()
-                    acc = acc * parts.rows_to_tile(scale_smem[...], acc.shape)
-                    parts.add_rows_into_tokens(acc, target_smem, y_g, item, block_n, num_tokens)
+            def compute(wait):
+                (acc,) = parts.accumulate(1, block_m, block_n, run)
+                scale_smem, target_smem = wait()
+                acc = acc * parts.rows_to_tile(scale_smem[...], acc.shape)
+                parts.add_rows_into_tokens(acc, target_smem, y_g, item, block_n, num_tokens)
 
-                sources = [parts.row_slice(scale_g, item, block_m),
-                           parts.row_slice(target_g, item, block_m)]
-                parts.with_fetched(sources, compute)
+            sources = [parts.row_slice(scale_g, item, block_m),
+                       parts.row_slice(target_g, item, block_m)]
+            parts.with_fetched(sources, compute)
 
-            parts.for_each_item(schedule_refs, d_dim // block_n, block_m, item_fn)
+        parts.for_each_item(schedule_refs, d_dim // block_n, block_m, item_fn)
 
+    # The output starts as the zeros it aliases: rows are added into it.
     y = jnp.zeros((num_tokens, d_dim), jnp.float32)
-    *_, y = pl.run_state(kernel)((*schedule, hidden, w_down, row_scale, row_target, y))
-    return y
+    args = [*schedule, hidden, w_down, row_scale, row_target, y]
+    gmem = pl.BlockSpec(memory_space=plgpu.GMEM)
+    return pl.pallas_call(
+        body,
+        out_shape=jax.ShapeDtypeStruct(y.shape, y.dtype),
+        grid=(("sm", parts.num_programs(tiles)),),
+        in_specs=[gmem] * len(args),
+        out_specs=gmem,
+        input_output_aliases={len(args) - 1: 0},
+        compiler_params=parts.compiler_params(),
+        name="moe_gmm_combine_mosaic",
+    )(*args)
 
 
 # ----------------------------------------------------------------------------------------------
