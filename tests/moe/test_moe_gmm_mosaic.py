@@ -94,6 +94,14 @@ def test_pipeline_fits_shared_memory():
         gmm_mosaic_parts.fit_pipeline(half_sm, 64, 4096, min_block_k=64)
 
 
+def test_feature_dimensions_are_multiples_of_64():
+    assert gmm_mosaic.tiles_for(_layer_config()).feature_multiple == 64
+    schedule = dispatch.gmm_schedule(jnp.array([0, 64], jnp.int32), 64, 64)
+    lhs, rhs = jnp.ones((64, 96), jnp.bfloat16), jnp.ones((1, 96, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match="multiples of 64 .the layer pads them., got 96"):
+        gmm_mosaic.gmm(lhs, rhs, schedule, tiles=TILES, backend="mosaic")
+
+
 def test_float32_operands_are_rejected():
     schedule = dispatch.gmm_schedule(jnp.array([0, 64], jnp.int32), 64, 64)
     with pytest.raises(ValueError, match="bfloat16/float16 operands, got float32"):
@@ -135,7 +143,7 @@ def _reference_gmm(lhs_rows, rhs, transpose=False):
 @needs_interpreter
 @pytest.mark.parametrize("variant", ["plain", "gather", "transposed_dual_scaled"])
 def test_gmm(rng, few_sms, variant):
-    k_dim, n_dim = 96, 96  # 32-wide K steps and column tiles (64-byte swizzle)
+    k_dim, n_dim = 192, 192  # three K steps and three column tiles of 64
     kwargs = dict(out_dtype=jnp.float32)
     if variant == "gather":
         source = _bf16(rng, 11, k_dim)
@@ -215,7 +223,7 @@ def test_gmm_swiglu_and_backward(rng, few_sms):
 @needs_interpreter
 @pytest.mark.parametrize("gathered", [False, True])
 def test_tgmm_ragged_contraction(rng, few_sms, gathered):
-    k_dim, n_dim = 48, 32  # k_dim is zero-padded to 64 rows of wgmma
+    k_dim, n_dim = 128, 64  # two output row tiles of 64
     offsets = np.asarray(_offsets())
     rhs = rng.standard_normal((PADDED_ROWS, n_dim)).astype(np.float32)
     # Garbage past the groups must not leak into any expert's gradient.

@@ -187,7 +187,7 @@ def test_mosaic_fine_grained_decoder(dispatch):
     dict(dtype="float16"),
     dict(recompute=True, recompute_rows=1024),
     dict(block_m=64, block_k=128, num_stages=3),
-    dict(dims={**LAYER, "d_model": 200, "d_hidden": 344}),  # padded to 16-wide tiles
+    dict(dims={**LAYER, "d_model": 200, "d_hidden": 352}),  # zero-padded to 256 and 384
 ])  # fmt: skip
 def test_mosaic_variants(overrides):
     overrides = dict(overrides)

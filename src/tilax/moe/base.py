@@ -96,7 +96,8 @@ class GmmKernels(Protocol):
       rhs2=None, out_dtype=None)``: ``out[e] = lhs[rows of e].T @ rhs[rows of e]`` (weight
       gradients; rows outside every group are never read).
     - ``tiles_for(config)``: the backend's tiles for a config (a dataclass with at least
-      ``block_m`` and ``row_multiple``).
+      ``block_m``, ``row_multiple`` and ``feature_multiple``: the layer pads ``d_model`` and
+      ``d_hidden`` to a multiple of it, 16 for Triton, 64 for Mosaic GPU's 128-byte rows).
     """
 
     def gmm(self, lhs, rhs, schedule: GmmSchedule, **kwargs) -> jax.Array: ...

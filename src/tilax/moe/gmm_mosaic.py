@@ -4,7 +4,8 @@ The second backend of the Pallas expert path (``pallas.py``): the kernel set of 
 ``base.GmmKernels`` contract, as ``gmm_triton`` has it, with its own tiles (:class:`Config`,
 :func:`tiles_for`; tiles and building blocks live in ``gmm_mosaic_parts.py``). bfloat16 and
 float16 operands only: float32 raises ``ValueError`` (float32 experts run on Triton, and
-``api.resolve_impl`` rejects ``impl="mosaic"`` with ``dtype=float32``).
+``api.resolve_impl`` rejects ``impl="mosaic"`` with ``dtype=float32``). Feature dimensions are
+multiples of 64 (``Config.feature_multiple``: the layer pads them).
 
 Every kernel is persistent: ``Config.programs_per_sm`` programs per SM walk the work items,
 and each item runs a TMA pipeline over the contraction (``num_stages`` swizzled SMEM buffers)
@@ -57,7 +58,6 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from tilax import _pallas
 from tilax.moe import gmm_mosaic_parts as parts
 from tilax.moe.dispatch import GmmSchedule
 from tilax.moe.gmm_mosaic_parts import Config, default_config, plgpu, tiles_for
@@ -113,6 +113,7 @@ def gmm(
     lhs = parts.gathered(lhs, index)
     num_rows, k_dim = lhs.shape
     n_dim = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    parts.check_features(k_dim, n_dim)
     out_dtype = jnp.dtype(out_dtype or lhs.dtype)
     block_m, block_n = tiles.block_m, parts.fit_block(tiles.block_n, n_dim)
     pairs = [(lhs, rhs)] + ([(lhs2, rhs2)] if lhs2 is not None else [])
@@ -187,6 +188,7 @@ def gmm_swiglu(
     x = parts.gathered(x, index)
     num_rows, d_dim = x.shape
     h_dim = w_gate.shape[2]
+    parts.check_features(d_dim, h_dim)
     block_m, block_n = tiles.block_m, parts.capped_block_n(tiles, h_dim, 2)
     block_k, stages = parts.fit_pipeline(
         tiles, parts.fit_block(tiles.block_k, d_dim), (block_m + 2 * block_n) * x.dtype.itemsize
@@ -261,6 +263,7 @@ def gmm_swiglu_bwd(
     dy = parts.gathered(dy, index)
     num_rows, h_dim = gate.shape
     d_dim = w_down.shape[2]
+    parts.check_features(d_dim, h_dim)
     # dz, gate and up are live through the epilogue: budgeted as two tiles, since the
     # epilogue's values die as it goes and ptxas reuses their registers.
     block_m, block_n = tiles.block_m, parts.capped_block_n(tiles, h_dim, 2)
@@ -359,6 +362,7 @@ def gmm_combine(
     del backend
     parts.check_dtypes(hidden, w_down)
     h_dim, d_dim = hidden.shape[1], w_down.shape[2]
+    parts.check_features(h_dim, d_dim)
     block_m, block_n = tiles.block_m, parts.fit_block(tiles.block_n, d_dim)
     block_k, stages = parts.fit_pipeline(
         tiles, parts.fit_block(tiles.block_k, h_dim), (block_m + block_n) * hidden.dtype.itemsize,
@@ -433,8 +437,7 @@ def tgmm(
 
     One work item per (expert, output tile): its pipeline runs over the row chunks holding the
     expert's rows; in the first and last chunk the rows of other experts, or of none (padding,
-    which may hold anything), are zeroed in SMEM before the MMA. ``lhs`` columns are
-    zero-padded to a multiple of 64 (``wgmma`` rows) for the kernel.
+    which may hold anything), are zeroed in SMEM before the MMA.
 
     Returns:
         ``(out,)`` or ``(out, out2)``, each ``[E, K, N]`` in ``out_dtype`` (default
@@ -446,13 +449,11 @@ def tgmm(
                       parts.gathered(rhs2, rhs_index))
     num_rows, k_dim = lhs.shape
     n_dim = rhs.shape[1]
+    parts.check_features(k_dim, n_dim)
     num_experts = group_offsets.shape[0] - 1
     out_dtype = jnp.dtype(out_dtype or lhs.dtype)
-    k_pad = _pallas.round_up(k_dim, 64)
-    if k_pad != k_dim:
-        lhs = jnp.pad(lhs, ((0, 0), (0, k_pad - k_dim)))
     rights = [rhs] + ([rhs2] if rhs2 is not None else [])
-    block_m = parts.fit_block(tiles.block_m, k_pad)
+    block_m = parts.fit_block(tiles.block_m, k_dim)
     block_n = parts.capped_block_n(dataclasses.replace(tiles, block_m=block_m), n_dim, len(rights))
     block_k, stages = parts.fit_pipeline(
         tiles, max(tiles.block_k, TGMM_MIN_ROWS),
@@ -464,7 +465,7 @@ def tgmm(
     def body(offsets_g, a_g, *refs):
         b_gs, outs = refs[: len(rights)], refs[len(rights) :]
 
-        @plgpu.nd_loop((num_experts, k_pad // block_m, n_dim // block_n), collective_axes="sm")
+        @plgpu.nd_loop((num_experts, k_dim // block_m, n_dim // block_n), collective_axes="sm")
         def _loop(info):
             expert, m, n = info.index
             lo, hi = offsets_g[expert], offsets_g[expert + 1]
@@ -508,7 +509,6 @@ def tgmm(
                                   transforms=parts.mma_transforms(block_n, out_dtype))
             pl.run_scoped(store, *[out_smem] * len(rights))
 
-    out = jax.ShapeDtypeStruct((num_experts, k_pad, n_dim), out_dtype)
+    out = jax.ShapeDtypeStruct((num_experts, k_dim, n_dim), out_dtype)
     kernel = parts.launch(body, [out] * len(rights), "moe_tgmm_mosaic", tiles)
-    results = kernel(group_offsets, lhs, *rights)
-    return tuple(r[:, :k_dim] if k_pad != k_dim else r for r in results)
+    return tuple(kernel(group_offsets, lhs, *rights))

@@ -30,6 +30,10 @@ except ImportError:  # tilax imports anyway; _pallas.mosaic_unavailable_reason s
 
 # Tile sides are powers of two >= 16; wgmma takes M in multiples of 64 per warpgroup.
 MIN_BLOCK = 16
+# Feature dimensions are multiples of this (the layer pads them): 64 16-bit values are the
+# 128-byte rows a TMA store of a row slice needs (shared-memory addresses 128-byte aligned at
+# any row), and every feature tile is then at least 64 wide (wgmma's M and a full swizzle).
+FEATURE_MULTIPLE = 64
 # Widest output tile: Mosaic GPU (jax 0.10.2) finds no register layout for a 256-column
 # accumulator stored into the row-sliceable staging tile, and at block_m = 128 it would not
 # fit one warpgroup's registers anyway.
@@ -71,6 +75,12 @@ class Config:
     def row_multiple(self) -> int:
         """Row-space arrays must have a multiple of this many rows."""
         return max(self.block_m, self.block_k)
+
+    @property
+    def feature_multiple(self) -> int:
+        """``d_model`` and ``d_hidden`` are zero-padded to a multiple of this: see
+        ``FEATURE_MULTIPLE``."""
+        return FEATURE_MULTIPLE
 
 
 def default_config(dtype) -> Config:
@@ -147,6 +157,16 @@ def fit_pipeline(
                 "pipeline stages: use smaller block_m/block_n"
             )
         block_k //= 2
+
+
+def check_features(*dims: int) -> None:
+    """Raise ``ValueError`` unless every feature dimension is a multiple of 64."""
+    for dim in dims:
+        if dim % FEATURE_MULTIPLE:
+            raise ValueError(
+                f"Mosaic GPU grouped matmuls need feature dimensions that are multiples of "
+                f"{FEATURE_MULTIPLE} (the layer pads them), got {dim}"
+            )
 
 
 def check_dtypes(*arrays) -> None:
