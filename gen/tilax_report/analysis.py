@@ -235,7 +235,9 @@ def memory_growth(frame: pd.DataFrame) -> pd.DataFrame:
             steps=len(group),
         )
         out.append(record)
-    return pd.DataFrame(out)
+    # the columns also when no run has memory rows (an RBF page of other suites only)
+    return pd.DataFrame(out, columns=[*keys, "n_min", "n_max", "peak_min", "peak_max",
+                                      "exponent", "failed_at", "failure", "steps"])
 
 
 def across_devices(frame: pd.DataFrame, case: Sequence[str]) -> pd.DataFrame:

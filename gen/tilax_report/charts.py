@@ -180,12 +180,15 @@ def bars(
     tips: Sequence[str | alt.Tooltip] = (),
     width: int = 260,
     bar_height: int = 16,
-    reference: float | None = None,
+    reference: float | str | None = None,
     sort_by_value: bool = True,
+    bounds: tuple[str, str] | None = None,
     title: str | None = None,
 ) -> alt.TopLevelMixin:
-    """Horizontal bars of ``value`` per ``category`` (q1–q3 rules on times); an optional
-    vertical reference rule (e.g. ratio 1)."""
+    """Horizontal bars of ``value`` per ``category`` (q1–q3 rules on times, or a rule from
+    the ``bounds`` columns (low, high) on other values); an optional vertical reference rule
+    (e.g. ratio 1; the name of a column to draw it where that column has a value, e.g. in
+    some facets only)."""
     data = positive(data, value) if log else data
     legend = color is not None and color != category
     color = color or category
@@ -209,10 +212,15 @@ def bars(
         tooltip=tooltip([category, value, *tips]),
     ).add_params(select)
     layers = [bar]
-    if spread and value == "median_ms" and "q1_ms" in data and data["q1_ms"].notna().any():
+    if bounds is None and spread and value == "median_ms":
+        bounds = ("q1_ms", "q3_ms")
+    if spread and bounds is not None and bounds[0] in data and data[bounds[0]].notna().any():
         layers.append(base.mark_rule(color="black", strokeWidth=1.5).encode(
-            alt.X("q1_ms:Q", scale=x_scale), alt.X2("q3_ms:Q")))
-    if reference is not None:
+            alt.X(f"{bounds[0]}:Q", scale=x_scale), alt.X2(f"{bounds[1]}:Q")))
+    if isinstance(reference, str):  # no y encoding: a vertical rule over the whole height
+        layers.append(alt.Chart().mark_rule(color="#555", strokeDash=[4, 3]).encode(
+            alt.X(f"{reference}:Q", scale=x_scale)))
+    elif reference is not None:
         layers.append(alt.Chart().mark_rule(color="#555", strokeDash=[4, 3]).encode(
             x=alt.datum(reference)))
     step = alt.Step(bar_height)

@@ -46,8 +46,9 @@ COLUMNS: dict[str, tuple[str, str]] = {
     # What was measured.
     "family": ("str", "moe, rbf or nn"),
     "suite": ("str", "benchmark suite (MoE: layer, decoder, pieces, blockm, maxtok, "
-                     "maxtok_summary; RBF: kernel_mv, kde_density, kernel_mv_tiles, "
-                     "kernel_mv_crossover, kernel_mv_peak, kernel_mv_max_n; NN: transformer, "
+                     "maxtok_summary, ep; RBF: kernel_mv, kde_density, kernel_mv_tiles, "
+                     "kernel_mv_launches, kernel_mv_crossover, kernel_mv_peak, kernel_mv_max_n; "
+                     "NN: transformer, "
                      "diffusion, moe, ssm, unet)"),
     "impl": ("str", "implementation (NN suites: attention variant or SSM cell)"),
     "dispatch": ("str", "MoE token dispatch: sorted, gather, fused, fused_gsum"),
@@ -55,9 +56,18 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "dtype": ("str", "float32 or bfloat16"),
     "op": ("str", "forward, train_step, fwd+bwd (MoE pieces); fwd, fwd_bwd (RBF)"),
     "piece": ("str", "train-step piece (suite pieces)"),
+    "part": ("str", "what an expert-parallel row (suite ep) times: link (a plain all-to-all of "
+                    "the exchange's bytes), step (the train step) or exchange (the step with "
+                    "identity experts: routing and the token copies' trips alone)"),
+    "exchange": ("str", "how token copies travel between GPUs (suite ep, MoEConfig.exchange): "
+                        "ragged or all_to_all; missing on one GPU"),
+    "mesh": ("str", "device mesh of the call, e.g. expert=2 (suite ep; missing: one device, no "
+                    "mesh)"),
+    "devices": ("Int64", "GPUs the call ran on (suite ep)"),
     "precision": ("str", "RBF dot precision"),
     # Problem shape and tuning knobs.
-    "tokens": ("Int64", "MoE / NN tokens per call"),
+    "tokens": ("Int64", "MoE / NN tokens per call (suite ep: over all its GPUs)"),
+    "tokens_per_device": ("Int64", "tokens per GPU (suite ep: weak scaling keeps it fixed)"),
     "d_model": ("Int64", "model width"),
     "d_hidden": ("Int64", "expert hidden width"),
     "experts": ("Int64", "number of experts"),
@@ -76,6 +86,17 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "block_q": ("Int64", "RBF query tile"),
     "block_k": ("Int64", "RBF key tile"),
     "block_o": ("Int64", "RBF value-column tile"),
+    "path": ("str", "RBF launch sweep: the distance path whose kernels it launches, fast "
+                    "(expansion) or exact (differences)"),
+    "kernel": ("str", "RBF launch sweep: the kernel family, fwd (the forward launch) or bwd "
+                      "(the dq and dk launches, timed as fwd_bwd)"),
+    "block_p": ("Int64", "RBF launch sweep: program tile (rows of the point set a program "
+                         "owns)"),
+    "block_l": ("Int64", "RBF launch sweep: loop tile (rows of the other point set per step)"),
+    "num_warps": ("Int64", "RBF launch sweep: Triton warps per program"),
+    "num_stages": ("Int64", "RBF launch sweep: Triton pipeline stages"),
+    "default_launch": ("boolean", "RBF launch sweep: the launch rbf_kernel_mv picks by "
+                                  "default for this problem on this GPU"),
     "repeat": ("Int64", "repeat index (crossover probe)"),
     "resolution": ("Int64", "image side (NN unet)"),
     "model_dim": ("Int64", "model width (NN suites)"),
@@ -95,6 +116,10 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "flops": ("float64", "counted useful FLOPs of one call (pytest-benchmark MoE rows)"),
     "tflops": ("float64", "flops / median / 1e12"),
     "pairs_per_s": ("float64", "RBF kernel pairs per second: n · m · batch / median"),
+    "tokens_per_s": ("float64", "tokens per second: tokens / median (suite ep)"),
+    "bytes": ("Int64", "bytes that leave each GPU in one trip of the token copies (suite ep "
+                       "link and exchange rows)"),
+    "gbps": ("float64", "link bandwidth: bytes / median / 1e9, GB/s (suite ep link rows)"),
     # Memory.
     "peak_mb": ("float64", "device peak_bytes_in_use, MiB"),
     "xla_temp_mb": ("float64", "XLA temp buffer size of the compiled call, MiB"),
@@ -118,6 +143,9 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "rel_err_out": ("float64", "MoE output relative error"),
     "rel_err_grad_x": ("float64", "MoE input-gradient relative error"),
     "rel_err_grad_params": ("float64", "MoE parameter-gradient relative error"),
+    "rel_err_out_vs_one_device": ("float64", "suite ep, step rows on several GPUs: output "
+                                             "relative error against the same layer on one "
+                                             "device"),
     "rel_err_ref": ("str", "what the relative errors compare against"),
     "finite": ("boolean", "outputs were finite (NN suites)"),
     # Outcome.

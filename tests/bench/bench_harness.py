@@ -6,11 +6,15 @@ One benchmark row is one *case* (a frozen dataclass from ``bench_moe``/``bench_r
 1. pre-checks that decide, without running anything, that a row cannot run: the run's time
    budget is spent, a smaller size of the same config already ran out of memory, the time per
    call predicted from the previous size exceeds the per-row limit, or the case's own memory
-   estimate exceeds the device (``"skipped: ..."`` rows, never attempted);
+   estimate exceeds the device (``"skipped: ..."`` rows, never attempted); a case may carry a
+   per-row limit of its own (``row_limit_s``, the lower of it and the session's applies);
 2. ``case.build(state)`` makes a *workload* (jitted function + inputs; peers that cannot be
    imported raise :class:`Unavailable`);
 3. the first call, compile included, is timed alone (``compile_s``) and its output checked
-   (numerics, router statistics); a second call is a warm-up that sizes the rounds;
+   (numerics, router statistics); a second call is a warm-up that sizes the rounds (for a case
+   with a ``row_limit_s`` of its own, no more rounds than fit its limit after the two untimed
+   calls, compile aside, and at least one: a launch that turns out ten times slower than its
+   neighbours is timed briefly instead of eating the run);
 4. ``benchmark.pedantic`` times ``rounds`` rounds of ``iterations`` calls, each call ending in
    ``block_until_ready`` (or ``torch.cuda.synchronize``), no warm-up rounds (done above);
 5. TFLOP/s or pairs/s are derived from the case's counted work and the median.
@@ -258,9 +262,16 @@ class Runner:
     def fail(self, error: str) -> None:
         record_failure(self.benchmark, error)
 
+    def row_limit(self, case) -> float:
+        """The most this row may take: the session's per-row limit, or the case's own
+        ``row_limit_s`` where that is lower."""
+        own = getattr(case, "row_limit_s", None)
+        return self.settings.row_limit_s if own is None else min(own, self.settings.row_limit_s)
+
     def precheck(self, case) -> str | None:
         """Why this row will not be attempted, or ``None``."""
         settings, state = self.settings, self.state
+        row_limit = self.row_limit(case)
         available = state.available(suite_of(case))
         if available <= 0:
             return (f"skipped: not attempted, the run's time budget of {settings.budget_s:.0f} s "
@@ -275,11 +286,11 @@ class Runner:
             work, seconds = state.last_call[key]
             predicted = seconds * case.work() / work
             calls = 2 + settings.min_rounds
-            if predicted * calls > settings.row_limit_s:
+            if predicted * calls > row_limit:
                 return (f"skipped: not attempted, predicted {predicted:.3g} s per call (measured "
                         f"{seconds:.3g} s at {work:.3g} units of work, scaled to "
                         f"{case.work():.3g}) times {calls} calls exceeds the "
-                        f"{settings.row_limit_s:.0f} s per-row limit")
+                        f"{row_limit:.0f} s per-row limit")
             if predicted * calls > available:
                 return (f"skipped: not attempted, predicted {predicted * calls:.0f} s for this "
                         f"row exceeds the {available:.0f} s left of the run's budget to its "
@@ -295,6 +306,12 @@ class Runner:
         per_round = max(seconds * iterations, 1e-7)
         rounds = int(settings.target_time_s / per_round)
         return max(settings.min_rounds, min(settings.max_rounds, rounds)), iterations
+
+    def capped_rounds(self, case, rounds: int, iterations: int, seconds: float) -> int:
+        """``rounds`` cut to what fits the row's limit after its first two calls (each about
+        ``seconds`` when compile is set aside), at least one."""
+        fit = int((self.row_limit(case) - 2 * seconds) / max(seconds * iterations, 1e-9))
+        return max(1, min(rounds, fit))
 
     def run(self, case) -> None:
         if getattr(case, "ladder", None) is not None:
@@ -340,6 +357,8 @@ class Runner:
             self._remember_failure(case, describe_error(exc))
             return
         rounds, iterations = self.plan(warm_s)
+        if getattr(case, "row_limit_s", None) is not None:
+            rounds = self.capped_rounds(case, rounds, iterations, warm_s)
         errors: list[BaseException] = []
 
         def timed_call():

@@ -7,6 +7,9 @@ Suites (``extra_info["suite"]``, the seed file's family names):
   ``(dim, out)`` in (2, 1), (8, 16), (32, 16), (3, 1); ``fwd`` and ``fwd_bwd``.
 - ``kde_density``: ``tilax.rbf_kde_density`` impls pallas / xla / dense, dims 2 and 8.
 - ``kernel_mv_tiles``: the Pallas tile sweep (block_q, block_k, block_o).
+- ``kernel_mv_launches``: the launch sweep of each Pallas kernel family (program tile, loop
+  tile, warps, stages; fast and exact distance paths, forward and backward kernels apart), with
+  each group's default launch (see ``launch_cases``).
 - ``kernel_mv_peak``, ``kernel_mv_max_n``: peak memory and the largest n per impl, each size in
   a fresh subprocess (see ``bench_ladder``).
 
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import itertools
 import math
 import subprocess
 import sys
@@ -247,9 +251,210 @@ def max_n_ladders(mode: str) -> list[tuple[RbfCase, list[int]]]:
                      numerics=False), ladder) for impl in impls]
 
 
+# ----------------------------------------------------------------------------- launch sweep
+
+LAUNCH_SUITE = "kernel_mv_launches"
+#: (path, kernel) -> (precision, op, program tiles, loop tiles, warps, stages): the sweep that
+#: chose ``pallas_config.GPU_PREFERRED`` (H200, N = M = 65536, D = 8, O = 16, float32). The
+#: fast path runs at the default precision (its expansion kernels), the exact path at
+#: ``"highest"`` (always the difference kernels). A ``bwd`` row times forward + backward
+#: (``fwd_bwd``) with the two gradient launches (dq over query tiles, dk over key tiles) set to
+#: the same tiles and the forward launch left at its default.
+LAUNCH_GROUPS = {
+    ("fast", "fwd"): (None, "fwd", (64, 128, 256), (32, 64, 128), (4, 8), (2, 3)),
+    ("fast", "bwd"): (None, "fwd_bwd", (64, 128), (64, 128), (4, 8), (2, 3)),
+    ("exact", "fwd"): ("highest", "fwd", (64, 128, 256), (32, 64, 128), (4, 8), (2,)),
+    ("exact", "bwd"): ("highest", "fwd_bwd", (32, 64, 128), (32, 64, 128), (4, 8), (2,)),
+}
+LAUNCH_SHAPE = (65536, 8, 16)  # n = m, dim, out
+#: Smoke (CPU, interpret mode: warps and stages are ignored): one launch per group at n = 64,
+#: off the default (64 x 64 there), so that every path and kernel runs a replaced launch.
+SMOKE_LAUNCH = (32, 32, 4, 2)
+SMOKE_LAUNCH_SHAPE = (64, 8, 16)
+#: The most one launch row may take (or ``--bench-row-limit`` if lower), its timed rounds
+#: included: a launch that spills registers (10x slower; seconds per call on the exact path's
+#: backward) is timed in fewer rounds instead of eating the call (``Runner``).
+LAUNCH_ROW_LIMIT_S = 8.0
+LAUNCH_PRIORITY = 25  # + the launch's distance from its group's default
+# Wall time on one H200, estimated from the stored kernel_mv_tiles run (cf11ba3: 24 rows at 64k
+# in 73 s; first call with compile 0.6-2.8 s forward, 1.6-10 s forward + backward) and the
+# sweep's call times. Each row: its first call (compile included), a warm-up call, then up to
+# 10 timed rounds (1 s of calls, at least 3 rounds), plus one untimed call for the gradient
+# errors of a fwd_bwd row:
+#   fast fwd   36 rows x ~2 s   (compile ~1.5 s, calls 2-6 ms)                    ~70 s
+#   fast bwd   16 rows x ~4.5 s (compile 2-10 s, calls ~12 ms)                    ~70 s
+#   exact fwd  18 rows x ~2 s   (compile ~1 s, calls 14-190 ms)                   ~35 s
+#   exact bwd  18 rows x ~4.5 s (compile ~2 s, calls 70-600 ms; a spilling launch
+#              of ~2 s a call is cut to one timed round by LAUNCH_ROW_LIMIT_S: ~9 s) ~80 s
+# about 255 s of rows plus start-up: ~5 min; run it alone with --bench-budget 450 (one call of
+# at most 8 minutes), or as two calls, -k fast (52 rows, ~2.5 min) and -k exact (36 rows,
+# ~2 min, more if many exact launches spill).
+
+
+@dataclasses.dataclass(frozen=True)
+class RbfLaunchCase(RbfCase):
+    """One row of the launch sweep: ``rbf_kernel_mv``'s Pallas path with one kernel family's
+    launch replaced (bench-only: the config is built here, through
+    ``pallas_config.default_config`` and ``pallas_vjp.kernel_mv_with_config``).
+
+    ``path``: ``"fast"`` (expansion) or ``"exact"`` (differences); ``kernel``: ``"fwd"`` (the
+    forward launch) or ``"bwd"`` (the dq and dk launches); ``default_launch``: the launch is the
+    one ``default_config`` picks for this problem on this device. ``block_o`` (the value tile)
+    stays the default's.
+    """
+
+    path: str = "fast"
+    kernel: str = "fwd"
+    block_p: int = 64
+    block_l: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+    default_launch: bool = False
+
+    row_limit_s = LAUNCH_ROW_LIMIT_S
+
+    @property
+    def group(self) -> str:
+        return f"{self.path}_{self.kernel}"
+
+    @property
+    def launch(self) -> tuple[int, int, int, int]:
+        return (self.block_p, self.block_l, self.num_warps, self.num_stages)
+
+    @property
+    def id(self) -> str:
+        parts = [self.suite, self.group, f"bp{self.block_p}", f"bl{self.block_l}",
+                 f"w{self.num_warps}", f"s{self.num_stages}", f"n{self.n}", f"d{self.dim}",
+                 f"o{self.out}"]
+        if self.precision is not None:
+            parts.append(self.precision)
+        parts.append(self.op)
+        return "-".join(parts)
+
+    def extra_info(self) -> dict[str, Any]:
+        return {**super().extra_info(), "path": self.path, "kernel": self.kernel,
+                "block_p": self.block_p, "block_l": self.block_l,
+                "num_warps": self.num_warps, "num_stages": self.num_stages,
+                "default_launch": self.default_launch,
+                "shared_memory_model_bytes": self.shared_memory_model()}
+
+    def config(self, backend: str):
+        """The ``PallasConfig`` of this row: the default for the problem, with this row's
+        launch in place of its group's (``dq`` and ``dk`` together for ``bwd``)."""
+        from tilax.rbf import pallas_config
+
+        cfg = default_launch_config(backend, self.precision, self.n, self.keys, self.dim,
+                                    self.out)
+        path = getattr(cfg, self.path)
+        launch = pallas_config.Launch(self.block_p, self.block_l, self.block_o, self.num_warps,
+                                      self.num_stages)
+        kernels = {"fwd": ("fwd",), "bwd": ("dq", "dk")}[self.kernel]
+        path = dataclasses.replace(path, **dict.fromkeys(kernels, launch))
+        return dataclasses.replace(cfg, **{self.path: path})
+
+    def shared_memory_model(self) -> int:
+        """``pallas_config``'s shared-memory estimate of this launch in bytes (the largest over
+        the kernel calls it serves; no device needed), to set beside launches that fail to
+        compile for want of shared memory."""
+        from tilax import _pallas
+        from tilax.rbf import pallas_config
+
+        name = self.precision or "default"
+        modes = (pallas_config.FAST_MODES if self.path == "fast" else
+                 pallas_config.EXACT_MODES)[name]
+        calls = pallas_config.path_calls(modes, self.dim, _pallas.round_up(self.out,
+                                                                           self.block_o))
+        launch = pallas_config.Launch(self.block_p, self.block_l, self.block_o, self.num_warps,
+                                      self.num_stages)
+        names = {"fwd": ("fwd",), "bwd": ("dq", "dk")}[self.kernel]
+        return max(pallas_config.shared_memory_bytes(call, launch)
+                   for name in names for call in calls[name])
+
+    def build(self, state):
+        from tilax import _pallas
+        from tilax.rbf import numerics, pallas_vjp
+
+        cfg = self.config(_pallas.resolve_backend("pallas"))
+        if self.path == "fast":  # the run-time switch must take the path this row times
+            inputs = state.inputs.get(_inputs_key(self), lambda: make_inputs(self))
+            scaled = numerics.centered_scaled(inputs.q, inputs.k, inputs.scale)
+            if not bool(numerics.fast_distance_ok(*scaled, cfg.precision)):
+                raise ValueError("these inputs fail the fast path's error bound: the row would "
+                                 "time the exact path")
+
+        def op(q, k, v, scale):
+            return pallas_vjp.kernel_mv_with_config(q, k, v, scale, cfg)
+
+        return build_jax(self, state, op=op)
+
+
+def default_launch_config(backend: str, precision, n: int, m: int, dim: int, out: int):
+    from tilax.rbf import pallas_config
+
+    return pallas_config.default_config(backend, precision, batch=1, n=n, m=m, out=out,
+                                        dim=dim)
+
+
+def group_default(path: str, kernel: str, backend: str, n: int, dim: int, out: int):
+    """(block_p, block_l, warps, stages, block_o) that ``default_config`` gives the group's
+    launch; for ``bwd`` the dq launch (dk has the same tiles at n = m)."""
+    precision = LAUNCH_GROUPS[(path, kernel)][0]
+    cfg = default_launch_config(backend, precision, n, n, dim, out)
+    launch = getattr(getattr(cfg, path), "fwd" if kernel == "fwd" else "dq")
+    return (launch.block_p, launch.block_l, launch.num_warps, launch.num_stages,
+            launch.block_o)
+
+
+def launch_distance(launch: tuple, default: tuple) -> int:
+    """Steps from the default: doublings of each tile and of the warps, plus stages apart."""
+    steps = sum(abs(round(math.log2(a / b))) for a, b in zip(launch[:3], default[:3],
+                                                            strict=True))
+    return steps + abs(launch[3] - default[3])
+
+
+def launch_cases(mode: str) -> list[RbfLaunchCase]:
+    """The launch sweep. Full: ``LAUNCH_GROUPS`` (88 launches; the default launch is added
+    where a device's default is off the grid); quick: each group's default only; smoke:
+    ``SMOKE_LAUNCH`` at n = 64 (4 rows).
+
+    Rows run nearest-first: priority ``LAUNCH_PRIORITY`` + the launch's distance from its
+    group's default (``launch_distance``), so the four defaults run first, then every launch
+    one step from its default, and so on; the far corners (the exact path's large tiles, the
+    likeliest to spill) last.
+    """
+    from tilax import _pallas
+
+    if mode == "smoke":
+        backend, (n, dim, out) = _pallas.resolve_backend("pallas"), SMOKE_LAUNCH_SHAPE
+    else:  # the GPU's defaults, also when the grid is listed on a CPU
+        backend, (n, dim, out) = "triton", LAUNCH_SHAPE
+    cases = []
+    for order, ((path, kernel), spec) in enumerate(LAUNCH_GROUPS.items()):
+        precision, op, programs, loops, warps, stages = spec
+        *default, block_o = group_default(path, kernel, backend, n, dim, out)
+        default = tuple(default)
+        if mode == "full":
+            launches = list(itertools.product(programs, loops, warps, stages))
+        elif mode == "quick":
+            launches = []
+        else:
+            launches = [SMOKE_LAUNCH]
+        if default not in launches and mode != "smoke":
+            launches.insert(0, default)
+        for launch in launches:
+            distance = launch_distance(launch, default)
+            bp, bl, w, s = launch
+            cases.append((distance, order, RbfLaunchCase(
+                LAUNCH_SUITE, "pallas", op, n, dim, out, block_o=block_o, precision=precision,
+                priority=LAUNCH_PRIORITY + distance, path=path, kernel=kernel, block_p=bp,
+                block_l=bl, num_warps=w, num_stages=s, default_launch=launch == default)))
+    cases.sort(key=lambda item: item[:2])  # stable: the grid order within a group and step
+    return [case for _, _, case in cases]
+
+
 def suite_cases(suite: str, mode: str) -> list[RbfCase]:
     return {"kernel_mv": kernel_mv_cases, "kde_density": kde_cases,
-            "kernel_mv_tiles": tiles_cases}[suite](mode)
+            "kernel_mv_tiles": tiles_cases, "kernel_mv_launches": launch_cases}[suite](mode)
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -415,11 +620,13 @@ def tilax_op(case: RbfCase):
                                                       precision=case.precision, **tiles)
 
 
-def build_jax(case: RbfCase, state) -> JaxRbfWorkload:
+def build_jax(case: RbfCase, state, op=None) -> JaxRbfWorkload:
+    """``op`` (default: the public API, ``tilax_op``) jitted as a forward call or as
+    ``jax.vjp`` of it, with the case's inputs."""
     import jax
     import jax.numpy as jnp
 
-    op = tilax_op(case)
+    op = op or tilax_op(case)
     inputs = state.inputs.get(_inputs_key(case), lambda: make_inputs(case))
     kde = case.suite == "kde_density"
     primals = [jnp.asarray(inputs.q), jnp.asarray(inputs.k)]
@@ -428,14 +635,16 @@ def build_jax(case: RbfCase, state) -> JaxRbfWorkload:
     primals.append(jnp.asarray(inputs.scale))
     names = ("dq", "dk", "dlengthscale") if kde else ("dq", "dk", "dv", "dlengthscale")
 
+    @jax.jit
     def fwd_bwd(*args):
         *primal_args, g = args
         out, vjp = jax.vjp(op, *primal_args)
         return out, vjp(g)
 
     def masked_grads():
+        # The timed function itself, with another cotangent of the same shape: no new compile.
         g = jnp.asarray(masked_cotangent(inputs.g, min(case.n, NUMERICS_ROWS)))
-        _, grads = jax.jit(fwd_bwd)(*primals, g)
+        _, grads = fwd_bwd(*primals, g)
         return dict(zip(names, grads, strict=True))
 
     def inspect(out) -> dict:
@@ -444,7 +653,7 @@ def build_jax(case: RbfCase, state) -> JaxRbfWorkload:
 
     if case.op == "fwd":
         return JaxRbfWorkload(jax.jit(op), tuple(primals), inspect)
-    return JaxRbfWorkload(jax.jit(fwd_bwd), (*primals, jnp.asarray(inputs.g)), inspect)
+    return JaxRbfWorkload(fwd_bwd, (*primals, jnp.asarray(inputs.g)), inspect)
 
 
 # ----------------------------------------------------------------------------- torch peers

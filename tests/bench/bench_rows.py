@@ -28,8 +28,8 @@ from typing import Any
 
 MOE_SUITES = {"layer", "decoder", "pieces", "blockm", "maxtok", "maxtok_summary", "ep"}
 RBF_SUITES = {
-    "kernel_mv", "kde_density", "kernel_mv_tiles", "kernel_mv_crossover", "kernel_mv_peak",
-    "kernel_mv_max_n",
+    "kernel_mv", "kde_density", "kernel_mv_tiles", "kernel_mv_launches", "kernel_mv_crossover",
+    "kernel_mv_peak", "kernel_mv_max_n",
 }
 MOE_IMPLS = {"pallas", "triton", "mosaic", "blocked", "ragged_dot", "tokamax", "torch_grouped_mm",
              "torch_grouped_mm_compile", "dense", "all_to_all"}
@@ -37,6 +37,10 @@ EP_PARTS = {"link", "step", "exchange"}  # the link alone, a full step, the exch
 RBF_IMPLS = {"pallas", "xla", "dense", "torch_dense", "keops"}
 MOE_PIECES = {"route", "sort_permute", "experts_grouped_swiglu", "unpermute_combine"}
 RBF_GRAD_KEYS = {"dq", "dk", "dv", "dlengthscale"}
+# The launch sweep (suite kernel_mv_launches): the kernel family and the launch of each row.
+LAUNCH_KEYS = ("path", "kernel", "block_p", "block_l", "block_o", "num_warps", "num_stages",
+               "default_launch")
+LAUNCH_GROUPS = {("fast", "fwd"), ("fast", "bwd"), ("exact", "fwd"), ("exact", "bwd")}
 MACHINE_KEYS = (
     "gpu", "gpu_driver", "gpu_memory_gb", "compute_capability", "jax", "jaxlib", "cuda",
     "triton", "python", "commit", "platform",
@@ -183,6 +187,12 @@ def check_extra_info(info: dict) -> list[str]:
             need("out")
         if suite == "kernel_mv_tiles":
             need("block_q", "block_k", "block_o")
+        if suite == "kernel_mv_launches":
+            need(*LAUNCH_KEYS)
+            if (info.get("path"), info.get("kernel")) not in LAUNCH_GROUPS:
+                problems.append(f"launch group {info.get('path')!r}/{info.get('kernel')!r}")
+            if not isinstance(info.get("default_launch"), bool):
+                problems.append(f"default_launch {info.get('default_launch')!r}")
         if suite == "kernel_mv_max_n" and "max_n" in info:
             pass  # the ladder's summary row: the largest n that ran
         elif not failed:

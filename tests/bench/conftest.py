@@ -33,9 +33,10 @@ so every file made from one code state, in any number of calls, belongs to one r
 Options (each also read from the environment variable in brackets):
 
 - ``--bench-suite NAME`` [``TILAX_BENCH_SUITES``, comma separated]: repeatable; suite names
-  ``layer decoder pieces blockm maxtok kernel_mv kde_density kernel_mv_tiles kernel_mv_peak
-  kernel_mv_max_n ep``, short names ``kde tiles peak max_n``, groups ``moe rbf ladders all``
-  (``ep``, on every local GPU, only by name: it is in no group).
+  ``layer decoder pieces blockm maxtok kernel_mv kde_density kernel_mv_tiles
+  kernel_mv_launches kernel_mv_peak kernel_mv_max_n ep``, short names ``kde tiles launches
+  peak max_n``, groups ``moe rbf ladders all`` (``ep``, on every local GPU, only by name: it
+  is in no group).
 - ``--bench-mode smoke|quick|full|auto`` [``TILAX_BENCH_MODE``], or ``--bench-quick`` /
   ``--bench-smoke``. ``auto`` (default): full on a GPU when the run asks for results
   (``--benchmark-json``) or suites (``--bench-suite``), smoke otherwise (so a plain
@@ -47,7 +48,9 @@ Options (each also read from the environment variable in brackets):
   and says what it left out.
 - ``--bench-row-limit SECONDS`` [``TILAX_BENCH_ROW_LIMIT``]: the most one in-process row may
   take, predicted from the last size of its config (full 20 s, quick 10 s); rows predicted
-  slower are skipped. Raise it for a call of only the largest sizes (``-k n1048576``).
+  slower are skipped. Raise it for a call of only the largest sizes (``-k n1048576``). The
+  launch sweep's rows have a limit of their own (8 s, or this one if lower) that also caps
+  their timed rounds (see ``bench_harness``).
 - ``--bench-rows PATH``: the JSON-lines side file (default: beside ``--benchmark-json``).
 
 Modes: ``smoke`` (CPU, Pallas interpret mode: tiny shapes, 1-2 rounds, ladders of two tiny
@@ -58,13 +61,15 @@ unseen; about a minute on 2 cores), ``quick`` (every suite at one or two realist
 Budget and order: each selected suite is given a share of ``--bench-budget`` in proportion to
 ``SUITE_WEIGHTS`` (the minutes column below: maxtok 3, layer 10, decoder 6, pieces 0.5, blockm
 0.5, kernel_mv_max_n 1.5, kernel_mv_peak 1.5, kernel_mv 4, kde_density 0.7, kernel_mv_tiles
-0.5, ep 3). A suite's share is reserved for it until its last row has run; a row may use its own
-suite's share plus whatever no other suite is still owed (shares of finished suites, time they
-left unused), so the run stays within the budget and no suite starves another. Rows run by
-priority: the ladders first (priority 0, while the parent's memory pool is small; each ladder
-searches within an even part of its suite's share, its first size always runs), then the
-headline comparisons (kernel_mv (8, 16) at every n, layer 32k/131k bf16+fp32 forward and
-train step for every impl, pieces and blockm at 32k bf16, decoder 16k/131k), then the rest.
+0.5, kernel_mv_launches 5, ep 3). A suite's share is reserved for it until its last row
+has run; a row may use its own suite's share plus whatever no other suite is still owed
+(shares of finished suites, time they left unused), so the run stays within the budget and no
+suite starves another. Rows run by priority: the ladders first (priority 0, while the
+parent's memory pool is small; each ladder searches within an even part of its suite's share,
+its first size always runs), then the headline comparisons (kernel_mv (8, 16) at every n, layer
+32k/131k bf16+fp32 forward and train step for every impl, pieces and blockm at 32k bf16,
+decoder 16k/131k), then the rest (the launch sweep nearest its defaults first: see
+``bench_rbf.launch_cases``).
 On the H200 (steps 12-22 s each) a ladder's share rarely brackets every limit in a combined
 run: run ``--bench-suite maxtok`` (or ``max_n``) alone for exact brackets; a summary row says
 whether its ``max_tokens``/``max_n`` is bracketed or a lower bound.
@@ -93,8 +98,13 @@ kernel_mv        5 impls x n 1k..1M x (dim, out) x fwd/fwd_bwd; (8, 16) at  212 
                  precisions (high/highest at d8 o16, all at d20 o100)
 kde_density      3 impls x 1k/16k/64k x dim 2/8 x fwd/fwd_bwd               36    ~0.7
 kernel_mv_tiles  6 tiles x 64k x out 1/16 x fwd/fwd_bwd                     24    ~0.5
-rbf              all five (``--bench-suite rbf``)                           ~280  ~8
-quick            every suite at one or two sizes (``--bench-quick``)        ~60   ~3
+kernel_mv_       Pallas launches (block_p x block_l x warps x stages) at    88    ~5
+launches         64k d8 o16, each kernel family apart: fast fwd 36, fast
+                 bwd 16 (fwd_bwd), exact (``"highest"``) fwd 18, exact
+                 bwd 18; each family's default launch first, then its
+                 neighbours by distance
+rbf              all six (``--bench-suite rbf``)                            ~370  ~13
+quick            every suite at one or two sizes (``--bench-quick``)        ~64   ~3
 ep               expert parallelism on all n local GPUs (``bench_ep``): E8   24    ~3
                  top2 d512 h1024 and E64 top8 w128 + shared 1024, bf16
                  train step, 1 GPU at T and n GPUs at n*T tokens (T 65k,
@@ -112,6 +122,9 @@ the part fits well inside, so that no row is left as a budget skip::
     --bench-suite layer -k "not ((T32768 and E8k2 and not skew) or T4096)"  # ~6.5 min
     --bench-suite decoder -k "T16384 or T131072"                        # ~4 min
     --bench-suite decoder -k T1048576
+    --bench-suite launches                          # ~5 min (budget 450: one call)
+    --bench-suite launches -k fast                  # or in two parts: ~2.5 min
+    --bench-suite launches -k exact                 # ~2 min (more if many launches spill)
 
 The files of one commit on one GPU are one run on the report site; ``bench_rows.py merge``
 can still join files into one.
@@ -148,7 +161,8 @@ from bench_ladder import LadderStep, ladder_steps  # noqa: E402
 from bench_rows import append_row, check_extra_info, write_header  # noqa: E402
 
 MOE_SUITES = ("layer", "decoder", "pieces", "blockm", "maxtok")
-RBF_SUITES = ("kernel_mv", "kde_density", "kernel_mv_tiles", "kernel_mv_peak", "kernel_mv_max_n")
+RBF_SUITES = ("kernel_mv", "kde_density", "kernel_mv_tiles", "kernel_mv_launches",
+              "kernel_mv_peak", "kernel_mv_max_n")
 # Multi-device suites: asked for by name only (their rows need every local GPU; a one-GPU
 # run stores them as "unavailable" rows).
 MULTI_DEVICE_SUITES = ("ep",)
@@ -159,6 +173,7 @@ SUITE_GROUPS = {
     "ladders": ("maxtok", "kernel_mv_peak", "kernel_mv_max_n"),
     "kde": ("kde_density",),
     "tiles": ("kernel_mv_tiles",),
+    "launches": ("kernel_mv_launches",),
     "peak": ("kernel_mv_peak",),
     "max_n": ("kernel_mv_max_n",),
     "maxtok_summary": ("maxtok",),
@@ -177,7 +192,7 @@ MODE_SETTINGS = {
 SUITE_WEIGHTS = {
     "maxtok": 3.0, "layer": 10.0, "decoder": 6.0, "pieces": 0.5, "blockm": 0.5,
     "kernel_mv_max_n": 1.5, "kernel_mv_peak": 1.5, "kernel_mv": 4.0, "kde_density": 0.7,
-    "kernel_mv_tiles": 0.5, "ep": 3.0,
+    "kernel_mv_tiles": 0.5, "kernel_mv_launches": 5.0, "ep": 3.0,
 }
 STATE = pytest.StashKey[State]()
 ROWS = pytest.StashKey[Path | None]()

@@ -277,3 +277,33 @@ def test_a_suite_out_of_time_skips_while_others_run(fake_benchmark):
     other = FakeBenchmark()
     Runner(other, state).run(FakeCase(suite="decoder"))
     assert "error" not in other.extra_info
+
+
+class LimitedCase(FakeCase):
+    """A case with a per-row limit of its own (as the launch sweep's rows have)."""
+
+    def __init__(self, row_limit_s, **kwargs):
+        super().__init__(**kwargs)
+        self.row_limit_s = row_limit_s
+
+
+def test_a_case_limit_caps_its_timed_rounds(fake_benchmark):
+    # 20 ms calls, 70 ms allowed: the first two calls take 40 ms, one timed round fits
+    workload = FakeWorkload(seconds=0.02)
+    Runner(fake_benchmark, make_state(target_time_s=1.0)).run(
+        LimitedCase(0.07, work=1e9, workload=workload))
+    assert "error" not in fake_benchmark.extra_info
+    assert fake_benchmark.stats.stats.rounds == 1 and workload.calls == 3
+    # a fast call keeps its planned rounds; a case without a limit of its own is not capped
+    for case in (LimitedCase(10.0, workload=FakeWorkload(0.002)),
+                 FakeCase(workload=FakeWorkload(0.02))):
+        benchmark = FakeBenchmark()
+        Runner(benchmark, make_state(target_time_s=1.0, row_limit_s=0.07)).run(case)
+        assert benchmark.stats.stats.rounds == 5
+
+
+def test_a_case_limit_below_the_session_limit_applies_to_predictions(fake_benchmark):
+    state = make_state()
+    state.last_call[("fake",)] = (1.0, 0.5)  # 0.5 s per call: 2.5 s for 5 calls, under 10 s
+    Runner(fake_benchmark, state).run(LimitedCase(2.0, work=1.0))
+    assert "exceeds the 2 s per-row limit" in fake_benchmark.extra_info["error"]

@@ -30,3 +30,8 @@ def test_kde_density(bench, case):
 @pytest.mark.bench_suite("kernel_mv_tiles")
 def test_kernel_mv_tiles(bench, case):
     bench.run(case)
+
+
+@pytest.mark.bench_suite("kernel_mv_launches")
+def test_kernel_mv_launches(bench, case):
+    bench.run(case)

@@ -31,7 +31,7 @@ def write_slower_copy(source: Path, results_dir: Path, factor: float, commit: st
             stats["data"] = [value * factor for value in stats["data"]]
         if isinstance(stats.get("ops"), (int, float)):
             stats["ops"] /= factor
-        for key in ("tflops", "pairs_per_s"):
+        for key in ("tflops", "pairs_per_s", "tokens_per_s", "gbps"):
             if isinstance(info.get(key), (int, float)):
                 info[key] /= factor
         if isinstance(info.get("child_times_s"), list):

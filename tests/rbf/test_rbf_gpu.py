@@ -1,6 +1,7 @@
 """GPU checks of the Triton kernels against float64 at moderate sizes (skipped off GPU).
 
-Run on the GPU host: ``PYTHONPATH=src python -m pytest tests/rbf/test_rbf_gpu.py -m gpu -v``.
+Run on the GPU host: ``PYTHONPATH=src python -m pytest tests/rbf/test_rbf_gpu.py -m gpu -q``
+(43 tests, about 200 s on the H200 at commit cf11ba3, where all passed).
 The float64 oracle runs on the GPU with x64 enabled only inside the oracle.
 tests/rbf/test_rbf_numerics.py runs on the GPU too (the extreme-scale cases).
 """

@@ -3,6 +3,7 @@
 import pytest
 from site_build import (
     PYTEST_BENCHMARK_FIXTURE,
+    add_ep_run,
     add_skipped_only_run,
     add_slower_newest_run,
     build_site,
@@ -26,10 +27,12 @@ def built_site(tmp_path_factory):
 @pytest.fixture(scope="session")
 def extra_runs(tmp_path_factory):
     """A temporary copy of data/ plus: the pytest-benchmark fixture (an H200 run), a newer copy
-    of the newest stored run with every time 1.3x (a regression), and a run on another GPU
-    whose RBF rows were all skipped. Returns (data dir, copied run, slower run)."""
+    of the newest stored run with every time 1.3x (a regression), a run on another GPU
+    whose RBF rows were all skipped, and a two-GPU expert-parallel run (older than the newest
+    stored run). Returns (data dir, copied run, slower run)."""
     data_dir = copy_data(tmp_path_factory.mktemp("data") / "data", PYTEST_BENCHMARK_FIXTURE)
     add_skipped_only_run(data_dir / "results")
+    add_ep_run(data_dir / "results")
     before, after = add_slower_newest_run(data_dir / "results")
     return data_dir, before, after
 

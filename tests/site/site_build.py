@@ -17,12 +17,14 @@ for _path in (REPO / "gen", REPO / "tests" / "gen"):
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 
+import ep_run  # noqa: E402
 from slower_run import write_slower_copy  # noqa: E402
 from tilax_report import site  # noqa: E402
 from tilax_report.load import load_results  # noqa: E402
 
 # The generated report pages, as the built site names them (from the page list).
 REPORT_PAGES = [Path(site.page_module(name).PATH).stem for name in site.PAGES]
+EP_PAGE = Path(site.page_module("moe_ep").PATH).stem
 SLOWER_COMMIT = "5e7e4a1"
 
 
@@ -57,7 +59,7 @@ def add_slower_newest_run(results_dir: Path, factor: float = 1.3) -> tuple[str, 
     ours = table[table["source_format"] == "pytest_benchmark"]
     newest = ours.sort_values(["started", "run"]).iloc[-1]
     files = sorted(ours.loc[ours["run"] == newest["run"], "source_file"].unique())
-    last = pd.to_datetime(ours["started"], utc=True).max()
+    last = pd.to_datetime(ours["started"], utc=True, format="ISO8601").max()
     made = []
     for name in files:
         first = pd.to_datetime(ours.loc[ours["source_file"] == name, "started"].iloc[0],
@@ -81,3 +83,9 @@ def add_skipped_only_run(results_dir: Path) -> Path:
     path = results_dir / "l4-20260115-0dd5eed-rbf.json"
     path.write_text(json.dumps(doc))
     return path
+
+
+def add_ep_run(results_dir: Path) -> Path:
+    """A two-GPU expert-parallel run (tests/gen/ep_run.py) of an earlier commit: the expert
+    parallel page has charts and tables to show."""
+    return ep_run.write_ep_run(results_dir)

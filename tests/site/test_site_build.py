@@ -5,7 +5,16 @@ import json
 import re
 
 import pytest
-from site_build import DATA, PYTEST_BENCHMARK_FIXTURE, REPORT_PAGES, build_site, copy_data
+from site_build import (
+    DATA,
+    EP_PAGE,
+    PYTEST_BENCHMARK_FIXTURE,
+    REPORT_PAGES,
+    build_site,
+    copy_data,
+    ep_run,
+    load_results,
+)
 
 pytestmark = pytest.mark.site
 
@@ -107,3 +116,15 @@ def test_h200_run_page_shows_the_environment(built_site):
     for label, value in [("driver", "580.159.04"), ("CUDA", "13.0"), ("jax", "0.11.2"),
                          ("Triton", "3.6.0")]:
         assert re.search(rf"\b{label}\s+{re.escape(value)}\b", panel), label
+
+
+def test_expert_parallel_page(built_site, built_site_with_h200):
+    """With the two-GPU ep run stored, the page shows its efficiency and share and links the
+    file; with the stored data alone, it says in one line whether a run is stored."""
+    text = html(built_site_with_h200, EP_PAGE).replace("\xa0", " ").replace("&nbsp;", " ")
+    assert f"{ep_run.EFFICIENCY_RAGGED:.3f} (" in text and f"{ep_run.SHARE_RAGGED:.1%} (" in text
+    assert f'href="data/{ep_run.FILE_NAME}"' in text
+    assert (built_site_with_h200 / "reports" / "data" / ep_run.FILE_NAME).is_file()
+    stored = html(built_site, EP_PAGE)
+    has_ep = (load_results(DATA).table["suite"] == "ep").any()
+    assert ("No expert-parallel run is stored yet" in stored) != has_ep

@@ -29,9 +29,14 @@ SAME_NAME = [
     "shared_hidden", "skew", "flops", "tflops", "max_expert_frac", "empty_experts",
     "rel_err_out", "rel_err_grad_x", "rel_err_grad_params", "piece", "block_m", "peak_mb",
     "max_tokens", "recompute",
+    # MoE expert parallel (suite ep)
+    "part", "devices", "mesh", "exchange", "tokens_per_device", "tokens_per_s", "bytes", "gbps",
+    "rel_err_out_vs_one_device",
     # RBF
     "n", "m", "dim", "out", "batch", "block_q", "block_k", "block_o", "pairs_per_s",
     "max_n", "precision",
+    # RBF launch sweep
+    "path", "kernel", "block_p", "block_l", "num_warps", "num_stages", "default_launch",
     # Ladder summaries
     "limit_kind", "max_is_lower_bound", "stopped_by",
 ]
@@ -45,7 +50,7 @@ MACHINE = [
     "bench_mode", "bench_budget_s", "bench_part",
 ]
 # Derived from the (ignored) stats of a row that timed nothing, so dropped there.
-TIMING_DERIVED = ("flops", "tflops", "pairs_per_s")
+TIMING_DERIVED = ("flops", "tflops", "pairs_per_s", "tokens_per_s", "gbps")
 SUMMARY_SUITES = ("maxtok_summary",)
 REL_ERR_REF = {"moe": "float32 dense", "rbf": "float64 reference"}
 _REL_ERR_COLUMNS = (

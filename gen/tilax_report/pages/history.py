@@ -68,7 +68,9 @@ def _case_text(frame: pd.DataFrame) -> pd.Series:
         size = [f"{name} {fmt_int(getattr(row, name))}" for name in ("tokens", "n")
                 if not pd.isna(getattr(row, name))]
         knobs = [f"{name} {getattr(row, name)}" for name in
-                 ("piece", "block_m", "block_q", "block_k", "block_o", "precision", "repeat")
+                 ("piece", "part", "exchange", "devices", "block_m", "block_q", "block_k",
+                  "block_o", "precision", "repeat", "path", "kernel", "block_p", "block_l",
+                  "num_warps", "num_stages")
                  if not pd.isna(getattr(row, name))]
         bits = [row.suite, row.label, row.config, f"{row.dtype} {row.op}", *size, *knobs]
         parts.append(" · ".join(str(b) for b in bits if isinstance(b, str) and b))

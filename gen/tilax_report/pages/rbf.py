@@ -1,14 +1,28 @@
-"""RBF kernels: kernel_mv time vs n, speedups, KDE, tile sweep, crossover repeats, peak memory,
-max-n ladder, numerics, GPU vs GPU, failures."""
+"""RBF kernels: kernel_mv time vs n, speedups, KDE, tile sweep, launch sweep, crossover repeats,
+peak memory, max-n ladder, numerics, GPU vs GPU, failures."""
 
 from __future__ import annotations
+
+import math
 
 import altair as alt
 import pandas as pd
 
-from .. import analysis, charts, headlines, runs
+from .. import analysis, charts, headlines, runs, verdict
 from ..load import StoredResults
-from ..render import Page, fmt_int, fmt_ms, fmt_num, fmt_ratio, join_names, short_error
+from ..render import (
+    Page,
+    fmt_int,
+    fmt_ms,
+    fmt_num,
+    fmt_ratio,
+    fmt_size,
+    join_names,
+    plural,
+    rounds_cell,
+    short_error,
+    skip_gist,
+)
 from . import _shared
 from .across_gpus import render_across_gpus, sorted_rows
 
@@ -16,6 +30,21 @@ PATH = "reports/rbf.md"
 TITLE = "RBF kernels"
 SLUG = "rbf"
 CASE = ["config", "op", "n"]
+LAUNCH_SUITE = "kernel_mv_launches"
+# The launch sweep's kernel families, in the order shown: (path, kernel) -> words.
+LAUNCH_GROUPS = {
+    ("fast", "fwd"): "fast path, forward kernel",
+    ("fast", "bwd"): "fast path, backward kernels",
+    ("exact", "fwd"): "exact path, forward kernel",
+    ("exact", "bwd"): "exact path, backward kernels",
+}
+LAUNCH_SHORT = {("fast", "fwd"): "fast fwd", ("fast", "bwd"): "fast bwd (fwd_bwd)",
+                ("exact", "fwd"): "exact fwd", ("exact", "bwd"): "exact bwd (fwd_bwd)"}
+LAUNCH_KEYS = ["source_file", "run", "device", "path", "kernel", "precision", "config", "n",
+               "op"]
+PEERS = {"torch_dense": "PyTorch (`torch_dense`, the dense kernel matrix)",
+         "keops": "KeOps (`keops`, LazyTensor reduction)"}
+GRAD_ERRORS = ["rel_err_dq", "rel_err_dk", "rel_err_dv", "rel_err_dlengthscale"]
 LOWER_BOUND_NOTE = (
     "The limit lies between the largest n that ran and the smallest larger n that failed. "
     "**≥** marks a lower bound: the failing n is more than double the one that ran (the "
@@ -43,14 +72,19 @@ def build(results: StoredResults) -> str:
     _headlines(page, table)
     _kernel_mv(page, rbf[rbf["suite"] == "kernel_mv"])
     _speedups(page, rbf[rbf["suite"] == "kernel_mv"])
+    _peers(page, rbf[rbf["suite"] == "kernel_mv"])
     _kde(page, rbf[rbf["suite"] == "kde_density"])
     _tiles(page, rbf[rbf["suite"] == "kernel_mv_tiles"])
+    _launches(page, rbf[rbf["suite"] == LAUNCH_SUITE])
     _crossover(page, rbf[rbf["suite"] == "kernel_mv_crossover"])
     _memory(page, table)
     _max_n(page, rbf[rbf["suite"] == "kernel_mv_max_n"])
-    _numerics(page, rbf)
-    _across_gpus(page, rbf)
-    _shared.not_measured(page, rbf, "RBF case",
+    # The launch sweep keeps its numerics, failures and skips in its own tables (a launch is
+    # not a case of the charts and tables below) and compares launches within one run only.
+    others = rbf[rbf["suite"] != LAUNCH_SUITE]
+    _numerics(page, others)
+    _across_gpus(page, others)
+    _shared.not_measured(page, others, "RBF case",
                          {"suite": "suite", "label": "impl", "op": "op", "config": "config",
                           "n": "n", "gpu": "GPU"}, name="rbf")
     return page.render()
@@ -124,6 +158,30 @@ def _speedups(page: Page, rows: pd.DataFrame) -> None:
                        "the quartiles.")
 
 
+def _peers(page: Page, rows: pd.DataFrame) -> None:
+    """Per run, whether each peer library ran: counts by status and the gist of why not."""
+    page.md("## Peers: PyTorch and KeOps\n")
+    peers = rows[rows["impl"].isin(PEERS)]
+    if peers.empty:
+        page.md("No stored `kernel_mv` run has PyTorch or KeOps rows.")
+        return
+    lines = []
+    counts = analysis.status_counts(peers, ["run", "device", "impl"])
+    for _, count in counts.iterrows():
+        group = peers[(peers["run"] == count["run"]) & (peers["impl"] == count["impl"])]
+        parts = [f"{plural(count['measured'], 'case')} measured"]
+        if count["failed"]:
+            gist = analysis.failures(group)["error"].map(short_error).mode().iloc[0]
+            parts.append(f"{count['failed']} failed ({gist})")
+        if count["skipped"]:
+            gist = analysis.skipped(group)["error"].map(skip_gist).mode().iloc[0]
+            parts.append(f"{count['skipped']} skipped ({gist})")
+        lines.append(f"{PEERS[count['impl']]} on {analysis.short_gpu(count['device'])} "
+                     f"(run {count['run']}): " + "; ".join(parts) + ".")
+    page.md("Each peer computes the same sums; a row that did not run says why (its full "
+            "error is in the stored file):\n\n" + "\n".join(f"- {line}" for line in lines))
+
+
 def _kde(page: Page, rows: pd.DataFrame) -> None:
     page.md("## KDE density\n")
     if rows.empty:
@@ -165,6 +223,193 @@ def _tiles(page: Page, rows: pd.DataFrame) -> None:
             title=f"{analysis.short_gpu(device)}, run {run}: tile sweep",
         )
         page.chart(chart, rows[(rows["device"] == device) & (rows["run"] == run)])
+
+
+def _launches(page: Page, rows: pd.DataFrame) -> None:
+    page.md("## Launch sweep\n")
+    if rows.empty:
+        page.md(f"No stored run has the `{LAUNCH_SUITE}` suite.")
+        return
+    page.md(
+        "Each Pallas kernel family with one launch changed at a time: `block_p` (the program "
+        "tile: rows of the point set one program owns) × `block_l` (the loop tile: rows of the "
+        "other set per step) · w Triton warps · s pipeline stages. The fast path is the default "
+        "precision's expansion kernels, the exact path `precision=\"highest\"`'s difference "
+        "kernels; a backward row sets the dq and dk launches together and times forward + "
+        "backward (`fwd_bwd`). **default** marks the launch `rbf_kernel_mv` picks for the "
+        "problem on that "
+        "GPU. × default is the launch's median over the default's, within one stored file "
+        "(~: within the noise); rel. error is the largest relative error of the output "
+        "(forward) or of the gradients (forward + backward) against float64."
+    )
+    rows = rows.assign(
+        launch=[_launch_text(r) for r in rows.itertuples()],
+        group=[LAUNCH_GROUPS.get((r.path, r.kernel), f"{r.path} path, {r.kernel}")
+               for r in rows.itertuples()],
+        short=[LAUNCH_SHORT.get((r.path, r.kernel), f"{r.path} {r.kernel}")
+               for r in rows.itertuples()],
+        rel_error=_worst_error(rows),
+    )
+    order = {group: i for i, group in enumerate(LAUNCH_GROUPS)}
+    rows = rows.assign(_order=[order.get((r.path, r.kernel), len(order))
+                               for r in rows.itertuples()])
+    rows = rows.sort_values(["_order", "path", "kernel"], kind="stable")
+    ranked = pd.concat([_ranked(group) for _, group in
+                        rows.groupby(LAUNCH_KEYS, dropna=False, sort=False)])
+    for (device, run), per_run in ranked.groupby(["device", "run"], sort=False):
+        who = f"{analysis.short_gpu(device)}, run {run}"
+        _launch_chart(page, who, per_run)
+        for _, group in per_run.groupby(LAUNCH_KEYS, dropna=False, sort=False):
+            _launch_table(page, who, group)
+
+
+def _launches_count(count: int) -> str:
+    return f"{count} launch" + ("" if count == 1 else "es")
+
+
+def _launch_text(row) -> str:
+    """'128 × 64 · w4 · s3' (block_p × block_l, warps, stages; w4-s3 as in the row ids)."""
+    def number(value):
+        return "?" if pd.isna(value) else str(int(value))
+
+    return (f"{number(row.block_p)} × {number(row.block_l)} · w{number(row.num_warps)} · "
+            f"s{number(row.num_stages)}")
+
+
+def _worst_error(rows: pd.DataFrame) -> pd.Series:
+    """The output's relative error (fwd) or the largest of the gradients' (fwd_bwd)."""
+    grads = rows[GRAD_ERRORS].max(axis=1, skipna=True)
+    return rows["rel_err"].where(rows["rel_err"].notna(), grads)
+
+
+def _ranked(group: pd.DataFrame) -> pd.DataFrame:
+    """One kernel family of one file: measured launches by median (``rank``), then failed,
+    then skipped; ``vs_default`` (median / the default's) and ``clear`` (the noise allows it)
+    where the default launch was measured."""
+    group = group.assign(is_default=group["default_launch"].fillna(False).astype(bool))
+    good = analysis.timed(group).sort_values(["median_ms", "launch"])
+    rest = group.drop(good.index)
+    rest = rest.assign(_status=rest["status"].map({"failed": 0, "skipped": 1}).fillna(2))
+    rest = rest.sort_values(["_status", "launch"]).drop(columns="_status")
+    good = good.assign(rank=range(1, len(good) + 1), vs_default=math.nan, clear=None)
+    default = good[good["is_default"]]
+    if not default.empty:
+        base = default.iloc[0]
+        compared = [verdict.compare(base, row) for _, row in good.iterrows()]
+        good = good.assign(vs_default=[c["ratio"] for c in compared],
+                           clear=[c["clear"] for c in compared])
+    return pd.concat([good, rest.assign(vs_default=math.nan, clear=None)])
+
+
+def _launch_chart(page: Page, who: str, rows: pd.DataFrame) -> None:
+    """Every measured launch's median relative to its family's default, one row per family."""
+    data = rows[rows["vs_default"].notna()].sort_values("is_default", kind="stable")  # on top
+    data = data.assign(
+        family=data["short"] + " · " + data["config"] + " · n " + data["n"].map(fmt_size),
+        marked=data["is_default"].map({True: "default", False: "other launch"}),
+    )
+    families = list(dict.fromkeys(data["family"]))
+    select = alt.selection_point(fields=["marked"], bind="legend")
+    points = alt.Chart(data).mark_point(filled=True, size=70).encode(
+        alt.X("vs_default:Q", title="median / the default launch's (log scale)",
+              scale=alt.Scale(type="log", nice=False, padding=12)),
+        alt.Y("family:N", title=None, sort=families, axis=alt.Axis(labelLimit=240)),
+        alt.Color("marked:N", title="launch", scale=alt.Scale(
+            domain=["default", "other launch"], range=["#e45756", "#4c78a8"]),
+            legend=alt.Legend(orient="bottom")),
+        alt.Shape("marked:N", title="launch", scale=alt.Scale(
+            domain=["default", "other launch"], range=["diamond", "circle"])),
+        opacity=alt.condition(select, alt.value(0.85), alt.value(0.15)),
+        tooltip=charts.tooltip(["launch", "family", "median_ms", "q1_ms", "q3_ms", "rounds",
+                                alt.Tooltip("vs_default", format=".3~f", title="× default")]),
+    ).add_params(select)
+    rule = alt.Chart(data).mark_rule(color="#555", strokeDash=[4, 3]).encode(x=alt.datum(1))
+    chart = alt.layer(rule, points).properties(width=330, height=alt.Step(34))
+    failed = int((rows["status"] == "failed").sum())
+    skipped = int((rows["status"] == "skipped").sum())
+    no_default = int((rows["status"] == "measured").sum()) - len(data)
+    not_drawn = [f"{n} {kind}" for n, kind in (
+        (failed, "failed"), (skipped, "skipped"),
+        (no_default, "measured in a family whose default has no time")) if n]
+    caption = ("One point per launch; left of the dashed line is faster than the default. "
+               "Hover for the launch and its time."
+               + (f" Not drawn ({_launches_count(failed + skipped + no_default)}): "
+                  f"{join_names(not_drawn)}; the tables below list them."
+                  if not_drawn else ""))
+    page.chart(charts.finish(chart, f"{who}: launches relative to the default"), rows, caption,
+               empty=(f"No launch family of run {rows['run'].iloc[0]} has a measured default "
+                      "launch to compare with; the tables below list every launch."))
+
+
+def _launch_table(page: Page, who: str, rows: pd.DataFrame) -> None:
+    first = rows.iloc[0]
+    precision = first["precision"] if isinstance(first["precision"], str) else "default"
+    page.md(f"### {who}: {first['group']}\n")
+    measured = rows[rows["status"] == "measured"]
+    default = measured[measured["is_default"]]
+    facts = [f"{first['config']}, n = m = {fmt_int(first['n'])}, precision {precision}, "
+             f"{first['op']}; {_launches_count(len(rows))}: {len(measured)} measured"]
+    for status in ("failed", "skipped"):
+        count = int((rows["status"] == status).sum())
+        if count:
+            facts.append(f"{count} {status}")
+    text = ", ".join(facts) + "."
+    if not measured.empty:
+        best = measured.iloc[0]
+        text += (f" Fastest: {best['launch']}, "
+                 f"{fmt_ms(best['median_ms'], best['q1_ms'], best['q3_ms'])} ms.")
+    if not default.empty:
+        base = default.iloc[0]
+        text += f" The default, {base['launch']}, ranks {int(base['rank'])} of {len(measured)}"
+        if int(base["rank"]) > 1:
+            lead = verdict.compare(best, base)
+            closeness = ("" if lead["clear"] is None or pd.isna(lead["clear"]) else
+                         ", within the noise" if not lead["clear"] else "")
+            text += f" ({fmt_ratio(lead['ratio'])} the fastest's time{closeness})"
+        text += "."
+    elif rows["is_default"].any():
+        text += " The default launch has no time (see its row)."
+    else:
+        text += " This file has no row of the default launch."
+    page.md(text)
+    quality = verdict.quality(measured) if not measured.empty else None
+    cells = []
+    for index, row in rows.iterrows():
+        measured_row = row["status"] == "measured"
+        launch = f"**{row['launch']} (default)**" if row["is_default"] else row["launch"]
+        launch = launch.replace(" ", "\u00a0")  # written as Markdown: kept on one line here
+        ratio = row.get("vs_default")
+        ratio_text = ""
+        if measured_row and row["is_default"]:
+            ratio_text = fmt_ratio(1.0)
+        elif measured_row and ratio is not None and not pd.isna(ratio):
+            clear = row.get("clear")
+            ratio_text = ("~" if clear is False else "") + fmt_ratio(ratio)
+        if measured_row:
+            flags = quality.loc[index]
+            status = "measured"
+            rounds = rounds_cell(row["rounds"], few=bool(flags["few_rounds"]),
+                                 wide=bool(flags["wide_spread"]))
+        else:
+            why = (short_error(row["error"]) if row["status"] == "failed"
+                   else skip_gist(row["error"]))
+            status = f"{row['status']}: {why}"
+            rounds = "—"
+        cells.append({
+            "rank": str(int(row["rank"])) if measured_row else "—",
+            "launch": launch,
+            "median ms (q1–q3)": fmt_ms(row["median_ms"], row["q1_ms"], row["q3_ms"])
+            if measured_row else "",
+            "× default": ratio_text,
+            "rounds": rounds,
+            "rel. error": (f"{row['rel_error']:.1e}" if measured_row
+                           and not pd.isna(row["rel_error"]) else ""),
+            "status": status,
+        })
+    display = pd.DataFrame(cells)
+    page.table(display, rows, "Sorted by median time; failed and skipped launches last.",
+               markdown_columns=["launch"],
+               collapsed=(f"All {len(display)} launches" if len(display) > 20 else None))
 
 
 def _crossover(page: Page, rows: pd.DataFrame) -> None:

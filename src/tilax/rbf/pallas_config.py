@@ -127,8 +127,9 @@ class PallasConfig:
 
 #: Preferred GPU launches on large problems: the fastest of a sweep on the H200 (N = M = 65536,
 #: D = 8, O = 16, program tile 64/128/256 x loop tile 32/64/128 x 4/8 warps x 2/3 stages, each
-#: path's forward and backward apart; docs/methodology.md). The exact path's difference
-#: kernels keep D differences per pair live, so they run fastest on the smallest tiles tried.
+#: path's forward and backward apart; the ``kernel_mv_launches`` bench suite stores that sweep).
+#: The exact path's difference kernels hold D coordinates per row and D differences per pair in
+#: registers: larger tiles spill, and 64 x 32 was fastest (32-row tiles were slower).
 GPU_PREFERRED = {
     ("fast", "fwd"): Launch(128, 128, 64, num_warps=4, num_stages=3),
     ("fast", "bwd"): Launch(128, 64, 64, num_warps=4, num_stages=3),

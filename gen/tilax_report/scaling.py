@@ -1,0 +1,124 @@
+"""Expert parallelism (suite ``ep``): the link's bandwidth, weak-scaling efficiency and the
+exchange's share of the step, from the stored rows.
+
+Numbers and keys only; pages/moe_ep.py words them. Every ratio pairs two rows of one stored file
+(one process, one run, one GPU kind) through `analysis.speedups`, so it has the same quartile
+bounds and noise-aware verdict (`verdict`) as every other within-file ratio of the site:
+
+- **weak-scaling efficiency** of an n-GPU ``step`` row: its tokens/s over n times the tokens/s
+  of the one-GPU ``step`` row of the same layer, implementation, dtype and tokens per GPU,
+  ``(tokens_n / median_n) / (n * tokens_1 / median_1)``. Weak scaling keeps the tokens per GPU
+  fixed (``tokens_n = n * tokens_1``), so this is ``median_1 / median_n``; its bounds are
+  ``q1_1 / q3_n`` and ``q3_1 / q1_n``, and ``clear`` says whether the two step times differ
+  beyond the noise (whether the efficiency differs from 1).
+- **exchange share** of an n-GPU ``step`` row: the median of the ``exchange`` row of the same
+  layer, tokens, GPUs and transport over the step's median, bounds ``q1_x / q3_step`` and
+  ``q3_x / q1_step``.
+
+Tokens per second are ``tokens / median`` (what the bench stores as ``tokens_per_s``, from the
+same median); link bandwidth is the stored ``gbps`` (``bytes / median``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from . import analysis, verdict
+
+# What a step row and its one-GPU reference share (besides file, run and GPU).
+STEP_CASE = ["config", "impl", "dispatch", "routing", "dtype", "op", "tokens_per_device"]
+# What a step row and its exchange-only row share.
+EXCHANGE_CASE = [*STEP_CASE, "devices", "exchange", "tokens"]
+ONE_GPU = "one GPU"
+# Layer shapes in reading order: fewest experts first.
+SHAPE_ORDER = ["experts", "top_k", "d_model", "d_hidden", "shared_hidden"]
+ROW = ["source_file", "source_row"]
+
+
+def ep_rows(table: pd.DataFrame) -> pd.DataFrame:
+    """The expert-parallel rows (family moe, suite ep) of a labelled table."""
+    return table[(table["family"] == "moe") & (table["suite"] == "ep")]
+
+
+def tokens_per_s(rows: pd.DataFrame) -> pd.Series:
+    """tokens / median, per second (missing without a time)."""
+    return rows["tokens"].astype("float64") / (rows["median_ms"] / 1e3)
+
+
+def efficiency(rows: pd.DataFrame) -> pd.DataFrame:
+    """One row per timed n-GPU step row that has a timed one-GPU step row of the same case in
+    the same file: the row's keys, ``tokens_per_s``, ``one_gpu_tokens_per_s``, ``efficiency``
+    with ``efficiency_lo``/``_hi`` (from the quartiles), and ``clear``/``method`` (the verdict
+    on the two step times)."""
+    steps = rows[rows["part"] == "step"]
+    one = steps["devices"].eq(1).fillna(False).to_numpy(dtype=bool)
+    steps = steps.assign(label=np.where(one, ONE_GPU, "several GPUs"))
+    paired = analysis.speedups(steps, STEP_CASE, ONE_GPU)
+    paired = paired[paired["devices"].gt(1).fillna(False).to_numpy(dtype=bool)]
+    if paired.empty:
+        return pd.DataFrame(columns=[*ROW, "tokens_per_s", "one_gpu_tokens_per_s", "efficiency",
+                                     "efficiency_lo", "efficiency_hi", "clear", "method"])
+    n = paired["devices"].astype("float64")
+    mine = tokens_per_s(paired)
+    # the one-GPU row's tokens are its tokens per GPU
+    reference = paired["tokens_per_device"].astype("float64") / (paired["median_ms_base"] / 1e3)
+    # (tokens_n / median_n) / (n * tokens_1 / median_1) = speedup * tokens_n / (n * tokens_1):
+    # the speedup's quartile bounds, scaled alike
+    scale = paired["tokens"].astype("float64") / (n * paired["tokens_per_device"])
+    base = paired[["median_ms_base", "q1_ms_base", "q3_ms_base", "round_ms_base"]].set_axis(
+        ["median_ms", "q1_ms", "q3_ms", "round_ms"], axis=1)
+    judged = verdict.compare_frames(base, paired)
+    return paired.assign(
+        tokens_per_s=mine, one_gpu_tokens_per_s=reference, efficiency=mine / (n * reference),
+        efficiency_lo=paired["speedup_lo"] * scale, efficiency_hi=paired["speedup_hi"] * scale,
+        clear=judged["clear"], method=judged["method"],
+    ).reset_index(drop=True)
+
+
+def exchange_share(rows: pd.DataFrame) -> pd.DataFrame:
+    """One row per timed n-GPU step row with a timed exchange row of the same case in the same
+    file: the row's keys, ``share`` (exchange median / step median) and ``share_lo``/``_hi``
+    (from the quartiles), ``exchange_ms`` (the exchange row's median)."""
+    several = rows["devices"].gt(1).fillna(False).to_numpy(dtype=bool)
+    pair = rows[rows["part"].isin(["step", "exchange"]).to_numpy(dtype=bool) & several]
+    paired = analysis.speedups(pair.assign(label=pair["part"]), EXCHANGE_CASE, "exchange")
+    paired = paired[paired["part"] == "step"]
+    return paired.assign(share=paired["speedup"], share_lo=paired["speedup_lo"],
+                         share_hi=paired["speedup_hi"],
+                         exchange_ms=paired["median_ms_base"]).reset_index(drop=True)
+
+
+def step_rows(rows: pd.DataFrame) -> pd.DataFrame:
+    """Every ``step`` row, whatever its status, with ``tokens_per_s``, its efficiency (missing
+    for one GPU and where no pair exists), its exchange share, and ``exchange_status`` /
+    ``exchange_error`` (the status of the exchange row of its case in the same file, missing
+    where there is none)."""
+    steps = rows[rows["part"] == "step"].copy()
+    steps["tokens_per_s"] = tokens_per_s(steps).where(steps["status"] == "measured")
+    eff = efficiency(rows)[[*ROW, "efficiency", "efficiency_lo", "efficiency_hi", "clear",
+                            "method"]]
+    share = exchange_share(rows)[[*ROW, "share", "share_lo", "share_hi", "exchange_ms"]]
+    exchange = rows[rows["part"] == "exchange"]
+    keys = [*analysis.RUN_KEYS, *EXCHANGE_CASE]
+    exchange = exchange[[*keys, "status", "error"]].drop_duplicates(keys).rename(
+        columns={"status": "exchange_status", "error": "exchange_error"})
+    out = (steps.merge(eff, on=ROW, how="left").merge(share, on=ROW, how="left")
+           .merge(exchange, on=keys, how="left"))
+    order = ["source_file", *SHAPE_ORDER, "tokens_per_device", "devices", "exchange"]
+    return out.sort_values(order, na_position="first").reset_index(drop=True)
+
+
+def link_rows(rows: pd.DataFrame) -> pd.DataFrame:
+    """Every ``link`` row with ``mib`` (bytes leaving each GPU per trip, MiB), ``gbps`` (as
+    stored; ``bytes / median`` where a measured row lacks it) and ``gbps_lo``/``_hi`` from the
+    quartiles (``bytes / q3``, ``bytes / q1``)."""
+    link = rows[rows["part"] == "link"].copy()
+    size = link["bytes"].astype("float64")
+    link["mib"] = size / 2**20
+    computed = size / (link["median_ms"] / 1e3) / 1e9
+    link["gbps"] = link["gbps"].where(link["gbps"].notna(), computed)
+    link["gbps"] = link["gbps"].where(link["status"] == "measured")
+    link["gbps_lo"] = size / (link["q3_ms"] / 1e3) / 1e9
+    link["gbps_hi"] = size / (link["q1_ms"] / 1e3) / 1e9
+    return link.sort_values(["source_file", "devices", "bytes"]).reset_index(drop=True)

@@ -1,0 +1,133 @@
+"""The launch sweep's case grid (``bench_rbf.launch_cases``), on CPU without running a kernel:
+counts, ids, the default launch of each group, the order and the configs it builds. Smoke mode
+only (``bench_contract``); the smoke rows themselves run in test_bench_rbf.py."""
+
+import collections
+import dataclasses
+import importlib.util
+import re
+from pathlib import Path
+
+import bench_rbf
+import pytest
+from bench_rows import check_extra_info
+
+pytestmark = pytest.mark.bench_contract
+
+BENCH_DIR = Path(__file__).resolve().parent
+GROUPS = ("fast_fwd", "fast_bwd", "exact_fwd", "exact_bwd")
+
+
+@pytest.fixture(scope="module")
+def full():
+    return bench_rbf.launch_cases("full")
+
+
+def test_full_grid_counts_and_unique_ids(full):
+    counts = collections.Counter(case.group for case in full)
+    assert counts == {"fast_fwd": 36, "fast_bwd": 16, "exact_fwd": 18, "exact_bwd": 18}
+    ids = [case.id for case in full]
+    assert len(set(ids)) == len(ids) == 88
+    assert all(case.suite == "kernel_mv_launches" and case.n == case.keys == 65536
+               and (case.dim, case.out) == (8, 16) for case in full)
+
+
+def test_ids_select_the_groups_with_k(full):
+    """Each -k word of the docs selects exactly its rows (pytest -k matches substrings)."""
+    def selected(word):
+        return {case.group for case in full if word in case.id}
+
+    assert selected("fast") == {"fast_fwd", "fast_bwd"}
+    assert selected("exact") == {"exact_fwd", "exact_bwd"}
+    for group in GROUPS:
+        assert selected(group) == {group}
+    assert re.fullmatch(r"kernel_mv_launches-exact_bwd-bp64-bl32-w4-s2-n65536-d8-o16-highest-"
+                        r"fwd_bwd", next(c.id for c in full if c.group == "exact_bwd"))
+
+
+def test_each_group_has_its_default_launch_once(full):
+    """On CPU the grid is listed with the GPU's rules (an sm90 device): the defaults are
+    GPU_PREFERRED, the launches the H200 sweep chose."""
+    from tilax.rbf.pallas_config import GPU_PREFERRED
+
+    defaults = [case for case in full if case.default_launch]
+    assert sorted(case.group for case in defaults) == sorted(GROUPS)
+    for case in defaults:
+        preferred = GPU_PREFERRED[(case.path, case.kernel)]
+        assert case.launch == (preferred.block_p, preferred.block_l, preferred.num_warps,
+                               preferred.num_stages)
+        assert case.block_o == 16  # the value tile at O = 16
+
+
+def test_defaults_then_neighbours_run_first(full):
+    assert all(case.default_launch for case in full[:4])
+    priorities = [case.priority for case in full]
+    assert priorities == sorted(priorities)
+    defaults = {case.group: case.launch for case in full if case.default_launch}
+    for case in full:
+        distance = bench_rbf.launch_distance(case.launch, defaults[case.group])
+        assert case.priority == bench_rbf.LAUNCH_PRIORITY + distance
+    neighbours = [case for case in full if case.priority == bench_rbf.LAUNCH_PRIORITY + 1]
+    assert {case.group for case in neighbours} == set(GROUPS)
+    # the likeliest spills (the exact backward's largest loop tile with 8 warps) come late
+    spill = next(case for case in full if case.id.startswith(
+        "kernel_mv_launches-exact_bwd-bp32-bl128-w8-"))
+    assert full.index(spill) > len(full) // 2
+
+
+def test_rows_carry_the_launch_and_satisfy_the_contract(full):
+    for case in full:
+        info = {**case.extra_info(), "compile_s": 1.0, "pairs_per_s": 1e12}
+        assert check_extra_info(info) == [], case.id
+        assert (info["path"], info["kernel"]) == (case.path, case.kernel)
+        assert info["precision"] == ("highest" if case.path == "exact" else None)
+        assert info["op"] == ("fwd" if case.kernel == "fwd" else "fwd_bwd")
+        assert isinstance(info["shared_memory_model_bytes"], int)
+    bad = {**full[0].extra_info(), "compile_s": None, "error": "x"}
+    del bad["num_stages"]
+    assert check_extra_info(bad) == ["missing 'num_stages'"]
+
+
+@pytest.mark.parametrize("group", GROUPS)
+def test_config_replaces_only_its_group(full, group):
+    from tilax.rbf import pallas_config
+
+    case = next(c for c in full if c.group == group and not c.default_launch)
+    cfg = case.config("triton")
+    default = pallas_config.default_config("triton", case.precision, batch=1, n=case.n,
+                                           m=case.keys, out=case.out, dim=case.dim)
+    launch = pallas_config.Launch(case.block_p, case.block_l, 16, case.num_warps,
+                                  case.num_stages)
+    path, other = (cfg.fast, cfg.exact) if case.path == "fast" else (cfg.exact, cfg.fast)
+    default_path = getattr(default, case.path)
+    changed = ("fwd",) if case.kernel == "fwd" else ("dq", "dk")
+    for name in ("fwd", "dq", "dk"):
+        expected = launch if name in changed else getattr(default_path, name)
+        assert getattr(path, name) == expected, name
+    assert other == getattr(default, "exact" if case.path == "fast" else "fast")
+    assert dataclasses.replace(cfg, **{case.path: default_path}) == default
+
+
+def test_quick_and_smoke_are_small():
+    quick = bench_rbf.launch_cases("quick")
+    assert [case.group for case in quick] == list(GROUPS)
+    assert all(case.default_launch and case.n == 65536 for case in quick)
+    smoke = bench_rbf.launch_cases("smoke")
+    assert [case.group for case in smoke] == list(GROUPS)
+    assert all(case.n == case.keys == 64 and case.launch == bench_rbf.SMOKE_LAUNCH
+               for case in smoke)
+
+
+def test_suite_names_weights_and_docs_agree(full):
+    spec = importlib.util.spec_from_file_location("bench_conftest", BENCH_DIR / "conftest.py")
+    conftest = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(conftest)
+    assert conftest.SUITE_GROUPS["launches"] == ("kernel_mv_launches",)
+    assert "kernel_mv_launches" in conftest.SUITE_GROUPS["rbf"]
+    assert set(conftest.SUITE_WEIGHTS) == {*conftest.MOE_SUITES, *conftest.RBF_SUITES,
+                                           *conftest.MULTI_DEVICE_SUITES}
+    table_row = next(line for line in conftest.__doc__.splitlines()
+                     if line.startswith("kernel_mv_ "))
+    assert f" {len(full)} " in table_row
+    assert f"launches {conftest.SUITE_WEIGHTS['kernel_mv_launches']:g}" in " ".join(
+        conftest.__doc__.split())
