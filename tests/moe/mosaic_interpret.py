@@ -5,9 +5,7 @@ simulates SMs, SMEM, TMA copies, barriers and ``wgmma`` on the CPU, on logical a
 what a kernel computes (indices, masks, the stored rows, the epilogues), not layouts, swizzles,
 register pressure or timing, which only the GPU tests do. Its ``wgmma`` reads operands through
 index transforms only; :func:`gpu_interpreter` teaches it transposed operands
-(``plgpu.transpose_ref``) by transposing what it reads. TMA stores with a predicate or a
-reduction (``gmm_combine``) have no interpreter: that kernel is lowered on CPU
-(test_moe_mosaic_lowering.py) and run on the GPU only.
+(``plgpu.transpose_ref``) by transposing what it reads.
 """
 
 from __future__ import annotations

@@ -24,8 +24,8 @@ Kernels (each wrapper launches one):
 - :func:`gmm_swiglu`: gate and up projections sharing the ``x`` tiles, SwiGLU in the epilogue.
 - :func:`gmm_swiglu_bwd`: the down projection's input gradient with the SwiGLU backward in the
   epilogue; the combine weights' gradient leaves as per-item row sums, added up in XLA.
-- :func:`gmm_combine`: the down projection with the weighted combine in the epilogue, a TMA
-  reduce-add of each row into its token's float32 output.
+- :func:`gmm_combine`: the down projection with scaled float32 rows (:func:`gmm`), added into
+  their tokens by an XLA scatter-add.
 - :func:`tgmm`: ``lhs[rows_e].T @ rhs[rows_e]`` (weight gradients); the first and last row
   chunk of each expert have the other rows zeroed in SMEM.
 
@@ -42,11 +42,11 @@ kernel_name=, compiler_params=)``, ``plgpu.CompilerParams(lowering_semantics=)``
 ``plgpu.BlockSpec(transforms=, delay_release=)``, ``plgpu.wgmma``, ``plgpu.transpose_ref``,
 ``plgpu.ACC``, ``plgpu.SMEM``, ``plgpu.Barrier``, ``plgpu.TilingTransform``,
 ``plgpu.SwizzleTransform``, ``plgpu.find_swizzle``, ``plgpu.copy_gmem_to_smem``,
-``plgpu.barrier_wait``, ``plgpu.copy_smem_to_gmem(predicate=, commit_group=,
-reduction_op="add")``, ``plgpu.commit_smem``, ``plgpu.commit_smem_to_gmem_group``,
-``plgpu.wait_smem_to_gmem``; ``pl.pallas_call`` with a named grid (``grid=(("sm", n),)``),
-``pl.BlockSpec(memory_space=plgpu.GMEM)`` and ``input_output_aliases``; ``pl.run_scoped``,
-``pl.loop``, ``pl.when``.
+``plgpu.barrier_wait``, ``plgpu.copy_smem_to_gmem(commit_group=)``,
+``plgpu.commit_smem``, ``plgpu.commit_smem_to_gmem_group``,
+``plgpu.wait_smem_to_gmem``; ``pl.run_scoped``, ``pl.loop``, ``pl.when``. jax 0.11 lowers
+Mosaic GPU kernels only through ``plgpu.kernel`` (``pl.pallas_call`` with Mosaic GPU compiler
+params has no lowering rule there).
 """
 
 from __future__ import annotations
@@ -337,7 +337,7 @@ def _owned_rows(values: jax.Array, schedule: GmmSchedule, num_rows: int) -> jax.
 
 
 # ----------------------------------------------------------------------------------------------
-# gmm_combine: y[token(r)] += w_r * (a_r @ w_down[e]), a TMA reduce-add per row
+# gmm_combine: y[token(r)] += w_r * (a_r @ w_down[e])
 
 
 def gmm_combine(
@@ -351,66 +351,18 @@ def gmm_combine(
     tiles: Config,
     backend: str,
 ) -> jax.Array:
-    """Down projection with the weighted combine in the epilogue
-    (``gmm_triton.gmm_combine``'s contract): ``[T, d]`` float32.
+    """Down projection and weighted combine (``gmm_triton.gmm_combine``'s contract):
+    ``[T, d]`` float32.
 
-    Each kept row is added into its token's output row by a TMA reduce-add from the staged
-    float32 tile (a target of ``num_tokens`` is skipped) into an output that aliases an input
-    of zeros (``pl.pallas_call``: ``plgpu.kernel`` has no aliases). With at most two copies per
-    token the sums are bitwise deterministic (``0 + a + b == 0 + b + a``).
+    The scaled rows come from :func:`gmm` (float32) and are added into their tokens by an XLA
+    scatter-add (a target of ``num_tokens`` is dropped). Not in the kernel's epilogue: a
+    reduce-add into a zeroed output needs the output to alias an input, and jax 0.11 lowers
+    Mosaic GPU kernels only through ``plgpu.kernel``, which takes no aliases.
     """
-    del backend
-    parts.check_dtypes(hidden, w_down)
-    h_dim, d_dim = hidden.shape[1], w_down.shape[2]
-    parts.check_features(h_dim, d_dim)
-    block_m, block_n = tiles.block_m, parts.fit_block(tiles.block_n, d_dim)
-    block_k, stages = parts.fit_pipeline(
-        tiles, parts.fit_block(tiles.block_k, h_dim), (block_m + block_n) * hidden.dtype.itemsize,
-        live_bytes=2 * block_m * 4,
-    )
-
-    def body(*refs):
-        schedule_refs, (a_g, w_g, scale_g, target_g, _, y_g) = refs[:4], refs[4:]
-
-        def item_fn(item, _):
-            tile = item.row_start // block_m
-            operands = [
-                (a_g, (block_m, block_k), lambda k: (tile, k)),
-                (w_g.at[item.expert], (block_k, block_n), lambda k: (k, item.n)),
-            ]
-
-            def run(acc):
-                def step(_, a_smem, w_smem):
-                    plgpu.wgmma(acc, a_smem, w_smem)
-
-                parts.pipeline(step, h_dim // block_k, operands, stages)
-
-            def compute(wait):
-                (acc,) = parts.accumulate(1, block_m, block_n, run)
-                scale_smem, target_smem = wait()
-                acc = acc * parts.rows_to_tile(scale_smem[...], acc.shape)
-                parts.add_rows_into_tokens(acc, target_smem, y_g, item, block_n, num_tokens)
-
-            sources = [parts.row_slice(scale_g, item, block_m),
-                       parts.row_slice(target_g, item, block_m)]
-            parts.with_fetched(sources, compute)
-
-        parts.for_each_item(schedule_refs, d_dim // block_n, block_m, item_fn)
-
-    # The output starts as the zeros it aliases: rows are added into it.
-    y = jnp.zeros((num_tokens, d_dim), jnp.float32)
-    args = [*schedule, hidden, w_down, row_scale, row_target, y]
-    gmem = pl.BlockSpec(memory_space=plgpu.GMEM)
-    return pl.pallas_call(
-        body,
-        out_shape=jax.ShapeDtypeStruct(y.shape, y.dtype),
-        grid=(("sm", parts.num_programs(tiles)),),
-        in_specs=[gmem] * len(args),
-        out_specs=gmem,
-        input_output_aliases={len(args) - 1: 0},
-        compiler_params=parts.compiler_params(),
-        name="moe_gmm_combine_mosaic",
-    )(*args)
+    rows = gmm(hidden, w_down, schedule, tiles=tiles, backend=backend, row_scale=row_scale,
+               out_dtype=jnp.float32)
+    y = jnp.zeros((num_tokens + 1, rows.shape[1]), jnp.float32)
+    return y.at[row_target].add(rows, mode="drop")[:num_tokens]
 
 
 # ----------------------------------------------------------------------------------------------

@@ -363,31 +363,3 @@ def store_vector(value: jax.Array, out_g) -> None:
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     pl.run_scoped(scope, plgpu.SMEM(value.shape, jnp.float32))
-
-
-def add_rows_into_tokens(acc, target_smem, y_g, item: Item, block_n: int, num_tokens: int):
-    """Stage the float32 tile and TMA reduce-add each kept row ``r`` into
-    ``y[target[r]]`` (a target of ``num_tokens`` means skip)."""
-    block_m = acc.shape[0]
-
-    def scope(o_smem):
-        o_smem[...] = acc
-        plgpu.commit_smem()
-
-        @pl.loop(item.lo, item.hi)
-        def _(row):
-            token = target_smem[row]
-            plgpu.copy_smem_to_gmem(
-                o_smem.at[pl.ds(row, 1)],
-                y_g.at[pl.ds(token, 1), pl.ds(item.n * block_n, block_n)],
-                predicate=token < num_tokens,
-                commit_group=False,
-                reduction_op="add",
-            )
-
-        plgpu.commit_smem_to_gmem_group()
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-    f32 = jnp.float32
-    staged = plgpu.SMEM((block_m, block_n), f32, transforms=row_transforms(block_n, f32))
-    pl.run_scoped(scope, staged)
