@@ -34,10 +34,29 @@ def gpu_compute_capability() -> tuple[int, int] | None:
     return int(major), int(minor or 0)
 
 
+@functools.cache
+def gpu_core_count() -> int | None:
+    """Streaming multiprocessors of the first CUDA device (persistent kernels launch one
+    program per SM), or ``None`` off CUDA GPUs."""
+    if platform() != "gpu":
+        return None
+    return getattr(jax.devices()[0], "core_count", None) or None
+
+
 def is_hopper_or_newer() -> bool:
     """True on sm90+ (H100, H200, ...): the devices where Mosaic GPU kernels run."""
     capability = gpu_compute_capability()
     return capability is not None and capability >= (9, 0)
+
+
+@functools.cache
+def mosaic_import_error() -> str | None:
+    """Why ``jax.experimental.pallas.mosaic_gpu`` does not import here, or ``None``."""
+    try:
+        import jax.experimental.pallas.mosaic_gpu  # noqa: F401
+    except ImportError as err:  # jax 0.10's Mosaic GPU imports absl-py, not a jax dependency
+        return f"jax.experimental.pallas.mosaic_gpu does not import: {err}"
+    return None
 
 
 def mosaic_unavailable_reason() -> str | None:
@@ -49,15 +68,16 @@ def mosaic_unavailable_reason() -> str | None:
         return (
             f"Mosaic GPU kernels need compute capability 9.0+ (Hopper); this GPU has {capability}"
         )
-    return None
+    return mosaic_import_error()
 
 
 def resolve_backend(requested: str) -> Backend:
     """Map a user-facing kernel choice to the Pallas backend that will run it.
 
-    ``"auto"``/``"pallas"`` pick Triton on GPUs and interpret mode on CPU. ``"triton"`` runs the
-    Triton kernel, interpreted on CPU (the same kernel code, so CPU tests cover it).
-    ``"mosaic"`` needs Hopper and raises ``ValueError`` with the reason elsewhere.
+    ``"auto"``/``"pallas"`` pick Triton on GPUs and interpret mode on CPU (Mosaic GPU is not
+    picked until measurements say where it wins). ``"triton"`` runs the Triton kernel,
+    interpreted on CPU (the same kernel code, so CPU tests cover it). ``"mosaic"`` needs
+    Hopper and raises ``ValueError`` with the reason elsewhere.
     """
     if requested == "mosaic":
         reason = mosaic_unavailable_reason()
@@ -77,7 +97,8 @@ def pallas_call(
     num_stages: int | None = None,
     **kwargs: Any,
 ) -> Callable[..., Any]:
-    """``pl.pallas_call`` for the Triton backend, or interpret mode on CPU.
+    """``pl.pallas_call`` for the Triton backend, or interpret mode on CPU (the Mosaic GPU
+    kernels launch through ``plgpu.kernel`` themselves).
 
     Passing Triton compiler params explicitly selects the Triton lowering on GPUs even where
     JAX's default Pallas GPU backend is Mosaic GPU.

@@ -7,9 +7,12 @@ the kernels' results matter here::
 
     XLA_FLAGS=--xla_gpu_autotune_level=0 PYTHONPATH=src \\
         python -m pytest tests/moe/test_moe_gpu.py -q
+    XLA_FLAGS=--xla_gpu_autotune_level=0 PYTHONPATH=src \\
+        python -m pytest tests/moe/test_moe_gpu.py -q -k mosaic  # impl="mosaic" only (Hopper)
 
 On the H200 (commit cf11ba3) this file and tests/moe/test_moe_recompute.py (which runs on the
 GPU too) passed together, 46 tests, in 177 s; without the flag this file alone took 264 s.
+Both timings predate the 20 ``test_mosaic_*`` tests of ``impl="mosaic"``.
 
 Moderate sizes; token counts are not multiples of any tile. float32 operands use the GPU's
 default (TF32) matmul precision in the kernels, hence the looser float32 tolerance. The oracle's
@@ -34,7 +37,7 @@ pytestmark = [
     pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU"),
 ]
 
-TOLERANCE = {"bfloat16": 3e-2, "float32": 1e-2}
+TOLERANCE = {"bfloat16": 3e-2, "float16": 1e-2, "float32": 1e-2}
 LAYER = dict(d_model=256, d_hidden=512, num_experts=8, top_k=2, shared_hidden=256)
 DECODER = dict(d_model=256, d_hidden=128, num_experts=64, top_k=8, shared_hidden=512)
 
@@ -132,12 +135,80 @@ def test_fused_gsum_top2_is_deterministic():
 
 
 def test_mosaic_reports_why_it_cannot_run():
+    reason = _pallas.mosaic_unavailable_reason()
+    if reason is None:
+        pytest.skip("this GPU runs Mosaic GPU kernels: the test_mosaic_* tests run them")
     config = tilax.MoEConfig(**LAYER, impl="mosaic")
     params = tilax.moe_init(jax.random.key(0), config)
     x = jnp.ones((8, config.d_model), config.dtype)
-    if _pallas.mosaic_unavailable_reason() is None:
-        with pytest.raises(NotImplementedError, match="not available yet"):
-            tilax.moe_apply(params, x, config)
-    else:
-        with pytest.raises(ValueError, match="compute capability 9.0"):
-            tilax.moe_apply(params, x, config)
+    with pytest.raises(ValueError, match="compute capability 9.0"):
+        tilax.moe_apply(params, x, config)
+
+
+# ----------------------------------------------------------------------------------------------
+# impl="mosaic": the Mosaic GPU kernels (Hopper and newer), forward and every gradient
+
+needs_mosaic = pytest.mark.skipif(
+    _pallas.mosaic_unavailable_reason() is not None,
+    reason=str(_pallas.mosaic_unavailable_reason()),
+)
+
+
+@needs_mosaic
+@pytest.mark.parametrize("routing", ["dropless", "capacity"])
+@pytest.mark.parametrize("dispatch", DISPATCHES)
+def test_mosaic_matches_oracle(dispatch, routing):
+    _compare(LAYER, 3001, "bfloat16", impl="mosaic", dispatch=dispatch, routing=routing,
+             capacity_factor=0.8)
+
+
+@needs_mosaic
+@pytest.mark.parametrize("dispatch", ["sorted", "fused_gsum"])
+def test_mosaic_skewed_routing(dispatch):
+    # the first two experts take nearly every copy; the others are empty
+    _compare(LAYER, 2049, "bfloat16", skew=0.9, impl="mosaic", dispatch=dispatch)
+
+
+@needs_mosaic
+def test_mosaic_one_expert_holds_every_token():
+    # top-1 without renormalising (renormalised top-1 weights are all 1: no router gradient)
+    dims = {**LAYER, "top_k": 1, "renormalize": False}
+    _compare(dims, 1999, "bfloat16", skew=0.9, impl="mosaic", dispatch="sorted")
+
+
+@needs_mosaic
+@pytest.mark.parametrize("dispatch", ["sorted", "fused_gsum"])
+def test_mosaic_few_tokens(dispatch):
+    # 10 copies over 8 experts: empty experts, one partial row tile shared by all the others
+    _compare(LAYER, 5, "bfloat16", impl="mosaic", dispatch=dispatch)
+
+
+@needs_mosaic
+@pytest.mark.parametrize("dispatch", ["sorted", "fused_gsum"])
+def test_mosaic_fine_grained_decoder(dispatch):
+    _compare(DECODER, 1500, "bfloat16", impl="mosaic", dispatch=dispatch)
+
+
+@needs_mosaic
+@pytest.mark.parametrize("overrides", [
+    dict(dtype="float16"),
+    dict(recompute=True, recompute_rows=1024),
+    dict(block_m=64, block_k=128, num_stages=3),
+    dict(dims={**LAYER, "d_model": 200, "d_hidden": 352}),  # zero-padded to 256 and 384
+])  # fmt: skip
+def test_mosaic_variants(overrides):
+    overrides = dict(overrides)
+    dims = overrides.pop("dims", LAYER)
+    dtype = overrides.pop("dtype", "bfloat16")
+    _compare(dims, 1001, dtype, impl="mosaic", dispatch="sorted", **overrides)
+
+
+@needs_mosaic
+def test_mosaic_fused_gsum_top2_is_deterministic():
+    config = tilax.MoEConfig(**LAYER, impl="mosaic", dispatch="fused_gsum")
+    params = tilax.moe_init(jax.random.key(0), config)
+    x = jax.random.normal(jax.random.key(1), (4097, config.d_model)).astype(config.dtype)
+    apply = jax.jit(lambda p, x: tilax.moe_apply(p, x, config)[0])
+    first = np.asarray(apply(params, x))
+    for _ in range(3):
+        np.testing.assert_array_equal(np.asarray(apply(params, x)), first)

@@ -5,7 +5,8 @@ This file validates inputs and chooses the implementation; the work happens else
 - ``router.py`` routes tokens and computes ``aux``; ``dispatch.py`` builds the row layout;
 - ``IMPLEMENTATIONS`` maps an implementation name (``resolve_impl``) to its routed experts
   (a ``base.RoutedExperts``): the Pallas path (``pallas.py``, which owns the custom VJP) once
-  per kernel backend (``gmm_triton.py``), and the plain-XLA ones of ``reference.py``;
+  per kernel backend (``gmm_triton.py``, ``gmm_mosaic.py``), and the plain-XLA ones of
+  ``reference.py``;
 - with a mesh, ``expert_parallel.py`` runs the same pieces on every device and moves the token
   copies between the devices that own their experts.
 
@@ -56,21 +57,24 @@ class MoEConfig:
             the rest dropped) or ``"dense"`` (every expert on every token, weighted).
         impl: routed-expert implementation: ``"auto"``/``"pallas"`` (the best Pallas backend
             for the device: Triton on GPUs, interpret mode on CPU), ``"triton"``, ``"mosaic"``
-            (Mosaic GPU, Hopper only; not available yet), ``"blocked"`` (padded expert blocks in
-            XLA) or ``"ragged_dot"`` (``jax.lax.ragged_dot``). Ignored by ``routing="dense"``.
+            (Mosaic GPU kernels, Hopper and newer, bfloat16/float16 only; not yet measured, so
+            ``"auto"`` does not pick it), ``"blocked"`` (padded expert blocks in XLA) or
+            ``"ragged_dot"`` (``jax.lax.ragged_dot``). Ignored by ``routing="dense"``.
         dispatch: data movement of the Pallas path: ``"sorted"``, ``"gather"``, ``"fused"`` or
             ``"fused_gsum"`` (see the module docstring). All are exact up to float rounding.
         capacity_factor: ``> 0``, used by capacity routing.
         renormalize: divide the top-k probabilities by their sum.
         dtype: expert weights and activations (``float32``, ``bfloat16`` or ``float16``);
             matmuls accumulate in float32 and the router always runs in float32.
-        block_m: rows per kernel tile (a power of two >= 16); ``None`` picks the device
-            default (see ``kernel_tiles``).
+        block_m: rows per kernel tile (a power of two >= 16; a multiple of 64 for
+            ``impl="mosaic"``); ``None`` picks the device default (see ``kernel_tiles``).
         block_n: output columns per kernel tile (power of two >= 16); ``None``: device default.
         block_k: contraction slice per kernel step (power of two >= 16); ``None``: device
             default.
-        num_warps: Triton warps per program; ``None`` picks the device default.
-        num_stages: Triton software-pipelining depth; ``None`` picks the device default.
+        num_warps: Triton warps per program; ``None`` picks the device default (the Mosaic GPU
+            kernels run one warpgroup per block and ignore it).
+        num_stages: software-pipelining depth (Triton stages, or the Mosaic GPU kernels' TMA
+            buffers); ``None`` picks the device default.
         recompute: save memory in training: the Pallas path runs the experts over slices of
             ``recompute_rows`` token copies and recomputes the gate/up projections in the
             backward instead of saving them (one more pair of grouped matmuls; the hidden
@@ -279,36 +283,40 @@ def resolve_impl(config: MoEConfig) -> str:
     """The implementation ``moe_apply`` runs for ``config`` on this device.
 
     Returns ``"dense"`` for dense routing, ``"blocked"``/``"ragged_dot"`` for the XLA
-    baselines, and for the Pallas names the backend: ``"triton"`` on GPUs, ``"interpret"``
-    on CPU.
+    baselines, ``"mosaic"`` for ``impl="mosaic"``, and for the other Pallas names the backend:
+    ``"triton"`` on GPUs, ``"interpret"`` on CPU.
 
     Raises:
-        ValueError: ``impl="mosaic"`` on a device that cannot run Mosaic GPU (with the reason).
-        NotImplementedError: ``impl="mosaic"`` on Hopper: the Mosaic GPU grouped matmul is not
-            available yet.
+        ValueError: ``impl="mosaic"`` on a device that cannot run Mosaic GPU (with the reason),
+            or with ``dtype=float32`` (the Mosaic GPU kernels take 16-bit operands; float32
+            experts run on Triton).
     """
     if config.impl == "mosaic":
         reason = _pallas.mosaic_unavailable_reason()
         if reason is not None:
             raise ValueError(f"impl='mosaic' cannot run on this device: {reason}")
-        if "mosaic" not in IMPLEMENTATIONS:
-            raise NotImplementedError(
-                "impl='mosaic' is not available yet: tilax has no Mosaic GPU grouped matmul "
-                "for the MoE layer; use impl='triton' (or 'pallas'/'auto', which pick Triton "
-                "here)"
+        if config.dtype == jnp.float32:
+            raise ValueError(
+                "impl='mosaic' runs bfloat16/float16 experts; dtype=float32 runs on Triton: "
+                "use impl='triton' (or 'pallas'/'auto')"
             )
         return "mosaic"
     if config.routing == "dense":
         return "dense"
     if config.impl in ("blocked", "ragged_dot"):
         return config.impl
+    # impl="auto" and "pallas" pick Triton on every GPU, Hopper included: no measurement of
+    # the Mosaic GPU backend exists yet. Once the H200 runs compare them in one process, the
+    # rule (per device, dtype, dispatch and sizes, documented in docs/guides/moe.md) goes here.
     return _pallas.resolve_backend(config.impl)
 
 
 def kernel_tiles(config: MoEConfig):
-    """The tiles the Pallas path uses for ``config`` on this device (its backend's defaults,
-    overridden by the config's tile fields)."""
-    return pallas.kernel_tiles(config)
+    """The tiles the Pallas path uses for ``config`` on this device: the defaults of the
+    backend ``config.impl`` runs (the default Pallas backend for the XLA impls), overridden by
+    the config's tile fields. Raises as :func:`resolve_impl` does."""
+    backend = resolve_impl(config)
+    return pallas.kernel_tiles(config, backend if backend in pallas.KERNELS else None)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -357,10 +365,9 @@ def moe_apply(
     Raises:
         ValueError: ``x``'s last dimension is not ``d_model``, ``x`` holds no token, a
             parameter is missing or has the wrong shape, ``impl="mosaic"`` on a device that
-            cannot run it (with the reason), ``expert_axis`` is not an axis of ``mesh``, or
-            ``num_experts`` is not divisible by its size.
+            cannot run it (with the reason) or with ``dtype=float32``, ``expert_axis`` is not
+            an axis of ``mesh``, or ``num_experts`` is not divisible by its size.
         TypeError: ``x`` or a parameter is not a float array, or ``mesh`` is not a ``Mesh``.
-        NotImplementedError: ``impl="mosaic"`` on Hopper (no Mosaic GPU kernel yet).
 
     Examples:
         >>> import jax, jax.numpy as jnp

@@ -5,7 +5,8 @@ returns, and what a Pallas grouped-matmul backend must provide.
 entry is a :class:`RoutedExperts`: the XLA ones in ``reference.py``, the Pallas path in
 ``pallas.py`` once per backend. The Pallas path owns the custom VJP and calls its backend only
 through the :class:`GmmKernels` functions, so a backend is one kernel file (``gmm_triton.py``;
-``gmm_mosaic.py`` when it lands) registered in ``pallas.KERNELS``.
+``gmm_mosaic.py``, with its building blocks in ``gmm_mosaic_parts.py``) registered in
+``pallas.KERNELS``.
 """
 
 from __future__ import annotations
@@ -84,8 +85,10 @@ class GmmKernels(Protocol):
       save_preactivations=False)``: ``a = silu(x_r @ w_gate[e]) * (x_r @ w_up[e])``, and the
       two pre-activations when asked.
     - ``gmm_swiglu_bwd(dy, w_down, gate, up, row_scale, schedule, *, tiles, backend,
-      index=None)``: ``d_gate, d_up, a * w_r`` and ``[h / block_n, R]`` partial sums of
-      ``dz . a`` (``dz = dy_r @ w_down[e].T``), the combine weights' gradient.
+      index=None)``: ``d_gate, d_up, a * w_r`` and ``[P, R]`` float32 partial sums of
+      ``dz . a`` (``dz = dy_r @ w_down[e].T``), the combine weights' gradient once summed over
+      ``P`` (backend-defined: Triton gives one row per column tile, ``h / block_n``; Mosaic
+      GPU adds its per-item sums up itself and gives one).
     - ``gmm_combine(hidden, w_down, row_scale, row_target, schedule, *, num_tokens, tiles,
       backend)``: ``y[t] = sum over rows r of token t of w_r * hidden[r] @ w_down[e(r)]``,
       float32 ``[T, d]``.
@@ -93,7 +96,8 @@ class GmmKernels(Protocol):
       rhs2=None, out_dtype=None)``: ``out[e] = lhs[rows of e].T @ rhs[rows of e]`` (weight
       gradients; rows outside every group are never read).
     - ``tiles_for(config)``: the backend's tiles for a config (a dataclass with at least
-      ``block_m`` and ``row_multiple``).
+      ``block_m``, ``row_multiple`` and ``feature_multiple``: the layer pads ``d_model`` and
+      ``d_hidden`` to a multiple of it, 16 for Triton, 64 for Mosaic GPU's 128-byte rows).
     """
 
     def gmm(self, lhs, rhs, schedule: GmmSchedule, **kwargs) -> jax.Array: ...

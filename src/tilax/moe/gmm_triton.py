@@ -67,6 +67,12 @@ class Tiles:
         """Row-space arrays must have a multiple of this many rows."""
         return max(self.block_m, self.block_k)
 
+    @property
+    def feature_multiple(self) -> int:
+        """``d_model`` and ``d_hidden`` are zero-padded to a multiple of this (tl.dot's
+        smallest block)."""
+        return MIN_BLOCK
+
 
 def default_tiles(dtype) -> Tiles:
     """Device-default kernel tiles for activations of ``dtype``.

@@ -2,7 +2,8 @@
 
 The path is backend-neutral: it calls the grouped-matmul kernels of a backend module through
 the ``base.GmmKernels`` contract, and ``KERNELS`` names the modules (``"interpret"`` is the
-Triton kernel file run by the Pallas interpreter on CPU). Per ``dispatch``:
+Triton kernel file run by the Pallas interpreter on CPU; ``"mosaic"`` the Mosaic GPU kernels
+of Hopper). Per ``dispatch``:
 
 - forward: ``sorted`` (permuted copy of ``x``, three grouped matmuls, SwiGLU and combine in
   XLA), ``gather`` (the grouped matmuls read rows of ``x`` through the sort index),
@@ -30,14 +31,11 @@ import jax
 import jax.numpy as jnp
 
 from tilax import _pallas
-from tilax.moe import dispatch, gmm_triton, pallas_slices, reference
+from tilax.moe import dispatch, gmm_mosaic, gmm_triton, pallas_slices, reference
 from tilax.moe.base import RoutedCopies
 
-# Feature dimensions are zero-padded to a multiple of this for the kernels (tl.dot needs >= 16).
-FEATURE_MULTIPLE = 16
-
 # Pallas backend name (``_pallas.resolve_backend``) -> its kernel module (``base.GmmKernels``).
-KERNELS = {"triton": gmm_triton, "interpret": gmm_triton}
+KERNELS = {"triton": gmm_triton, "interpret": gmm_triton, "mosaic": gmm_mosaic}
 
 
 def kernel_tiles(config, backend: str | None = None):
@@ -158,10 +156,12 @@ def _pallas_experts_bwd(plan, residuals, dy):
 pallas_experts.defvjp(_pallas_experts_fwd, _pallas_experts_bwd)
 
 
-def pad_features(config, x, w_gate, w_up, w_down):
-    """Zero-pad ``d_model`` and ``d_hidden`` to multiples of 16 (exact: zeros add nothing)."""
-    d_pad = _pallas.round_up(config.d_model, FEATURE_MULTIPLE) - config.d_model
-    h_pad = _pallas.round_up(config.d_hidden, FEATURE_MULTIPLE) - config.d_hidden
+def pad_features(config, tiles, x, w_gate, w_up, w_down):
+    """Zero-pad ``d_model`` and ``d_hidden`` to multiples of the backend's
+    ``tiles.feature_multiple`` (exact: zeros add nothing)."""
+    multiple = tiles.feature_multiple
+    d_pad = _pallas.round_up(config.d_model, multiple) - config.d_model
+    h_pad = _pallas.round_up(config.d_hidden, multiple) - config.d_hidden
     if d_pad == 0 and h_pad == 0:
         return x, w_gate, w_up, w_down
     x = jnp.pad(x, ((0, 0), (0, d_pad)))
@@ -200,7 +200,7 @@ class PallasExperts:
         plan = Plan(config.dispatch, self.backend, tiles, num_tokens, slices,
                     cover_tail=not copies.sparse_rows)
         schedule = plan.schedule(layout.group_offsets, layout.row_token.shape[0])
-        padded = pad_features(config, x, w_gate, w_up, w_down)
+        padded = pad_features(config, tiles, x, w_gate, w_up, w_down)
         y = pallas_experts(plan, *padded, copies.weights, layout, schedule)
         kept = None
         if copies.capacity is not None or copies.kept is not None:

@@ -1,0 +1,466 @@
+"""Grouped matmul kernels for the MoE experts: Pallas, Mosaic GPU backend (Hopper, sm90+).
+
+The second backend of the Pallas expert path (``pallas.py``): the kernel set of the
+``base.GmmKernels`` contract, as ``gmm_triton`` has it, with its own tiles (:class:`Config`,
+:func:`tiles_for`; tiles and building blocks live in ``gmm_mosaic_parts.py``). bfloat16 and
+float16 operands only: float32 raises ``ValueError`` (float32 experts run on Triton, and
+``api.resolve_impl`` rejects ``impl="mosaic"`` with ``dtype=float32``). Feature dimensions are
+multiples of 64 (``Config.feature_multiple``: the layer pads them).
+
+Every kernel is persistent: ``Config.programs_per_sm`` programs per SM walk the work items,
+and each item runs a TMA pipeline over the contraction (``num_stages`` swizzled SMEM buffers)
+that feeds ``wgmma`` with a float32 accumulator in registers, the next steps' copies landing
+while the MMAs run; with two programs per SM, one's prologue and epilogue overlap the other's
+MMAs. Forward-type kernels follow the ``dispatch.GmmSchedule`` items of the Triton path: an item's
+tile is staged in SMEM and only its rows ``[lo, hi)`` are stored, by one TMA store per set bit
+of ``hi - lo`` (a TMA store has no row mask), so every row is written by exactly one program.
+Rows a kernel reads through ``index`` are gathered in XLA first: Hopper's TMA copies tiles,
+not gathered rows (Blackwell's can gather).
+
+Kernels (each wrapper launches one):
+
+- :func:`gmm`: ``out[r] = scale[r] * (lhs[r] @ rhs[e(r)] (+ lhs2[r] @ rhs2[e(r)]))``, the
+  weights optionally transposed (``wgmma`` reads the transposed SMEM tile).
+- :func:`gmm_swiglu`: gate and up projections sharing the ``x`` tiles, SwiGLU in the epilogue.
+- :func:`gmm_swiglu_bwd`: the down projection's input gradient with the SwiGLU backward in the
+  epilogue; the combine weights' gradient leaves as per-item row sums, added up in XLA.
+- :func:`gmm_combine`: the down projection with scaled float32 rows (:func:`gmm`), added into
+  their tokens by an XLA scatter-add.
+- :func:`tgmm`: ``lhs[rows_e].T @ rhs[rows_e]`` (weight gradients); the first and last row
+  chunk of each expert have the other rows zeroed in SMEM.
+
+Not warp-specialised: the contractions are short (``d_model`` or ``d_hidden``: a few
+``block_k`` steps), where two programs per SM already overlap loads, MMAs and epilogues; the
+first H200 measurements should say whether a producer warpgroup pays on top. ``impl="auto"``
+does not pick this backend until they exist.
+
+Mosaic GPU APIs relied on, read in jax 0.10.2 (installed here) and jax-ml/jax main at
+0.11.1.dev (2026-08), where they are unchanged except that 0.11 makes ``Warpgroup`` lowering
+the default (set explicitly here): ``plgpu.kernel(out_type=, grid=, grid_names=,
+kernel_name=, compiler_params=)``, ``plgpu.CompilerParams(lowering_semantics=)``,
+``plgpu.nd_loop``, ``plgpu.emit_pipeline`` (static and traced grids),
+``plgpu.BlockSpec(transforms=, delay_release=)``, ``plgpu.wgmma``, ``plgpu.transpose_ref``,
+``plgpu.ACC``, ``plgpu.SMEM``, ``plgpu.Barrier``, ``plgpu.TilingTransform``,
+``plgpu.SwizzleTransform``, ``plgpu.find_swizzle``, ``plgpu.copy_gmem_to_smem``,
+``plgpu.barrier_wait``, ``plgpu.copy_smem_to_gmem(commit_group=)``,
+``plgpu.commit_smem``, ``plgpu.commit_smem_to_gmem_group``,
+``plgpu.wait_smem_to_gmem``; ``pl.run_scoped``, ``pl.loop``, ``pl.when``. jax 0.11 lowers
+Mosaic GPU kernels only through ``plgpu.kernel`` (``pl.pallas_call`` with Mosaic GPU compiler
+params has no lowering rule there).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from tilax.moe import gmm_mosaic_parts as parts
+from tilax.moe.dispatch import GmmSchedule
+from tilax.moe.gmm_mosaic_parts import Config, default_config, plgpu, tiles_for
+
+__all__ = ["Config", "default_config", "tiles_for", "gmm", "gmm_swiglu", "gmm_swiglu_bwd",
+           "gmm_combine", "tgmm"]
+
+
+def _swiglu_parts(gate, up):
+    """float32 ``sigmoid(gate)``, ``silu(gate)`` and ``silu(gate) * up``."""
+    sig = jax.nn.sigmoid(gate)
+    silu = gate * sig
+    return sig, silu, silu * up
+
+
+# ----------------------------------------------------------------------------------------------
+# gmm: out[r] = (lhs[r] @ rhs[e(r)] (+ lhs2[r] @ rhs2[e(r)])) (* scale[r])
+
+
+def gmm(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    schedule: GmmSchedule,
+    *,
+    tiles: Config,
+    backend: str,
+    index: jax.Array | None = None,
+    transpose_rhs: bool = False,
+    lhs2: jax.Array | None = None,
+    rhs2: jax.Array | None = None,
+    row_scale: jax.Array | None = None,
+    out_dtype=None,
+) -> jax.Array:
+    """Grouped matmul over the scheduled row tiles (``gmm_triton.gmm``'s contract).
+
+    Args:
+        lhs: ``[R_pad, K]`` rows, or ``[T, K]`` tokens gathered through ``index``.
+        rhs: ``[E, K, N]`` expert weights, or ``[E, N, K]`` with ``transpose_rhs``.
+        schedule: the work items (built with ``tiles.block_m``).
+        tiles: this module's :class:`Config`; backend: ``"mosaic"``.
+        index: ``[R_pad]`` int32 rows of ``lhs`` to read.
+        transpose_rhs: multiply by ``rhs[e].T`` (input gradients).
+        lhs2, rhs2: a second product summed into the same accumulator (laid out as
+            ``lhs``/``rhs``, never gathered).
+        row_scale: ``[R_pad]`` float32 scale of each row's float32 result.
+        out_dtype: result dtype (default ``lhs.dtype``).
+
+    Returns:
+        ``[R_pad, N]``; rows of no item are left unwritten.
+    """
+    del backend
+    parts.check_dtypes(lhs, rhs, lhs2, rhs2)
+    lhs = parts.gathered(lhs, index)
+    num_rows, k_dim = lhs.shape
+    n_dim = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    parts.check_features(k_dim, n_dim)
+    out_dtype = jnp.dtype(out_dtype or lhs.dtype)
+    block_m, block_n = tiles.block_m, parts.fit_block(tiles.block_n, n_dim)
+    pairs = [(lhs, rhs)] + ([(lhs2, rhs2)] if lhs2 is not None else [])
+    block_k, stages = parts.fit_pipeline(
+        tiles, parts.fit_block(tiles.block_k, k_dim),
+        len(pairs) * (block_m + block_n) * lhs.dtype.itemsize, live_bytes=block_m * 4,
+    )
+    w_block = (block_n, block_k) if transpose_rhs else (block_k, block_n)
+    scaled = row_scale is not None
+
+    def body(*refs):
+        schedule_refs, operand_refs = refs[:4], refs[4 : 4 + 2 * len(pairs)]
+        scale_g = refs[-2] if scaled else None
+        out_g = refs[-1]
+
+        def item_fn(item, _):
+            tile = item.row_start // block_m
+            w_index = (lambda k: (item.n, k)) if transpose_rhs else (lambda k: (k, item.n))
+            operands = []
+            for a_g, w_g in zip(operand_refs[::2], operand_refs[1::2], strict=True):
+                operands += [(a_g, (block_m, block_k), lambda k: (tile, k)),
+                             (w_g.at[item.expert], w_block, w_index)]
+
+            def run(acc):
+                def step(_, *smems):
+                    for a, w in zip(smems[::2], smems[1::2], strict=True):
+                        plgpu.wgmma(acc, a, plgpu.transpose_ref(w, (1, 0)) if transpose_rhs else w)
+
+                parts.pipeline(step, k_dim // block_k, operands, stages)
+
+            def compute(wait):
+                (acc,) = parts.accumulate(1, block_m, block_n, run)
+                if scaled:
+                    (scale_smem,) = wait()
+                    acc = acc * parts.rows_to_tile(scale_smem[...], acc.shape)
+
+                def write(o_smem):
+                    o_smem[...] = acc.astype(o_smem.dtype)
+
+                parts.stage_and_store([out_g], item, block_m, block_n, write)
+
+            sources = [parts.row_slice(scale_g, item, block_m)] if scaled else []
+            parts.with_fetched(sources, compute)
+
+        parts.for_each_item(schedule_refs, n_dim // block_n, block_m, item_fn)
+
+    args = [*schedule, *[a for pair in pairs for a in pair]] + ([row_scale] if scaled else [])
+    out = jax.ShapeDtypeStruct((num_rows, n_dim), out_dtype)
+    return parts.launch(body, out, "moe_gmm_mosaic", tiles)(*args)
+
+
+# ----------------------------------------------------------------------------------------------
+# gmm_swiglu: a = silu(x_r @ w_gate[e]) * (x_r @ w_up[e])
+
+
+def gmm_swiglu(
+    x: jax.Array,
+    w_gate: jax.Array,
+    w_up: jax.Array,
+    schedule: GmmSchedule,
+    *,
+    tiles: Config,
+    backend: str,
+    index: jax.Array | None = None,
+    save_preactivations: bool = False,
+) -> tuple[jax.Array, ...]:
+    """Gate and up projections sharing each ``x`` tile, SwiGLU in the epilogue
+    (``gmm_triton.gmm_swiglu``'s contract): ``(a,)`` or ``(a, gate, up)``, each ``[R_pad, h]``
+    in ``x.dtype``. Two accumulators: ``block_n`` is capped to keep both in registers."""
+    del backend
+    parts.check_dtypes(x, w_gate, w_up)
+    x = parts.gathered(x, index)
+    num_rows, d_dim = x.shape
+    h_dim = w_gate.shape[2]
+    parts.check_features(d_dim, h_dim)
+    block_m, block_n = tiles.block_m, parts.capped_block_n(tiles, h_dim, 2)
+    block_k, stages = parts.fit_pipeline(
+        tiles, parts.fit_block(tiles.block_k, d_dim), (block_m + 2 * block_n) * x.dtype.itemsize
+    )
+
+    def body(*refs):
+        schedule_refs, (x_g, wg_g, wu_g), outs = refs[:4], refs[4:7], refs[7:]
+
+        def item_fn(item, _):
+            tile = item.row_start // block_m
+            operands = [
+                (x_g, (block_m, block_k), lambda k: (tile, k)),
+                (wg_g.at[item.expert], (block_k, block_n), lambda k: (k, item.n)),
+                (wu_g.at[item.expert], (block_k, block_n), lambda k: (k, item.n)),
+            ]
+
+            def run(acc_gate, acc_up):
+                def step(_, x_smem, wg_smem, wu_smem):
+                    plgpu.wgmma(acc_gate, x_smem, wg_smem)
+                    plgpu.wgmma(acc_up, x_smem, wu_smem)
+
+                parts.pipeline(step, d_dim // block_k, operands, stages)
+
+            gate, up = parts.accumulate(2, block_m, block_n, run)
+
+            def write(a_smem, *preactivation_smems):
+                a_smem[...] = _swiglu_parts(gate, up)[2].astype(a_smem.dtype)
+                for smem, value in zip(preactivation_smems, (gate, up)[: len(outs) - 1],
+                                       strict=True):
+                    smem[...] = value.astype(smem.dtype)
+
+            parts.stage_and_store(outs, item, block_m, block_n, write)
+
+        parts.for_each_item(schedule_refs, h_dim // block_n, block_m, item_fn)
+
+    out = jax.ShapeDtypeStruct((num_rows, h_dim), x.dtype)
+    outs = [out] * (3 if save_preactivations else 1)
+    kernel = parts.launch(body, outs, "moe_gmm_swiglu_mosaic", tiles)
+    return tuple(kernel(*schedule, x, w_gate, w_up))
+
+
+# ----------------------------------------------------------------------------------------------
+# gmm_swiglu_bwd: dz = dy_r @ w_down[e].T, then the SwiGLU backward in the epilogue
+
+
+def gmm_swiglu_bwd(
+    dy: jax.Array,
+    w_down: jax.Array,
+    gate: jax.Array,
+    up: jax.Array,
+    row_scale: jax.Array,
+    schedule: GmmSchedule,
+    *,
+    tiles: Config,
+    backend: str,
+    index: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Backward of ``y_r = w_r * (silu(gate_r) * up_r) @ w_down[e]``
+    (``gmm_triton.gmm_swiglu_bwd``'s contract).
+
+    The gate and up tiles and the row weights arrive by TMA while the contraction runs. The
+    combine weights' gradient (``dz . a`` per row) is stored per work item and column tile,
+    ``[n_tiles, items, block_m]`` (a whole-vector TMA store cannot keep only the item's rows),
+    and added up per row in XLA.
+
+    Returns:
+        ``d_gate, d_up, a_scaled`` (``[R_pad, h]``, ``gate.dtype``) and the combine weights'
+        gradient as ``[1, R_pad]`` float32 partial sums.
+    """
+    del backend
+    parts.check_dtypes(dy, w_down, gate, up)
+    dy = parts.gathered(dy, index)
+    num_rows, h_dim = gate.shape
+    d_dim = w_down.shape[2]
+    parts.check_features(d_dim, h_dim)
+    # dz, gate and up are live through the epilogue: budgeted as two tiles, since the
+    # epilogue's values die as it goes and ptxas reuses their registers.
+    block_m, block_n = tiles.block_m, parts.capped_block_n(tiles, h_dim, 2)
+    n_tiles, num_items = h_dim // block_n, schedule.expert.shape[0]
+    block_k, stages = parts.fit_pipeline(
+        tiles, parts.fit_block(tiles.block_k, d_dim), (block_m + block_n) * dy.dtype.itemsize,
+        live_bytes=2 * block_m * block_n * gate.dtype.itemsize + block_m * 4,
+    )
+    tile_smem = plgpu.SMEM((block_m, block_n), gate.dtype,
+                           transforms=parts.mma_transforms(block_n, gate.dtype))
+
+    def body(*refs):
+        schedule_refs, (dy_g, w_g, g_g, u_g, scale_g), outs = refs[:4], refs[4:9], refs[9:]
+        dg_g, du_g, aw_g, dw_items_g = outs
+
+        def item_fn(item, item_index):
+            tile = item.row_start // block_m
+            tile_view = (pl.ds(item.row_start, block_m), pl.ds(item.n * block_n, block_n))
+            operands = [
+                (dy_g, (block_m, block_k), lambda k: (tile, k)),
+                (w_g.at[item.expert], (block_n, block_k), lambda k: (item.n, k)),
+            ]
+
+            def run(acc):
+                def step(_, dy_smem, w_smem):
+                    plgpu.wgmma(acc, dy_smem, plgpu.transpose_ref(w_smem, (1, 0)))
+
+                parts.pipeline(step, d_dim // block_k, operands, stages)
+
+            def compute(wait):
+                (dz,) = parts.accumulate(1, block_m, block_n, run)
+                g_smem, u_smem, scale_smem = wait()
+                weight = parts.rows_to_tile(scale_smem[...], dz.shape)
+                gate_t = g_smem[...].astype(jnp.float32)
+                up_t = u_smem[...].astype(jnp.float32)
+                sig, silu, act = _swiglu_parts(gate_t, up_t)
+                parts.store_vector(jnp.sum(dz * act, axis=1), dw_items_g.at[item.n, item_index])
+
+                # Each output is written as soon as it exists (registers).
+                def write(dg_smem, du_smem, aw_smem):
+                    aw_smem[...] = (act * weight).astype(aw_smem.dtype)
+                    d_act = dz * weight
+                    du_smem[...] = (d_act * silu).astype(du_smem.dtype)
+                    d_gate = d_act * up_t * (sig * (1.0 + gate_t * (1.0 - sig)))
+                    dg_smem[...] = d_gate.astype(dg_smem.dtype)
+
+                parts.stage_and_store([dg_g, du_g, aw_g], item, block_m, block_n, write)
+
+            sources = [(g_g.at[tile_view], tile_smem), (u_g.at[tile_view], tile_smem),
+                       parts.row_slice(scale_g, item, block_m)]
+            parts.with_fetched(sources, compute)
+
+        parts.for_each_item(schedule_refs, n_tiles, block_m, item_fn)
+
+    rows = jax.ShapeDtypeStruct((num_rows, h_dim), gate.dtype)
+    per_item = jax.ShapeDtypeStruct((n_tiles, num_items, block_m), jnp.float32)
+    d_gate, d_up, act_scaled, dw_items = parts.launch(
+        body, [rows, rows, rows, per_item], "moe_gmm_swiglu_bwd_mosaic", tiles
+    )(*schedule, dy, w_down, gate, up, row_scale)
+    return d_gate, d_up, act_scaled, _owned_rows(dw_items.sum(0), schedule, num_rows)[None]
+
+
+def _owned_rows(values: jax.Array, schedule: GmmSchedule, num_rows: int) -> jax.Array:
+    """``[items, block_m]`` per-item row values to ``[num_rows]``: each row from the item that
+    owns it (the rest, never written for items without rows, is masked out)."""
+    block_m = values.shape[1]
+    local = jnp.arange(block_m, dtype=jnp.int32)
+    owned = (local >= schedule.lo[:, None]) & (local < schedule.hi[:, None])
+    rows = schedule.tile[:, None] * block_m + local
+    return jnp.zeros((num_rows,), jnp.float32).at[rows].add(jnp.where(owned, values, 0.0))
+
+
+# ----------------------------------------------------------------------------------------------
+# gmm_combine: y[token(r)] += w_r * (a_r @ w_down[e])
+
+
+def gmm_combine(
+    hidden: jax.Array,
+    w_down: jax.Array,
+    row_scale: jax.Array,
+    row_target: jax.Array,
+    schedule: GmmSchedule,
+    *,
+    num_tokens: int,
+    tiles: Config,
+    backend: str,
+) -> jax.Array:
+    """Down projection and weighted combine (``gmm_triton.gmm_combine``'s contract):
+    ``[T, d]`` float32.
+
+    The scaled rows come from :func:`gmm` (float32) and are added into their tokens by an XLA
+    scatter-add (a target of ``num_tokens`` is dropped). Not in the kernel's epilogue: a
+    reduce-add into a zeroed output needs the output to alias an input, and jax 0.11 lowers
+    Mosaic GPU kernels only through ``plgpu.kernel``, which takes no aliases.
+    """
+    rows = gmm(hidden, w_down, schedule, tiles=tiles, backend=backend, row_scale=row_scale,
+               out_dtype=jnp.float32)
+    y = jnp.zeros((num_tokens + 1, rows.shape[1]), jnp.float32)
+    return y.at[row_target].add(rows, mode="drop")[:num_tokens]
+
+
+# ----------------------------------------------------------------------------------------------
+# tgmm: out[e] = lhs[rows of e].T @ rhs[rows of e]  (ragged contraction over rows)
+
+# Smallest row step: the first and last chunks are masked in registers, in the wgmma layout,
+# whose tiles have 64 rows.
+TGMM_MIN_ROWS = 64
+
+
+def tgmm(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    group_offsets: jax.Array,
+    *,
+    tiles: Config,
+    backend: str,
+    lhs_index: jax.Array | None = None,
+    rhs_index: jax.Array | None = None,
+    rhs2: jax.Array | None = None,
+    out_dtype=None,
+) -> tuple[jax.Array, ...]:
+    """Per-expert ``lhs_rows.T @ rhs_rows`` (``gmm_triton.tgmm``'s contract).
+
+    One work item per (expert, output tile): its pipeline runs over the row chunks holding the
+    expert's rows; in the first and last chunk the rows of other experts, or of none (padding,
+    which may hold anything), are zeroed in SMEM before the MMA.
+
+    Returns:
+        ``(out,)`` or ``(out, out2)``, each ``[E, K, N]`` in ``out_dtype`` (default
+        ``lhs.dtype``); experts without rows get zeros.
+    """
+    del backend
+    parts.check_dtypes(lhs, rhs, rhs2)
+    lhs, rhs, rhs2 = (parts.gathered(lhs, lhs_index), parts.gathered(rhs, rhs_index),
+                      parts.gathered(rhs2, rhs_index))
+    num_rows, k_dim = lhs.shape
+    n_dim = rhs.shape[1]
+    parts.check_features(k_dim, n_dim)
+    num_experts = group_offsets.shape[0] - 1
+    out_dtype = jnp.dtype(out_dtype or lhs.dtype)
+    rights = [rhs] + ([rhs2] if rhs2 is not None else [])
+    block_m = parts.fit_block(tiles.block_m, k_dim)
+    block_n = parts.capped_block_n(dataclasses.replace(tiles, block_m=block_m), n_dim, len(rights))
+    block_k, stages = parts.fit_pipeline(
+        tiles, max(tiles.block_k, TGMM_MIN_ROWS),
+        (block_m + len(rights) * block_n) * lhs.dtype.itemsize, min_block_k=TGMM_MIN_ROWS,
+    )
+    if num_rows % block_k:
+        raise ValueError(f"row count {num_rows} is not a multiple of the row step {block_k}")
+
+    def body(offsets_g, a_g, *refs):
+        b_gs, outs = refs[: len(rights)], refs[len(rights) :]
+
+        @plgpu.nd_loop((num_experts, k_dim // block_m, n_dim // block_n), collective_axes="sm")
+        def _loop(info):
+            expert, m, n = info.index
+            lo, hi = offsets_g[expert], offsets_g[expert + 1]
+            first = lo // block_k
+            steps = pl.cdiv(hi, block_k) - first
+            operands = [(a_g, (block_k, block_m), lambda k: (first + k, m))]
+            operands += [(b_g, (block_k, block_n), lambda k: (first + k, n)) for b_g in b_gs]
+
+            def run(*accs):
+                def step(indices, a_smem, *b_smems):
+                    (k,) = indices
+
+                    @pl.when((k == 0) | (k == steps - 1))
+                    def _mask():
+                        for smem in (a_smem, *b_smems):
+                            rows = (first + k) * block_k + lax.broadcasted_iota(
+                                jnp.int32, smem.shape, 0)
+                            keep = (rows >= lo) & (rows < hi)
+                            # where, not a product: rows of no expert may hold NaN.
+                            smem[...] = jnp.where(keep, smem[...], jnp.zeros((), smem.dtype))
+                        plgpu.commit_smem()
+
+                    for acc, b_smem in zip(accs, b_smems, strict=True):
+                        plgpu.wgmma(acc, plgpu.transpose_ref(a_smem, (1, 0)), b_smem)
+
+                pl.when(hi > lo)(lambda: parts.pipeline(step, steps, operands, stages))
+
+            values = parts.accumulate(len(rights), block_m, block_n, run)
+            out_tile = (expert, pl.ds(m * block_m, block_m), pl.ds(n * block_n, block_n))
+
+            def store(*smems):
+                for smem, value in zip(smems, values, strict=True):
+                    smem[...] = value.astype(smem.dtype)
+                plgpu.commit_smem()
+                for smem, out_g in zip(smems, outs, strict=True):
+                    plgpu.copy_smem_to_gmem(smem, out_g.at[out_tile], commit_group=False)
+                plgpu.commit_smem_to_gmem_group()
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+            out_smem = plgpu.SMEM((block_m, block_n), out_dtype,
+                                  transforms=parts.mma_transforms(block_n, out_dtype))
+            pl.run_scoped(store, *[out_smem] * len(rights))
+
+    out = jax.ShapeDtypeStruct((num_experts, k_dim, n_dim), out_dtype)
+    kernel = parts.launch(body, [out] * len(rights), "moe_tgmm_mosaic", tiles)
+    return tuple(kernel(group_offsets, lhs, *rights))

@@ -1,0 +1,76 @@
+"""Run the Mosaic GPU kernels on CPU in JAX's GPU interpret mode (a plain test module).
+
+JAX's GPU interpreter (private in jax 0.10/0.11: ``jax._src.pallas.mosaic_gpu.interpret``)
+simulates SMs, SMEM, TMA copies, barriers and ``wgmma`` on the CPU, on logical arrays: it checks
+what a kernel computes (indices, masks, the stored rows, the epilogues), not layouts, swizzles,
+register pressure or timing, which only the GPU tests do. Its ``wgmma`` reads operands through
+index transforms only; :func:`gpu_interpreter` teaches it transposed operands
+(``plgpu.transpose_ref``) by transposing what it reads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import types
+
+import numpy as np
+
+_transposed = threading.local()
+
+
+def available() -> str | None:
+    """Why the interpreter cannot run here, or ``None``."""
+    try:
+        from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks, params  # noqa: F401
+        from jax._src.state.types import TransposeTransform  # noqa: F401
+    except ImportError as err:
+        return f"JAX's GPU interpret mode is not importable: {err}"
+    if not callable(getattr(gpu_callbacks, "wgmma", None)):
+        return "JAX's GPU interpreter has no wgmma callback"
+    return None
+
+
+def _strip_transpose(transforms):
+    """``transforms`` without a trailing 2-D transpose, and whether there was one."""
+    from jax._src.state.types import TransposeTransform
+
+    if transforms and isinstance(transforms[-1], TransposeTransform):
+        if tuple(transforms[-1].permutation) != (1, 0):
+            raise NotImplementedError(f"transpose {transforms[-1].permutation}")
+        return tuple(transforms[:-1]), True
+    return tuple(transforms), False
+
+
+@contextlib.contextmanager
+def gpu_interpreter():
+    """Kernels traced inside run in GPU interpret mode, transposed ``wgmma`` operands included.
+
+    The wrapped callback drops the transpose from the operand's transforms (the interpreter
+    reads the stored, untransposed tile) and the matmul it then calls transposes that tile.
+    """
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks, params
+
+    original_wgmma, original_np = gpu_callbacks.wgmma, gpu_callbacks.np
+
+    def matmul(a, b, **kwargs):
+        a_t, b_t = getattr(_transposed, "flags", (False, False))
+        return np.matmul(a.T if a_t else a, b.T if b_t else b, **kwargs)
+
+    def wgmma(*, a_transforms, b_transforms, **kwargs):
+        a_transforms, a_t = _strip_transpose(a_transforms)
+        b_transforms, b_t = _strip_transpose(b_transforms)
+        _transposed.flags = (a_t, b_t)
+        try:
+            return original_wgmma(a_transforms=a_transforms, b_transforms=b_transforms, **kwargs)
+        finally:
+            _transposed.flags = (False, False)
+
+    numpy_view = types.SimpleNamespace(**{n: getattr(np, n) for n in dir(np) if not n[:2] == "__"})
+    numpy_view.matmul = matmul
+    gpu_callbacks.wgmma, gpu_callbacks.np = wgmma, numpy_view
+    try:
+        with params.force_gpu_interpret_mode(params.InterpretGPUParams()):
+            yield
+    finally:
+        gpu_callbacks.wgmma, gpu_callbacks.np = original_wgmma, original_np

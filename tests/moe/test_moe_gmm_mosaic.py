@@ -1,0 +1,302 @@
+"""The Mosaic GPU kernels on CPU: tile heuristics, and what the kernels compute, in JAX's GPU
+interpreter (mosaic_interpret.py), against numpy and, for the whole layer, the float32 oracle.
+
+The interpreter checks indices, masks, stored rows and epilogues, not the GPU's layouts,
+swizzles or timing: test_moe_mosaic_lowering.py lowers the kernels for CUDA, and
+test_moe_gpu.py runs them on Hopper.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from moe_testing import rel_err
+from mosaic_interpret import available, gpu_interpreter
+
+import tilax
+from tilax import _pallas
+from tilax.moe import dispatch, gmm_mosaic, gmm_mosaic_parts, reference, skew_tokens
+from tilax.moe.gmm_mosaic import Config
+
+TILES = Config(block_m=64, block_n=64, block_k=64, num_stages=2, programs_per_sm=2)
+# Experts 1 and 4 get no rows, expert 0 ends mid-tile, expert 2 spans three tiles.
+GROUP_SIZES = np.array([7, 0, 137, 5, 0, 90])
+NUM_ROWS = int(GROUP_SIZES.sum())  # 239: not a multiple of the row tile
+PADDED_ROWS = 256
+
+needs_interpreter = pytest.mark.skipif(available() is not None, reason=str(available()))
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(0)
+
+
+@pytest.fixture
+def few_sms(monkeypatch):
+    """Two SMs (four programs) instead of an H100's 132: the interpreter runs each program."""
+    monkeypatch.setattr(gmm_mosaic_parts, "DEFAULT_SMS", 2)
+
+
+# ----------------------------------------------------------------------------------------------
+# Tiles
+
+
+def _layer_config(**overrides):
+    return tilax.MoEConfig(d_model=512, d_hidden=1024, num_experts=8, top_k=2, **overrides)
+
+
+def test_default_tiles_and_overrides():
+    tiles = gmm_mosaic.tiles_for(_layer_config())
+    assert tiles == Config(block_m=128, block_n=128, block_k=64, num_stages=4, programs_per_sm=2)
+    assert tiles.row_multiple == 128
+    tiles = gmm_mosaic.tiles_for(_layer_config(block_m=64, block_k=128, num_stages=3, num_warps=8))
+    assert (tiles.block_m, tiles.block_k, tiles.num_stages) == (64, 128, 3)
+    assert tiles.row_multiple == 128
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (dict(block_m=32), "block_m a multiple of 64"),
+    (dict(block_n=256), "block_n <= 128"),
+])  # fmt: skip
+def test_bad_tiles(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        gmm_mosaic.tiles_for(_layer_config(**overrides))
+
+
+def test_epilogue_register_cap():
+    tiles = Config(block_m=128, block_n=128, block_k=64, num_stages=4)
+    # One live float32 tile: 128 x 128 is 128 registers per thread of one warpgroup.
+    assert gmm_mosaic_parts.capped_block_n(tiles, 1024, 1) == 128
+    assert gmm_mosaic_parts.capped_block_n(tiles, 1024, 2) == 64
+    assert gmm_mosaic_parts.capped_block_n(tiles, 1024, 3) == 32
+    assert gmm_mosaic_parts.capped_block_n(Config(64, 128, 64, 4), 1024, 2) == 128
+    assert gmm_mosaic_parts.capped_block_n(tiles, 48, 1) == 16  # the largest power of two dividing
+
+
+def test_pipeline_fits_shared_memory():
+    whole_sm = Config(block_m=128, block_n=128, block_k=64, num_stages=4, programs_per_sm=1)
+    half_sm = dataclasses.replace(whole_sm, programs_per_sm=2)
+    assert gmm_mosaic_parts.smem_budget(whole_sm) == 227 * 1024 - 3072
+    assert gmm_mosaic_parts.smem_budget(half_sm) == 114 * 1024 - 3072
+    row = (128 + 128) * 2  # bytes per contraction row of a [128, k] and a [k, 128] tile
+    assert gmm_mosaic_parts.fit_pipeline(whole_sm, 64, row) == (64, 4)
+    assert gmm_mosaic_parts.fit_pipeline(half_sm, 64, row) == (64, 3)
+    # dx (two products per step): three stages in a whole SM; in half of one, the K step is
+    # halved until three fit
+    assert gmm_mosaic_parts.fit_pipeline(whole_sm, 64, 2 * row) == (64, 3)
+    assert gmm_mosaic_parts.fit_pipeline(half_sm, 64, 2 * row) == (32, 3)
+    # tiles live around the pipeline take their room first
+    assert gmm_mosaic_parts.fit_pipeline(whole_sm, 64, row, live_bytes=160 * 1024) == (64, 2)
+    with pytest.raises(ValueError, match="shared memory"):
+        gmm_mosaic_parts.fit_pipeline(half_sm, 64, 4096, min_block_k=64)
+
+
+def test_feature_dimensions_are_multiples_of_64():
+    assert gmm_mosaic.tiles_for(_layer_config()).feature_multiple == 64
+    schedule = dispatch.gmm_schedule(jnp.array([0, 64], jnp.int32), 64, 64)
+    lhs, rhs = jnp.ones((64, 96), jnp.bfloat16), jnp.ones((1, 96, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match="multiples of 64 .the layer pads them., got 96"):
+        gmm_mosaic.gmm(lhs, rhs, schedule, tiles=TILES, backend="mosaic")
+
+
+def test_float32_operands_are_rejected():
+    schedule = dispatch.gmm_schedule(jnp.array([0, 64], jnp.int32), 64, 64)
+    with pytest.raises(ValueError, match="bfloat16/float16 operands, got float32"):
+        gmm_mosaic.gmm(jnp.ones((64, 32)), jnp.ones((1, 32, 32)), schedule, tiles=TILES,
+                       backend="mosaic")
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernels in the interpreter
+
+
+def _offsets():
+    return jnp.asarray(np.concatenate([[0], np.cumsum(GROUP_SIZES)]), jnp.int32)
+
+
+def _schedule(cover_tail=True):
+    return dispatch.gmm_schedule(_offsets(), PADDED_ROWS, TILES.block_m, cover_tail=cover_tail)
+
+
+def _row_experts():
+    """Expert of every padded row; padding rows belong to the last expert, as scheduled."""
+    experts = np.repeat(np.arange(len(GROUP_SIZES)), GROUP_SIZES)
+    return np.concatenate([experts, np.full(PADDED_ROWS - NUM_ROWS, len(GROUP_SIZES) - 1)])
+
+
+def _bf16(rng, *shape, scale=1.0):
+    return jnp.asarray(scale * rng.standard_normal(shape), jnp.bfloat16)
+
+
+def _f32(x):
+    return np.asarray(x, np.float32)
+
+
+def _reference_gmm(lhs_rows, rhs, transpose=False):
+    weights = np.swapaxes(_f32(rhs), 1, 2) if transpose else _f32(rhs)
+    return np.einsum("rk,rkn->rn", _f32(lhs_rows), weights[_row_experts()])
+
+
+@needs_interpreter
+@pytest.mark.parametrize("variant", ["plain", "gather", "transposed_dual_scaled"])
+def test_gmm(rng, few_sms, variant):
+    k_dim, n_dim = 192, 192  # three K steps and three column tiles of 64
+    kwargs = dict(out_dtype=jnp.float32)
+    if variant == "gather":
+        source = _bf16(rng, 11, k_dim)
+        index = rng.integers(0, 11, PADDED_ROWS).astype(np.int32)
+        lhs, rhs = source, _bf16(rng, len(GROUP_SIZES), k_dim, n_dim)
+        kwargs["index"] = jnp.asarray(index)
+        expected = _reference_gmm(_f32(source)[index], rhs)
+    elif variant == "plain":
+        lhs, rhs = _bf16(rng, PADDED_ROWS, k_dim), _bf16(rng, len(GROUP_SIZES), k_dim, n_dim)
+        expected = _reference_gmm(lhs, rhs)
+    else:
+        lhs, lhs2 = _bf16(rng, PADDED_ROWS, k_dim), _bf16(rng, PADDED_ROWS, k_dim)
+        rhs = _bf16(rng, len(GROUP_SIZES), n_dim, k_dim)
+        rhs2 = _bf16(rng, len(GROUP_SIZES), n_dim, k_dim)
+        scale = rng.standard_normal(PADDED_ROWS).astype(np.float32)
+        kwargs.update(transpose_rhs=True, lhs2=lhs2, rhs2=rhs2, row_scale=jnp.asarray(scale))
+        expected = scale[:, None] * (
+            _reference_gmm(lhs, rhs, True) + _reference_gmm(lhs2, rhs2, True)
+        )
+    with gpu_interpreter():
+        out = gmm_mosaic.gmm(lhs, rhs, _schedule(), tiles=TILES, backend="mosaic", **kwargs)
+    assert out.shape == (PADDED_ROWS, n_dim) and out.dtype == jnp.float32
+    assert rel_err(out, expected) < 1e-5
+
+
+@needs_interpreter
+def test_gmm_stores_exactly_the_scheduled_rows(rng, few_sms):
+    # Without cover_tail the rows past the groups belong to no item: the interpreter's
+    # uninitialised memory (NaN) must survive there, and every other row must be right.
+    lhs, rhs = _bf16(rng, PADDED_ROWS, 64), _bf16(rng, len(GROUP_SIZES), 64, 64)
+    with gpu_interpreter():
+        out = gmm_mosaic.gmm(lhs, rhs, _schedule(cover_tail=False), tiles=TILES,
+                             backend="mosaic", out_dtype=jnp.float32)
+    out = np.asarray(out)
+    assert np.isnan(out[NUM_ROWS:]).all()
+    assert rel_err(out[:NUM_ROWS], _reference_gmm(lhs, rhs)[:NUM_ROWS]) < 1e-5
+
+
+@needs_interpreter
+def test_gmm_swiglu_and_backward(rng, few_sms):
+    d_dim, h_dim, tokens = 64, 128, 13
+    x = _bf16(rng, tokens, d_dim)
+    index = rng.integers(0, tokens, PADDED_ROWS).astype(np.int32)
+    w_gate, w_up = _bf16(rng, 6, d_dim, h_dim, scale=0.2), _bf16(rng, 6, d_dim, h_dim, scale=0.2)
+    w_down = _bf16(rng, 6, h_dim, d_dim, scale=0.2)
+    with gpu_interpreter():
+        act, gate, up = gmm_mosaic.gmm_swiglu(
+            x, w_gate, w_up, _schedule(), tiles=TILES, backend="mosaic",
+            index=jnp.asarray(index), save_preactivations=True,
+        )
+    gate_ref = _reference_gmm(_f32(x)[index], w_gate)
+    up_ref = _reference_gmm(_f32(x)[index], w_up)
+    silu = gate_ref / (1 + np.exp(-gate_ref))
+    tol = 1e-2  # bfloat16 outputs
+    assert rel_err(gate, gate_ref) < tol and rel_err(up, up_ref) < tol
+    assert rel_err(act, silu * up_ref) < tol
+
+    dy = _bf16(rng, tokens, d_dim)
+    scale = rng.standard_normal(PADDED_ROWS).astype(np.float32)
+    with gpu_interpreter():
+        d_gate, d_up, act_scaled, dw_partial = gmm_mosaic.gmm_swiglu_bwd(
+            dy, w_down, gate, up, jnp.asarray(scale), _schedule(), tiles=TILES,
+            backend="mosaic", index=jnp.asarray(index),
+        )
+    gate_in, up_in = _f32(gate), _f32(up)
+    dz = _reference_gmm(_f32(dy)[index], w_down, transpose=True)
+    sig = 1 / (1 + np.exp(-gate_in))
+    silu_in = gate_in * sig
+    d_act = scale[:, None] * dz
+    assert rel_err(d_up, d_act * silu_in) < tol
+    assert rel_err(d_gate, d_act * up_in * sig * (1 + gate_in * (1 - sig))) < tol
+    assert rel_err(act_scaled, scale[:, None] * silu_in * up_in) < tol
+    assert dw_partial.dtype == jnp.float32
+    assert rel_err(dw_partial.sum(0), np.sum(dz * silu_in * up_in, axis=1)) < 1e-5
+
+
+@needs_interpreter
+@pytest.mark.parametrize("gathered", [False, True])
+def test_tgmm_ragged_contraction(rng, few_sms, gathered):
+    k_dim, n_dim = 128, 64  # two output row tiles of 64
+    offsets = np.asarray(_offsets())
+    rhs = rng.standard_normal((PADDED_ROWS, n_dim)).astype(np.float32)
+    # Garbage past the groups must not leak into any expert's gradient.
+    rhs[NUM_ROWS:] = np.nan
+    rhs, rhs2 = jnp.asarray(rhs, jnp.bfloat16), _bf16(rng, PADDED_ROWS, n_dim)
+    kwargs = {}
+    if gathered:
+        source = _bf16(rng, 9, k_dim)
+        index = rng.integers(0, 9, PADDED_ROWS).astype(np.int32)
+        lhs, lhs_rows = source, _f32(source)[index]
+        kwargs["lhs_index"] = jnp.asarray(index)
+    else:
+        lhs = _f32(rng.standard_normal((PADDED_ROWS, k_dim)))
+        lhs[NUM_ROWS:] = np.nan
+        lhs = jnp.asarray(lhs, jnp.bfloat16)
+        lhs_rows = _f32(lhs)
+    with gpu_interpreter():
+        out, out2 = gmm_mosaic.tgmm(lhs, rhs, jnp.asarray(offsets, jnp.int32), tiles=TILES,
+                                    backend="mosaic", rhs2=rhs2, out_dtype=jnp.float32, **kwargs)
+    assert out.shape == (len(GROUP_SIZES), k_dim, n_dim)
+    for expert in range(len(GROUP_SIZES)):
+        rows = slice(offsets[expert], offsets[expert + 1])
+        np.testing.assert_allclose(out[expert], lhs_rows[rows].T @ _f32(rhs)[rows], atol=1e-3)
+        np.testing.assert_allclose(out2[expert], lhs_rows[rows].T @ _f32(rhs2)[rows], atol=1e-3)
+    assert not np.any(out[1]) and not np.any(out[4])  # experts without rows
+
+
+# ----------------------------------------------------------------------------------------------
+# The layer in the interpreter: forward and every gradient against the float32 oracle
+
+DIMS = dict(d_model=64, d_hidden=128, num_experts=4)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("top_k,dispatch_name,routing,skew,recompute", [
+    (2, "sorted", "dropless", 0.0, False),
+    (2, "fused", "dropless", 0.0, False),
+    (2, "gather", "capacity", 0.0, False),
+    (1, "sorted", "dropless", 0.9, False),  # one expert holds every token
+    (2, "sorted", "dropless", 0.0, True),
+])  # fmt: skip
+def test_layer_matches_oracle(few_sms, monkeypatch, top_k, dispatch_name, routing, skew,
+                              recompute):
+    monkeypatch.setattr(_pallas, "mosaic_unavailable_reason", lambda: None)
+    # With one expert per token, renormalised weights are all 1 and the router gets no gradient
+    # through them: keep the probabilities.
+    math = dict(**DIMS, top_k=top_k, dtype=jnp.bfloat16, routing=routing, capacity_factor=0.8,
+                renormalize=top_k > 1)
+    config = tilax.MoEConfig(**math, impl="mosaic", dispatch=dispatch_name, recompute=recompute,
+                             recompute_rows=128)
+    params = tilax.moe_init(jax.random.key(0), config)
+    x = jax.random.normal(jax.random.key(1), (150, DIMS["d_model"]))
+    if skew:
+        x = skew_tokens(x, params["router"], skew)
+    x = x.astype(jnp.bfloat16)
+    cotangent = jax.random.normal(jax.random.key(2), x.shape)
+
+    def loss(apply):
+        def value(p, x):
+            y = apply(p, x)
+            return jnp.sum(y.astype(jnp.float32) * cotangent), y
+
+        return jax.jit(jax.value_and_grad(value, argnums=(0, 1), has_aux=True))
+
+    with gpu_interpreter():
+        (_, y), grads = loss(lambda p, x: tilax.moe_apply(p, x, config)[0])(params, x)
+    oracle = tilax.MoEConfig(**math)
+    (_, y_ref), grads_ref = loss(lambda p, x: reference.moe_oracle(p, x, oracle))(params, x)
+    if skew:
+        counts = tilax.moe_apply(params, x, oracle)[1]["expert_counts"]
+        assert int(counts.max()) == x.shape[0]
+    assert rel_err(y, y_ref) < 3e-2, "output"
+    for (path, expected), actual in zip(
+        jax.tree_util.tree_flatten_with_path(grads_ref)[0], jax.tree.leaves(grads), strict=True
+    ):
+        assert rel_err(actual, expected) < 3e-2, f"gradient {jax.tree_util.keystr(path)}"

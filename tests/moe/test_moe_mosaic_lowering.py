@@ -1,0 +1,80 @@
+"""The Mosaic GPU kernels lower for CUDA on a CPU-only machine (jax.export).
+
+Lowering runs Mosaic GPU's own compiler passes in Python: layout inference, the wgmma and TMA
+shape rules, and the shared-memory budget (227 KiB per block, the sm90 limit it assumes with
+no GPU to ask). A whole train step of the layer is exported per dispatch, at the benchmark's
+sizes, so every kernel is lowered with the tiles it gets there. What lowering cannot check
+(PTX compilation, registers, results) is left to tests/moe/test_moe_gpu.py on Hopper.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax import export
+from jax.experimental.mosaic.gpu import core as mosaic_core
+
+import tilax
+from tilax import _pallas
+from tilax.moe import gmm_mosaic_parts as parts
+
+MOSAIC_CALL = "stablehlo.custom_call @mosaic_gpu_v2"
+# Kernels per train step: forward (gate, up and down projections; gate/up/SwiGLU fused in one
+# kernel for the fused dispatches) and backward (SwiGLU backward, dx, two weight gradients).
+KERNELS = {"sorted": 3 + 4, "gather": 3 + 4, "fused": 2 + 4, "fused_gsum": 2 + 4}
+LAYER = dict(d_model=512, d_hidden=1024, num_experts=8, top_k=2)
+DECODER = dict(d_model=512, d_hidden=128, num_experts=64, top_k=8, shared_hidden=1024)
+
+
+@pytest.fixture(autouse=True)
+def as_on_hopper(monkeypatch):
+    monkeypatch.setattr(_pallas, "mosaic_unavailable_reason", lambda: None)
+
+
+def lower_train_step(config, tokens: int) -> str:
+    """The CUDA module of a train step; every kernel must fit the shared memory its program
+    gets (two programs share an SM by default: half of it, less the 1 KiB CUDA keeps)."""
+    params = tilax.moe_init(jax.random.key(0), config)
+    x = jax.ShapeDtypeStruct((tokens, config.d_model), config.dtype)
+
+    def loss(params, x):
+        return jnp.sum(tilax.moe_apply(params, x, config)[0].astype(jnp.float32))
+
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+    programs = parts.tiles_for(config).programs_per_sm
+    limit = min(parts.SMEM_PER_BLOCK, parts.SMEM_PER_SM // programs - 1024)
+    with mosaic_core.artificial_shared_memory_limit(limit):
+        return export.export(step, platforms=["cuda"])(params, x).mlir_module()
+
+
+@pytest.mark.parametrize("dispatch", list(KERNELS))
+def test_train_step_lowers(dispatch):
+    config = tilax.MoEConfig(**LAYER, impl="mosaic", dispatch=dispatch)
+    assert lower_train_step(config, 4096).count(MOSAIC_CALL) == KERNELS[dispatch]
+
+
+@pytest.mark.parametrize("dispatch", ["sorted", "fused_gsum"])
+def test_fine_grained_decoder_lowers(dispatch):
+    config = tilax.MoEConfig(**DECODER, impl="mosaic", dispatch=dispatch)
+    assert lower_train_step(config, 2048).count(MOSAIC_CALL) == KERNELS[dispatch]
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(dtype=jnp.float16, routing="capacity"),
+    dict(block_m=64, block_n=64, block_k=128, num_stages=2),
+    dict(d_model=200, d_hidden=352),  # padded to 256 and 384: 64-wide tiles
+    dict(recompute=True, recompute_rows=1024),
+])  # fmt: skip
+def test_variants_lower(overrides):
+    config = tilax.MoEConfig(**{**LAYER, "impl": "mosaic", **overrides})
+    assert lower_train_step(config, 1000).count(MOSAIC_CALL) >= KERNELS["sorted"]
+
+
+def test_one_program_per_sm_lowers(monkeypatch):
+    whole_sm = dataclasses.replace(parts.default_config(jnp.bfloat16), programs_per_sm=1)
+    monkeypatch.setattr(parts, "default_config", lambda dtype: whole_sm)
+    config = tilax.MoEConfig(**LAYER, impl="mosaic", dispatch="fused_gsum")
+    assert lower_train_step(config, 4096).count(MOSAIC_CALL) == KERNELS["fused_gsum"]
