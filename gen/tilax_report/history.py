@@ -20,7 +20,8 @@ CASE = [
     "family", "suite", "impl", "dispatch", "routing", "dtype", "op", "piece", "precision",
     "tokens", "d_model", "d_hidden", "experts", "top_k", "shared_hidden", "skew", "block_m",
     "slab_elems", "n", "m", "dim", "out", "batch", "block_q", "block_k", "block_o", "repeat",
-    "resolution", "model_dim", "part", "devices", "exchange", "path", "kernel", "block_p",
+    "resolution", "model_dim", "part", "devices", "exchange", "exchange_chunks", "path",
+    "kernel", "block_p",
     "block_l", "num_warps", "num_stages",
 ]
 POINT = ["run", "source_file", "commit", "date", "started", "label", "config", "median_ms",

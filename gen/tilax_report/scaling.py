@@ -37,8 +37,16 @@ ROW = ["source_file", "source_row"]
 
 
 def ep_rows(table: pd.DataFrame) -> pd.DataFrame:
-    """The expert-parallel rows (family moe, suite ep) of a labelled table."""
-    return table[(table["family"] == "moe") & (table["suite"] == "ep")]
+    """The expert-parallel rows (family moe, suite ep) of a labelled table; a step whose
+    exchange ran in chunks (``exchange_chunks`` > 1) is its own transport here,
+    ``"<exchange> in <c> chunks"``, so that it is paired and listed apart from the plain one."""
+    rows = table[(table["family"] == "moe") & (table["suite"] == "ep")]
+    if "exchange_chunks" not in rows:
+        return rows
+    chunks = rows["exchange_chunks"]
+    chunked = chunks.gt(1).fillna(False).to_numpy(dtype=bool)
+    named = rows["exchange"].astype("object") + " in " + chunks.astype("string") + " chunks"
+    return rows.assign(exchange=rows["exchange"].where(~chunked, named))
 
 
 def tokens_per_s(rows: pd.DataFrame) -> pd.Series:

@@ -62,6 +62,8 @@ COLUMNS: dict[str, tuple[str, str]] = {
                     "alone)"),
     "exchange": ("str", "how token copies travel between GPUs (suite ep, MoEConfig.exchange): "
                         "all_gather, ragged or all_to_all; missing on one GPU"),
+    "exchange_chunks": ("Int64", "chunks the all_gather exchange splits each GPU's tokens into "
+                                 "(suite ep, MoEConfig.exchange_chunks; missing: 1)"),
     "mesh": ("str", "device mesh of the call, e.g. expert=2 (suite ep; missing: one device, no "
                     "mesh)"),
     "devices": ("Int64", "GPUs the call ran on (suite ep)"),

@@ -11,7 +11,9 @@ GPU), ``tokens_per_device``, ``exchange`` (the transport, ``MoEConfig.exchange``
 - ``link``: a plain ``jax.lax.all_to_all`` of the bytes one trip of the exchange moves (each GPU
   sends its ``T * top_k`` copies of ``d_model`` bf16 values, an equal share to every GPU);
   ``gbps`` counts the bytes that leave each GPU, ``(n - 1) / n`` of its buffer. Run first.
-- ``step``: the train step; ``tflops`` and ``tokens_per_s`` over all ``n * T`` tokens.
+- ``step``: the train step; ``tflops`` and ``tokens_per_s`` over all ``n * T`` tokens. The
+  ``all_gather`` steps also with the tokens in 2 and 4 chunks (``exchange_chunks``, ``-c2``
+  in the row name; XLA may overlap one chunk's collectives with another's experts).
 - ``exchange``: the same step with the experts replaced by the identity and no shared expert:
   routing, the copies' trip there and back and the weighted combine, forward and backward. Its
   time over the ``step`` row of the same config is the exchange's share of the step
@@ -37,6 +39,7 @@ SHAPES = ((bench_moe.SEED_LAYER, "sorted"), (bench_moe.SEED_DECODER, "fused"))
 SMOKE_SHAPES = ((bench_moe.SMOKE_LAYER, "sorted"), (bench_moe.SMOKE_DECODER, "fused"))
 TRANSPORTS = ("all_gather", "ragged", "all_to_all")
 LINKS = ("all_to_all", "all_gather")  # the collective each link row times
+CHUNKS = (2, 4)  # all_gather steps also in this many chunks (MoEConfig.exchange_chunks)
 MESH_AXIS = "expert"
 
 
@@ -54,6 +57,7 @@ class EpCase:
     shared_hidden: int = 0
     dispatch: str = "sorted"
     exchange: str | None = None  # the transport; None on one device
+    chunks: int = 1  # MoEConfig.exchange_chunks
     impl: str = "pallas"
     routing: str = "dropless"
     dtype: str = "bfloat16"
@@ -83,6 +87,8 @@ class EpCase:
             parts += [self.impl, self.dispatch]
         if self.exchange:
             parts.append(self.exchange)
+        if self.chunks > 1:
+            parts.append(f"c{self.chunks}")
         parts += ["bf16", f"T{self.tokens}-E{self.experts}k{self.top_k}-d{self.d_model}"
                   f"h{self.d_hidden}"]
         if self.shared_hidden:
@@ -101,6 +107,8 @@ class EpCase:
             "top_k": self.top_k, "shared_hidden": self.shared_hidden, "skew": 0.0,
             "devices": self.devices, "mesh": self.mesh, "exchange": self.exchange,
         }
+        if self.chunks > 1:
+            info["exchange_chunks"] = self.chunks
         if self.part == "step":
             info["flops"] = self.work()
         else:
@@ -204,6 +212,8 @@ def ep_cases(mode: str) -> list[EpCase]:
                 for part in ("step", "exchange"):
                     cases.append(EpCase(part=part, devices=n, tokens_per_device=t,
                                         exchange=transport, priority=10, **common))
+            cases += [EpCase(part="step", devices=n, tokens_per_device=t, exchange="all_gather",
+                             chunks=c, priority=10, **common) for c in CHUNKS]
     return sorted(cases, key=lambda case: case.priority)  # links first, stable otherwise
 
 
@@ -261,7 +271,8 @@ def build_step(case: EpCase, state):
     mesh = None if case.devices == 1 else _mesh(case)
     config = bench_moe.moe_config(case.as_moe_case())
     if case.exchange:
-        config = dataclasses.replace(config, exchange=case.exchange)
+        config = dataclasses.replace(config, exchange=case.exchange,
+                                     exchange_chunks=case.chunks)
     inputs = _placed_inputs(case, mesh)
 
     if case.part == "exchange":

@@ -48,7 +48,7 @@ def test_loader_keeps_the_ep_fields(with_ep):
     assert len(rows) == len(stored)
     assert set(rows["suite"]) == {"ep"} and set(rows["run"]) == {ep_run.RUN}
     assert rows["extra"].isna().all()  # every extra_info key of the ep rows has a column
-    assert Counter(rows["status"]) == {"measured": 11, "failed": 1, "skipped": 2}
+    assert Counter(rows["status"]) == {"measured": 12, "failed": 1, "skipped": 2}
     for row, info in zip(rows.sort_values("source_row").itertuples(), stored, strict=True):
         for key in ("part", "devices", "exchange", "tokens", "tokens_per_device", "impl",
                     "dispatch", "experts", "top_k", "shared_hidden", "bytes"):
@@ -73,7 +73,8 @@ def test_loader_keeps_the_ep_fields(with_ep):
 
 def test_efficiency_is_the_ratio_within_the_file(ep_rows):
     eff = scaling.efficiency(ep_rows).set_index(["config", "exchange"])
-    assert set(eff.index) == {(E8, "ragged"), (E8, "all_to_all"), (E64, "all_to_all")}
+    assert set(eff.index) == {(E8, "ragged"), (E8, "all_to_all"), (E8, "all_gather in 2 chunks"),
+                              (E64, "all_to_all")}
     assert eff.loc[(E8, "ragged"), "efficiency"] == pytest.approx(ep_run.EFFICIENCY_RAGGED)
     assert eff.loc[(E8, "all_to_all"), "efficiency"] == pytest.approx(
         ep_run.EFFICIENCY_ALL_TO_ALL)
@@ -120,6 +121,8 @@ def test_page_shows_efficiency_share_link_and_source(page):
     assert f"{ep_run.EFFICIENCY_RAGGED:.3f}" == "0.870" and "0.870 (" in summary
     assert "0.800 (" in summary and "26.1% (" in summary and "32.0% (" in summary
     assert f"{ep_run.LINK_GBPS:.1f}" in page  # 335.5 GB/s
+    # a chunked exchange is listed as its own transport, without an exchange share
+    assert f"all\\_gather in 2 chunks | {ep_run.EFFICIENCY_TWO_CHUNKS:.3f} (" in summary
     # the all-gather link row is labelled as such, with its own bytes
     link_table = page[page.index("### The link: collective bandwidth"):]
     assert f"| all\\_gather | 64.00 | 2 | {ep_run.LINK_GATHER_GBPS:.1f} (" in link_table

@@ -141,6 +141,16 @@ def test_all_gather_exchange(impl, dispatch, routing, mesh_shape, axis_names, sk
                         exchange="all_gather"), TOKENS, skew_to)
 
 
+@pytest.mark.parametrize("impl,dispatch,routing,chunks",
+                         [("pallas", "sorted", "dropless", 3), ("pallas", "fused", "capacity", 2),
+                          ("ragged_dot", "sorted", "dropless", 5)])
+def test_all_gather_exchange_in_chunks(impl, dispatch, routing, chunks):
+    # 45 tokens on 4 devices: 12 per device (3 padding) in chunks of unequal sizes
+    on_cpu_devices(check_matches_one_device, (4,), ("expert",),
+                   dict(LAYER, impl=impl, dispatch=dispatch, routing=routing,
+                        exchange="all_gather", exchange_chunks=chunks))
+
+
 def test_expert_axis_of_eight_with_top_k_above_local_experts():
     # one expert per device: a token's copies go to top_k different devices
     on_cpu_devices(check_matches_one_device, (8,), ("expert",),

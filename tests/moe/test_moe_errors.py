@@ -34,6 +34,7 @@ def _config(**overrides):
         (dict(num_stages=0), "num_stages must be an integer >= 1"),
         (dict(recompute=1), "recompute must be a bool"),
         (dict(recompute_rows=0), "recompute_rows must be an integer >= 1"),
+        (dict(exchange_chunks=0), "exchange_chunks must be an integer >= 1"),
         (dict(exchange="nccl"), "exchange must be one of"),
     ],
 )

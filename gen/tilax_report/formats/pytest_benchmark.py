@@ -30,7 +30,8 @@ SAME_NAME = [
     "rel_err_out", "rel_err_grad_x", "rel_err_grad_params", "piece", "block_m", "peak_mb",
     "max_tokens", "recompute",
     # MoE expert parallel (suite ep)
-    "part", "devices", "mesh", "exchange", "tokens_per_device", "tokens_per_s", "bytes", "gbps",
+    "part", "devices", "mesh", "exchange", "exchange_chunks", "tokens_per_device", "tokens_per_s",
+    "bytes", "gbps",
     "rel_err_out_vs_one_device",
     # RBF
     "n", "m", "dim", "out", "batch", "block_q", "block_k", "block_o", "pairs_per_s",

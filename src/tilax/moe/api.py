@@ -89,6 +89,9 @@ class MoEConfig:
             (``jax.lax.ragged_all_to_all``: only the copies; emulated on CPU) or ``"auto"``
             (``"all_gather"``: the fewest bytes of the first two and the fastest measured on
             H200s). All are dropless and give the same result up to float rounding.
+        exchange_chunks: with ``exchange="all_gather"`` (or ``"auto"``), split each device's
+            tokens into this many chunks, each gathered, computed and reduce-scattered on its
+            own, so that XLA can overlap one chunk's collectives with another's experts.
 
     Raises:
         ValueError: a size is not a positive integer, ``top_k > num_experts``, an unknown
@@ -122,6 +125,7 @@ class MoEConfig:
     recompute: bool = False
     recompute_rows: int = 262144
     exchange: str = "auto"
+    exchange_chunks: int = 1
 
     def __post_init__(self):
         for name in ("d_model", "d_hidden", "num_experts", "top_k"):
@@ -149,6 +153,7 @@ class MoEConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         _check_int("recompute_rows", self.recompute_rows, minimum=1)
+        _check_int("exchange_chunks", self.exchange_chunks, minimum=1)
         try:
             dtype = jnp.dtype(self.dtype)
         except TypeError as err:

@@ -232,12 +232,27 @@ def _gathered_experts(config, experts, x, weights, routed, kept, plan: MeshPlan)
     (the same sparse expert path, other copies masked), and a ``psum_scatter`` adds the partial
     outputs up and hands each device its own tokens': ``[T_local, d]``. Per trip each device
     sends its ``T_local`` tokens once, whatever ``top_k``, and nothing is sized for a worst
-    case; the partial sums travel in the activation dtype."""
+    case; the partial sums travel in the activation dtype. With ``exchange_chunks`` the tokens
+    go in independent chunks (one chunk's collectives can overlap another's experts)."""
+    num_tokens = x.shape[0]
+    chunks = min(config.exchange_chunks, num_tokens)
+    bounds = [num_tokens * i // chunks for i in range(chunks + 1)]
+    outputs = [
+        _gathered_chunk(config, experts, x[lo:hi], weights, routed.expert_ids[lo:hi],
+                        routed.weights[lo:hi], kept[lo:hi], plan)
+        for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)
+    ]
+    return outputs[0] if chunks == 1 else jnp.concatenate(outputs)
+
+
+def _gathered_chunk(config, experts, x, weights, expert_ids, combine_weights, kept,
+                    plan: MeshPlan):
+    """One chunk of :func:`_gathered_experts`: ``[chunk, d]``."""
     axis = plan.expert_axis
     local_experts = weights[0].shape[0]
     first_expert = lax.axis_index(axis) * local_experts
     group_x, group_ids, group_weights, group_kept = (
-        lax.all_gather(v, axis, tiled=True) for v in (x, routed.expert_ids, routed.weights, kept)
+        lax.all_gather(v, axis, tiled=True) for v in (x, expert_ids, combine_weights, kept)
     )
     local_ids = group_ids - first_expert
     local = group_kept & (local_ids >= 0) & (local_ids < local_experts)
