@@ -243,6 +243,8 @@ P_GATHER = ("pallas", "gather", "dropless")
 P_FUSED = ("pallas", "fused", "dropless")
 P_GSUM = ("pallas", "fused_gsum", "dropless")
 TRITON = ("triton", "sorted", "dropless")
+# the Mosaic GPU backend (Hopper; bfloat16/float16 only), every dispatch
+MOSAIC = tuple(("mosaic", d, "dropless") for d in ("sorted", "gather", "fused", "fused_gsum"))
 BLOCKED = ("blocked", "sorted", "dropless")
 RAGGED = ("ragged_dot", "sorted", "dropless")
 TOKAMAX = ("tokamax", None, "dropless")
@@ -275,7 +277,7 @@ def layer_cases(mode: str) -> list[MoECase]:
     return (
         # the headline comparison first: every impl at 32k and 131k, both dtypes and ops
         _layer_cases("layer", LAYER_ALL, [32768, 131072], BOTH_DTYPES, BOTH_OPS, SEED_LAYER, 10)
-        + _layer_cases("layer", (TRITON,), [32768, 131072], ["bfloat16"], BOTH_OPS,
+        + _layer_cases("layer", (TRITON, *MOSAIC), [32768, 131072], ["bfloat16"], BOTH_OPS,
                        SEED_LAYER, 11)
         + _layer_cases("layer", LAYER_CORE, [4096], BOTH_DTYPES, BOTH_OPS, SEED_LAYER, 30)
         + _layer_cases("layer", (P_SORTED, P_GSUM, BLOCKED, RAGGED, TOKAMAX, DENSE), [32768],
@@ -286,9 +288,10 @@ def layer_cases(mode: str) -> list[MoECase]:
 
 
 DECODER_IMPLS = (TRITON, ("triton", "fused_gsum", "dropless"), P_SORTED, RAGGED, TOKAMAX, TORCH,
-                 TORCH_COMPILE, DENSE)
+                 TORCH_COMPILE, DENSE, MOSAIC[0], MOSAIC[3])
 # the H100 seed's other Triton dispatches, after the rest
-DECODER_MORE = (("triton", "gather", "dropless"), ("triton", "fused", "dropless"))
+DECODER_MORE = (("triton", "gather", "dropless"), ("triton", "fused", "dropless"), MOSAIC[1],
+                MOSAIC[2])
 
 
 def decoder_cases(mode: str) -> list[MoECase]:
