@@ -3,7 +3,7 @@ interpreter (mosaic_interpret.py), against numpy and, for the whole layer, the f
 
 The interpreter checks indices, masks, stored rows and epilogues, not the GPU's layouts,
 swizzles or timing: test_moe_mosaic_lowering.py lowers the kernels for CUDA, and
-test_moe_gpu.py runs them on Hopper.
+test_moe_mosaic_gpu.py runs them on Hopper.
 """
 
 import dataclasses

@@ -4,7 +4,7 @@ Lowering runs Mosaic GPU's own compiler passes in Python: layout inference, the 
 shape rules, and the shared-memory budget (227 KiB per block, the sm90 limit it assumes with
 no GPU to ask). A whole train step of the layer is exported per dispatch, at the benchmark's
 sizes, so every kernel is lowered with the tiles it gets there. What lowering cannot check
-(PTX compilation, registers, results) is left to tests/moe/test_moe_gpu.py on Hopper.
+(PTX compilation, registers, results) is left to tests/moe/test_moe_mosaic_gpu.py on Hopper.
 """
 
 from __future__ import annotations
