@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import os
 import platform
 import shutil
 import subprocess
@@ -86,4 +87,9 @@ def environment_info() -> dict:
         "commit": short_commit(),
         "platform": backend,
         "device_count": jax.device_count(),
+        # settings that change what collectives and compiled programs do (the ep suite's rows
+        # depend on them); None where unset
+        "xla_flags": os.environ.get("XLA_FLAGS"),
+        "nccl_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("NCCL_")}
+        or None,
     }
