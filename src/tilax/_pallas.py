@@ -134,6 +134,20 @@ def next_power_of_2(value: int) -> int:
     return 1 if value <= 1 else 1 << (int(value) - 1).bit_length()
 
 
+#: The smallest tile of the grouped-matmul kernels (rows, columns or contraction), any backend.
+MIN_BLOCK = 16
+
+
+def fit_block(block: int, dim: int) -> int:
+    """The largest power of two <= ``block`` that divides ``dim`` (at least ``MIN_BLOCK``)."""
+    fitted = min(block, next_power_of_2(dim))
+    while dim % fitted:
+        fitted //= 2
+    if fitted < MIN_BLOCK:
+        raise ValueError(f"dimension {dim} needs a multiple of {MIN_BLOCK} for the kernels")
+    return fitted
+
+
 # dtype policy: kernels accept these and accumulate in float32.
 KERNEL_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 

@@ -8,6 +8,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from moe_testing import rel_err
 
 import tilax
@@ -44,6 +45,18 @@ def oracle(config, tokens, skew):
     (_, y), grads = loss_step(
         lambda p, x: reference.moe_oracle(p, x, config), cotangent)(params, x)
     return y, grads
+
+
+def check_deterministic(**config_kwargs):
+    """The layer's output is bitwise the same over repeated calls (top-2: at most two float32
+    atomic adds per output element, whose order cannot change a sum from zero)."""
+    config = tilax.MoEConfig(**LAYER, **config_kwargs)
+    params = tilax.moe_init(jax.random.key(0), config)
+    x = jax.random.normal(jax.random.key(1), (4097, config.d_model)).astype(config.dtype)
+    apply = jax.jit(lambda p, x: tilax.moe_apply(p, x, config)[0])
+    first = np.asarray(apply(params, x))
+    for _ in range(3):
+        np.testing.assert_array_equal(np.asarray(apply(params, x)), first)
 
 
 def compare(dims, tokens, dtype, skew=0.0, **config_kwargs):

@@ -29,7 +29,8 @@ except ImportError:  # tilax imports anyway; _pallas.mosaic_unavailable_reason s
     plgpu = None  # (jax 0.10's Mosaic GPU imports absl-py, which jax does not depend on)
 
 # Tile sides are powers of two >= 16; wgmma takes M in multiples of 64 per warpgroup.
-MIN_BLOCK = 16
+MIN_BLOCK = _pallas.MIN_BLOCK
+fit_block = _pallas.fit_block
 # Feature dimensions are multiples of this (the layer pads them): 64 16-bit values are the
 # 128-byte rows a TMA store of a row slice needs (shared-memory addresses 128-byte aligned at
 # any row), and every feature tile is then at least 64 wide (wgmma's M and a full swizzle).
@@ -48,7 +49,6 @@ SMEM_SLACK = 1024 + 2048
 TILE_REGISTERS = 128
 # SMs of an H100/H200, for lowering without a GPU (jax.export); a GPU reports its own.
 DEFAULT_SMS = 132
-
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,16 +119,6 @@ def tiles_for(config) -> Config:
     if tiles.block_n > MAX_BLOCK_N:
         raise ValueError(f"impl='mosaic' needs block_n <= {MAX_BLOCK_N}, got {tiles.block_n}")
     return tiles
-
-
-def fit_block(block: int, dim: int) -> int:
-    """The largest power of two <= ``block`` that divides ``dim`` (at least 16)."""
-    fitted = min(block, _pallas.next_power_of_2(dim))
-    while dim % fitted:
-        fitted //= 2
-    if fitted < MIN_BLOCK:
-        raise ValueError(f"dimension {dim} needs a multiple of {MIN_BLOCK} for the kernels")
-    return fitted
 
 
 def capped_block_n(tiles: Config, dim: int, live_tiles: int) -> int:

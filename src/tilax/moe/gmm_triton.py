@@ -43,7 +43,8 @@ from tilax import _pallas
 from tilax.moe.dispatch import GmmSchedule
 
 # tl.dot needs every block dimension >= 16.
-MIN_BLOCK = 16
+MIN_BLOCK = _pallas.MIN_BLOCK
+fit_block = _pallas.fit_block
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,16 +102,6 @@ def tiles_for(config) -> Tiles:
         name: getattr(config, name) for name in TILE_FIELDS if getattr(config, name) is not None
     }
     return dataclasses.replace(default_tiles(config.dtype), **overrides)
-
-
-def fit_block(block: int, dim: int) -> int:
-    """The largest power of two <= ``block`` that divides ``dim`` (at least 16)."""
-    fitted = min(block, _pallas.next_power_of_2(dim))
-    while dim % fitted:
-        fitted //= 2
-    if fitted < MIN_BLOCK:
-        raise ValueError(f"dimension {dim} needs a multiple of {MIN_BLOCK} for the kernels")
-    return fitted
 
 
 def _capped_block_n(tiles: Tiles, per_thread: int) -> int:
