@@ -20,10 +20,17 @@ TRITON_CALL = "__gpu$xla.gpu.triton"
 
 def lower_for_cuda(fn, *shapes) -> str:
     args = [jax.ShapeDtypeStruct(shape, jnp.float32) for shape in shapes]
-    exported = export.export(
-        jax.jit(fn), platforms=["cuda"],
-        disabled_checks=[export.DisabledSafetyCheck.custom_call(TRITON_CALL)],
-    )(*args)  # fmt: skip
+    try:
+        exported = export.export(
+            jax.jit(fn), platforms=["cuda"],
+            disabled_checks=[export.DisabledSafetyCheck.custom_call(TRITON_CALL)],
+        )(*args)  # fmt: skip
+    except RuntimeError as err:
+        # jax 0.11's Triton lowering reads the GPU it lowers for: without one it cannot run
+        # here (jax 0.10, this project's CPU environment, lowers without a GPU)
+        if "No supported GPU devices found" in str(err) and jax.default_backend() == "cpu":
+            pytest.skip(f"jax {jax.__version__} lowers Pallas Triton only with a GPU present")
+        raise
     return exported.mlir_module()
 
 
