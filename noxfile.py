@@ -1,5 +1,5 @@
-"""Sessions: tests, docs, serve, lint, bench, wheelhouse, dist, release_docs, release_notes
-(``nox -l`` lists them)."""
+"""Sessions: tests, tests_jax011, docs, serve, lint, bench, wheelhouse, dist, release_docs,
+release_notes (``nox -l`` lists them)."""
 
 import importlib.util
 import json
@@ -51,6 +51,20 @@ def tests(session: nox.Session) -> None:
         "pytest", "-n", "logical", "--maxprocesses", "4", "--dist", "loadgroup",
         *session.posargs,
     )
+
+
+@nox.session(python="3.12")
+def tests_jax011(session: nox.Session) -> None:
+    """The library's CPU tests (tests/moe, tests/rbf) on jax 0.11.2, the GPU host's JAX.
+
+    PyPI has jax 0.11 for Python 3.12 and newer only, hence a second interpreter. Not part of
+    ``nox -s tests`` (CI's Python is 3.11); run it before a GPU call: jax 0.11 changed what
+    lowers (a whole-array scatter under ``shard_map`` crashed its partitioner, and Mosaic GPU
+    kernels lower only through ``plgpu.kernel``), and here that costs no device time.
+    """
+    session.install("-e", ".", "jax==0.11.2", "jaxlib==0.11.2", "pytest>=8", "pytest-xdist>=3.5",
+                    "hypothesis>=6.100", "scipy>=1.11")
+    session.run("pytest", "tests/moe", "tests/rbf", "-n", "2", *session.posargs)
 
 
 @nox.session
