@@ -41,9 +41,9 @@ from tilax.rbf.pallas_dots import dot, split
 #: terms finite.
 EXPONENT_LIMIT = 64.0
 FLOAT32_MAX = float(jnp.finfo(jnp.float32).max)
-#: Difference kernels hold the program's coordinates (and each tile's differences) in registers
-#: up to this many dimensions; beyond, they loop over dimensions and re-read coordinates per
-#: tile, and the gradient kernels split their per-dimension sums into chunks of this many.
+#: Difference kernels hold the program's coordinates in registers up to this many dimensions;
+#: beyond, they loop over dimensions and re-read coordinates per tile, and the gradient kernels
+#: split their per-dimension sums into chunks of this many.
 HOISTED_DIMS = DIM_CHUNK = 16
 
 
@@ -165,19 +165,17 @@ class _Pairs:
         return e * scales[d] if self.distance.per_dimension else e
 
     def exponent(self, points, scales, y_ref, rows):
-        """``(t, diffs)`` for loop rows ``rows``: ``t <= 0`` and, for :class:`Difference` of up
-        to ``HOISTED_DIMS`` dimensions, the differences ``e_d``, which the gradient sums reuse
-        (beyond, the gradient kernel recomputes the ones of its chunk)."""
+        """``t <= 0`` for loop rows ``rows``. The gradient kernels recompute the differences
+        they sum rather than keep these: held across the exponent, they made the key-gradient
+        kernel spill (312 bytes a thread at its H200 launch, none when recomputed)."""
         distance = self.distance
         if isinstance(distance, Expansion):
             y = split(y_ref[rows, :], distance.mode)
-            t = jnp.minimum(dot(points, y, distance.mode, self.backend, b_transposed=True), 0.0)
-            return t, None
+            return jnp.minimum(dot(points, y, distance.mode, self.backend, b_transposed=True), 0.0)
 
         def square(e):
             return jnp.maximum(e * e, 0.0) if distance.rounded else e * e
 
-        diffs = None
         if distance.dim > HOISTED_DIMS:  # a loop over dimensions: compact code, few registers
             def subtract_square(d, t):
                 return t - square(self.difference(points, scales, y_ref, rows, d))
@@ -185,13 +183,12 @@ class _Pairs:
             shape = (points.shape[-1], rows.size)
             t = lax.fori_loop(0, distance.dim, subtract_square, jnp.zeros(shape, jnp.float32))
         else:
-            diffs, t = [], None
-            for d in range(distance.dim):
-                diffs.append(self.difference(points, scales, y_ref, rows, d))
-                t = -square(diffs[-1]) if t is None else t - square(diffs[-1])
+            t = -square(self.difference(points, scales, y_ref, rows, 0))
+            for d in range(1, distance.dim):
+                t = t - square(self.difference(points, scales, y_ref, rows, d))
         if not distance.per_dimension:
             t = t * scales
-        return t, diffs
+        return t
 
 
 def _loop_tiles(body, carry, valid_l: int, block_l: int):
@@ -221,8 +218,7 @@ def _kernel_matmul_kernel(x_ref, y_ref, *refs, pairs, names, valid_l, block_l, v
 
     def body(j, acc, masked):
         rows = _tile(j, block_l)
-        t, _ = pairs.exponent(points, scales, y_ref, rows)
-        p = jnp.exp2(t)
+        p = jnp.exp2(pairs.exponent(points, scales, y_ref, rows))
         if masked:
             p = jnp.where(_valid_columns(j, block_l, valid_l), p, 0.0)
         return acc + dot(split(p, values), split(v_ref[rows, :], values), values, pairs.backend)
@@ -319,8 +315,7 @@ def _kernel_matmul_grad_kernel(
     def body(j, carry, masked):
         sums, squares, row_sums, pw_acc = carry
         rows = _tile(j, block_l)
-        t, diffs = pairs.exponent(points, scales, y_ref, rows)
-        distance_exponent = t
+        t = distance_exponent = pairs.exponent(points, scales, y_ref, rows)
         if y_offset_ref is not None or x_offset is not None:
             if y_offset_ref is not None:
                 t = t + y_offset_ref[rows][None, :]
@@ -352,8 +347,7 @@ def _kernel_matmul_grad_kernel(
             return sums, squares, row_sums, tuple(new_pw)
         new_sums, new_squares = [], []
         for i in range(chunk):
-            # Beyond HOISTED_DIMS the exponent did not keep the differences: recomputed.
-            e = diffs[i] if diffs else pairs.difference(points, scales, y_ref, rows, first + i)
+            e = pairs.difference(points, scales, y_ref, rows, first + i)
             ae = a * e
             new_sums.append(sums[i] + jnp.sum(ae, axis=1))
             if per_dim_squares:
@@ -497,7 +491,7 @@ def _kernel_logsumexp_kernel(x_ref, y_ref, *refs, pairs, names, valid_l, block_l
     def body(j, carry, masked):
         running_max, running_sum = carry
         rows = _tile(j, block_l)
-        t, _ = pairs.exponent(points, scales, y_ref, rows)
+        t = pairs.exponent(points, scales, y_ref, rows)
         counted = None if weight_ref is None else weight_ref[rows][None, :] > 0
         if masked:
             valid = _valid_columns(j, block_l, valid_l)
