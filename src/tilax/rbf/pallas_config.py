@@ -128,8 +128,10 @@ class PallasConfig:
 #: Preferred GPU launches on large problems: the fastest of a sweep on the H200 (N = M = 65536,
 #: D = 8, O = 16, program tile 64/128/256 x loop tile 32/64/128 x 4/8 warps x 2/3 stages, each
 #: path's forward and backward apart; the ``kernel_mv_launches`` bench suite stores that sweep).
-#: The exact path's difference kernels hold D coordinates per row and D differences per pair in
-#: registers: larger tiles spill, and 64 x 32 was fastest (32-row tiles were slower).
+#: The exact path's difference kernels hold D coordinates per program row in registers: larger
+#: tiles spill, and 64 x 32 was fastest (32-row tiles were slower). The sweep ran at the default
+#: precision; at ``"high"`` (bfloat16 x 3 value products) the fast kernels' 128-row launches spill
+#: (sm_90 offline compile: 152 bytes a thread forward, 408 in the key gradient).
 GPU_PREFERRED = {
     ("fast", "fwd"): Launch(128, 128, 64, num_warps=4, num_stages=3),
     ("fast", "bwd"): Launch(128, 64, 64, num_warps=4, num_stages=3),
