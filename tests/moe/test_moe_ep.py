@@ -1,6 +1,7 @@
 """Expert parallelism (``moe_apply(..., mesh=)``) on virtual CPU devices against the
 single-device call: outputs, every ``aux`` entry and the gradients of a loss that uses ``y``
-and both auxiliary losses, under ``jax.jit``, for every impl x dispatch x routing.
+and both auxiliary losses, under ``jax.jit``, for every impl x dispatch x routing (with the
+default exchange, ``all_gather``; the other exchanges on the cases that stress them).
 
 Each check is a module-level function run by ``moe_testing.on_cpu_devices`` (here, or in a
 child process with eight CPU devices). Token counts are not multiples of the device count (the
@@ -104,17 +105,19 @@ def test_data_by_expert_mesh(impl, dispatch, routing):
                    dict(LAYER, impl=impl, dispatch=dispatch, routing=routing))
 
 
+@pytest.mark.parametrize("exchange", ["all_gather", "all_to_all"])
 @pytest.mark.parametrize(
     "impl,dispatch,routing,skew_to",
     [("pallas", "sorted", "dropless", 0), ("pallas", "fused_gsum", "dropless", 6),
      ("ragged_dot", "sorted", "dropless", 0), ("pallas", "gather", "capacity", 0)],
 )
-def test_all_tokens_to_one_device(impl, dispatch, routing, skew_to):
+def test_all_tokens_to_one_device(impl, dispatch, routing, skew_to, exchange):
     # 8 experts on 4 devices: every copy goes to experts skew_to, skew_to + 1, both on one
-    # device, which receives the worst-case buffer from every device.
+    # device, which receives the worst-case buffer from every device (all_to_all) or computes
+    # every copy of the group (all_gather).
     on_cpu_devices(check_matches_one_device, (4,), ("expert",),
-                   dict(LAYER, impl=impl, dispatch=dispatch, routing=routing),
-                   TOKENS, skew_to)
+                   dict(LAYER, impl=impl, dispatch=dispatch, routing=routing,
+                        exchange=exchange), TOKENS, skew_to)
 
 
 @pytest.mark.parametrize("impl,dispatch", [("pallas", "fused"), ("ragged_dot", "sorted")])
@@ -151,10 +154,11 @@ def test_all_gather_exchange_in_chunks(impl, dispatch, routing, chunks):
                         exchange="all_gather", exchange_chunks=chunks))
 
 
-def test_expert_axis_of_eight_with_top_k_above_local_experts():
+@pytest.mark.parametrize("exchange", ["all_gather", "all_to_all"])
+def test_expert_axis_of_eight_with_top_k_above_local_experts(exchange):
     # one expert per device: a token's copies go to top_k different devices
     on_cpu_devices(check_matches_one_device, (8,), ("expert",),
-                   dict(LAYER, impl="pallas", top_k=3), 29)
+                   dict(LAYER, impl="pallas", top_k=3, exchange=exchange), 29)
 
 
 def test_bfloat16_and_leading_dimensions():
