@@ -29,7 +29,7 @@ from typing import Any
 MOE_SUITES = {"layer", "decoder", "pieces", "blockm", "maxtok", "maxtok_summary", "ep"}
 RBF_SUITES = {
     "kernel_mv", "kde_density", "kernel_mv_tiles", "kernel_mv_launches", "kernel_mv_crossover",
-    "kernel_mv_peak", "kernel_mv_max_n",
+    "kernel_mv_peak", "kernel_mv_max_n", "guide_gp",
 }
 MOE_IMPLS = {"pallas", "triton", "mosaic", "blocked", "ragged_dot", "tokamax", "torch_grouped_mm",
              "torch_grouped_mm_compile", "dense", "all_to_all", "all_gather"}
@@ -182,6 +182,10 @@ def check_extra_info(info: dict) -> list[str]:
             problems.append(f"rbf impl {info.get('impl')!r}")
         if info.get("op") not in ("fwd", "fwd_bwd"):
             problems.append(f"rbf op {info.get('op')!r}")
+        if suite == "guide_gp":  # a guide's step: the page's own sizes, no pair count
+            if not failed:
+                need("n", "cg_iterations")
+            return problems
         need("n", "m", "dim", "batch", "precision")
         if suite != "kde_density":
             need("out")

@@ -112,6 +112,8 @@ ep               expert parallelism on all n local GPUs (``bench_ep``): E8   44 
                  131k), all_gather (also in 2 and 4 chunks), ragged and
                  all_to_all exchange, the exchange alone, and the links (a
                  plain all-to-all and all-gather of the same bytes) first
+guide_gp         the RBF guide's Gaussian-process lengthscale step, run as   1     ~1
+                 the page runs it (``bench_guides``; by name only)
 ===============  =========================================================  ====  =======
 
 Measured on the H200 (commit 4cab2a4): the layer suite's 32k and 4k rows took 185 s, its 131k,
@@ -155,6 +157,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 from pathlib import Path  # noqa: E402
 
 import bench_ep  # noqa: E402
+import bench_guides  # noqa: E402
 import bench_moe  # noqa: E402
 import bench_rbf  # noqa: E402
 import pytest  # noqa: E402
@@ -168,6 +171,9 @@ RBF_SUITES = ("kernel_mv", "kde_density", "kernel_mv_tiles", "kernel_mv_launches
 # Multi-device suites: asked for by name only (their rows need every local GPU; a one-GPU
 # run stores them as "unavailable" rows).
 MULTI_DEVICE_SUITES = ("ep",)
+# Guide timings (``bench_guides``): asked for by name only, like the multi-device suites.
+GUIDE_SUITES = ("guide_gp",)
+BY_NAME = MOE_SUITES + RBF_SUITES + MULTI_DEVICE_SUITES + GUIDE_SUITES
 SUITE_GROUPS = {
     "all": MOE_SUITES + RBF_SUITES,
     "moe": MOE_SUITES,
@@ -241,10 +247,10 @@ def resolve_suites(config) -> frozenset[str]:
             continue
         if name in SUITE_GROUPS:
             suites.update(SUITE_GROUPS[name])
-        elif name in MOE_SUITES + RBF_SUITES + MULTI_DEVICE_SUITES:
+        elif name in BY_NAME:
             suites.add(name)
         else:
-            known = sorted(set(SUITE_GROUPS) | set(MOE_SUITES + RBF_SUITES + MULTI_DEVICE_SUITES))
+            known = sorted(set(SUITE_GROUPS) | set(BY_NAME))
             raise pytest.UsageError(
                 f"--bench-suite: unknown suite {name!r}; known: {', '.join(known)}")
     return frozenset(suites)
@@ -321,6 +327,8 @@ def suite_params(suite: str, mode: str) -> list:
         return bench_moe.suite_cases(suite, mode)
     if suite in MULTI_DEVICE_SUITES:
         return bench_ep.suite_cases(suite, mode)
+    if suite in GUIDE_SUITES:
+        return bench_guides.suite_cases(suite, mode)
     return bench_rbf.suite_cases(suite, mode)
 
 
