@@ -97,6 +97,18 @@ def test_a_run_without_a_gpu_name_still_shows(tmp_path, data_dir):
     assert "**unknown GPU** (run [`nogpu`](runs.md#run-nogpu)" in text
 
 
+def test_a_run_on_the_cpu_backend_is_named_cpu(tmp_path, data_dir):
+    import json
+
+    shutil.copytree(data_dir / "results", tmp_path / "results")
+    doc = json.loads(PYTEST_BENCHMARK_FIXTURE.read_text())
+    del doc["machine_info"]["gpu"]
+    doc["machine_info"]["platform"] = "cpu"
+    (tmp_path / "results" / "oncpu.json").write_text(json.dumps(doc))
+    text = moe_layer.build(load_results(tmp_path)).replace("\xa0", " ")
+    assert "**CPU** (run [`cpu-20260115-0a1b2c3`]" in text and "unknown GPU" not in text
+
+
 def test_rbf_page_says_why_each_peer_did_not_run(tmp_path, real_data_dir):
     # A copy of the first H200 RBF file whose KeOps rows failed their probe (as a crash of
     # KeOps' code generation would) instead of being skipped by the time budget.

@@ -85,7 +85,8 @@ def _environment(doc: dict[str, Any], file_stem: str) -> dict[str, Any]:
     started = str(doc["datetime"]) if doc.get("datetime") else None
     return {
         "run": file_stem,
-        "device": machine.get("gpu"),
+        # a run on the CPU backend (no GPU) is named for it, not left as an unknown GPU
+        "device": machine.get("gpu") or ("CPU" if machine.get("platform") == "cpu" else None),
         **{key: machine.get(key) for key in MACHINE},
         "bench_suites": ", ".join(map(str, suites)) if isinstance(suites, list) else suites,
         "started": started,
