@@ -4,13 +4,16 @@ Two layers, bf16 train step (``value_and_grad`` of ``sum(y * dy)`` w.r.t. the pa
 the input, as in ``bench_moe``): the E8 top-2 d512 h1024 layer (``sorted`` dispatch, its fastest
 train step on the H200) and the E64 top-8 w128 decoder layer with a 1024-wide shared expert
 (``fused``, likewise). Weak scaling: ``T`` tokens per GPU, ``T`` = 65536 and 131072, on one GPU
-(no mesh: the plain layer) and on all ``n`` local GPUs (``n * T`` tokens, a 1-D ``expert`` mesh,
-the experts split over it). Rows carry ``devices``, ``mesh`` (``"expert=n"``, ``None`` for one
-GPU), ``tokens_per_device``, ``exchange`` (the transport, ``MoEConfig.exchange``) and ``part``:
+(no mesh: the plain layer) and on ``n`` local GPUs (all of them, or the most whose count
+divides the experts; ``n * T`` tokens, a 1-D ``expert`` mesh, the experts split over it). Rows
+carry ``devices``, ``mesh`` (``"expert=n"``, ``None`` for one GPU), ``tokens_per_device``,
+``exchange`` (the transport, ``MoEConfig.exchange``) and ``part``:
 
-- ``link``: a plain ``jax.lax.all_to_all`` of the bytes one trip of the exchange moves (each GPU
-  sends its ``T * top_k`` copies of ``d_model`` bf16 values, an equal share to every GPU);
-  ``gbps`` counts the bytes that leave each GPU, ``(n - 1) / n`` of its buffer. Run first.
+- ``link``: a plain ``jax.lax.all_to_all`` of the bytes one trip of the copies moves (each GPU
+  sends its ``T * top_k`` copies of ``d_model`` bf16 values, an equal share to every GPU;
+  ``gbps`` counts the bytes that leave each GPU, ``(n - 1) / n`` of its buffer), and a plain
+  ``jax.lax.all_gather`` of each GPU's ``T`` tokens (the ``all_gather`` exchange's trip;
+  ``(n - 1) * T * d_model`` values leave each GPU). Run first.
 - ``step``: the train step; ``tflops`` and ``tokens_per_s`` over all ``n * T`` tokens. The
   ``all_gather`` steps also with the tokens in 2 and 4 chunks (``exchange_chunks``, ``-c2``
   in the row name; XLA may overlap one chunk's collectives with another's experts).
@@ -183,16 +186,17 @@ class EpCase:
 # ----------------------------------------------------------------------------- case list
 
 
-def local_devices() -> int:
-    """The mesh size of the multi-device rows: every local device, at least 2 (so a one-GPU
-    host stores what it could not run)."""
+def local_devices(experts: int) -> int:
+    """The mesh size of a layer's multi-device rows: the most local devices whose count divides
+    ``experts`` (each holds as many experts), at least 2 (so a one-GPU host stores what it could
+    not run)."""
     import jax
 
-    return max(2, jax.local_device_count())
+    have = jax.local_device_count()
+    return max([2] + [n for n in range(2, have + 1) if experts % n == 0])
 
 
 def ep_cases(mode: str) -> list[EpCase]:
-    n = local_devices()
     shapes, tokens = SHAPES, TOKENS_PER_DEVICE
     if mode == "smoke":
         shapes, tokens = SMOKE_SHAPES, (64,)
@@ -200,6 +204,7 @@ def ep_cases(mode: str) -> list[EpCase]:
         tokens = TOKENS_PER_DEVICE[:1]
     cases = []
     for shape, dispatch in shapes:
+        n = local_devices(shape["experts"])
         common = dict(d_model=shape["d_model"], d_hidden=shape["d_hidden"],
                       experts=shape["experts"], top_k=shape["top_k"],
                       shared_hidden=shape.get("shared_hidden", 0), dispatch=dispatch)
