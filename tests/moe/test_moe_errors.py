@@ -119,6 +119,15 @@ def test_mosaic_off_hopper_gives_the_reason(setup):
     assert reason in str(info.value)
 
 
+def test_dense_routing_ignores_impl_mosaic(setup):
+    # dense routing runs every expert on every token, whatever impl says: no Mosaic error
+    _, params, x = setup
+    config = _config(shared_hidden=8, impl="mosaic", routing="dense")
+    assert api.resolve_impl(config) == "dense"
+    y, _ = tilax.moe_apply(params, x, config)
+    assert y.shape == x.shape
+
+
 def test_mosaic_on_hopper_runs_16_bit_experts_only(setup, monkeypatch):
     _, params, x = setup
     monkeypatch.setattr(_pallas, "mosaic_unavailable_reason", lambda: None)

@@ -296,6 +296,8 @@ def resolve_impl(config: MoEConfig) -> str:
             or with ``dtype=float32`` (the Mosaic GPU kernels take 16-bit operands; float32
             experts run on Triton).
     """
+    if config.routing == "dense":  # every expert on every token: no grouped matmul, no impl
+        return "dense"
     if config.impl == "mosaic":
         reason = _pallas.mosaic_unavailable_reason()
         if reason is not None:
@@ -306,8 +308,6 @@ def resolve_impl(config: MoEConfig) -> str:
                 "use impl='triton' (or 'pallas'/'auto')"
             )
         return "mosaic"
-    if config.routing == "dense":
-        return "dense"
     if config.impl in ("blocked", "ragged_dot"):
         return config.impl
     # impl="auto" and "pallas" pick Triton on every GPU, Hopper included: no measurement of
