@@ -303,3 +303,14 @@ def ladder_limits(ladder: pd.DataFrame, summary: pd.DataFrame, size: str, stated
     columns = [*keys, "ran", "failed", "kind", "failure", "peak_mb", "run_s", "summary",
                "lower_bound", "stopped"]
     return pd.DataFrame(out, columns=columns)
+
+
+def best_limit_per_ladder(limits: pd.DataFrame, keys: Sequence[str]) -> pd.DataFrame:
+    """One ``ladder_limits`` row per ladder of a run (``keys``, without the file): a run's files
+    may repeat a ladder, when a later call gave it the time an earlier one lacked. A bracketed
+    limit wins over a lower bound, then the larger size that ran."""
+    order = limits.assign(
+        _bound=limits["lower_bound"].fillna(True).astype(bool),
+        _ran=pd.to_numeric(limits["ran"], errors="coerce"),
+    ).sort_values(["_bound", "_ran"], ascending=[True, False], na_position="last")
+    return order.drop_duplicates(list(keys)).drop(columns=["_bound", "_ran"]).sort_index()

@@ -31,8 +31,10 @@ import dataclasses
 import gc
 import math
 import time
+import traceback
 from collections import OrderedDict
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 OOM_MARKERS = ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory", "OutOfMemoryError")
@@ -44,14 +46,24 @@ class Unavailable(Exception):
 
 
 def describe_error(exc: BaseException) -> str:
-    """``"Type: message"``, trimmed to a size a results file can carry."""
-    message = str(exc).strip()
+    """``"Type: message"``, trimmed to a size a results file can carry. An exception with no
+    message (a bare ``assert``) says where it was raised instead: ``file:line: source``."""
+    message = str(exc).strip() or _raised_at(exc)
     text = f"{type(exc).__name__}: {message}" if message else type(exc).__name__
     if isinstance(exc, Unavailable):
         text = message
     if len(text) > MAX_ERROR_CHARS:
         text = text[: MAX_ERROR_CHARS - 20] + " ... [truncated]"
     return text
+
+
+def _raised_at(exc: BaseException) -> str:
+    frames = traceback.extract_tb(exc.__traceback__)
+    if not frames:
+        return ""
+    frame = frames[-1]
+    where = "/".join(Path(frame.filename).parts[-2:])  # e.g. guides/rbf.md
+    return f"raised at {where}:{frame.lineno}: {frame.line or ''}".rstrip(": ")
 
 
 def is_out_of_memory(error: str) -> bool:

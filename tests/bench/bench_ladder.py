@@ -15,18 +15,20 @@ The first step of a ladder to run searches the whole ladder (:func:`search_ladde
 from the smallest size, jumping over the sizes the last step that ran predicts to fit (peak
 memory taken as linear in the size against the device limit, time scaled by the work against
 the step's time) to the largest of them; after a failure (out of memory, a crash, the step's
-time limit ``timeout after N s``) or a size predicted too slow (``timeout (predicted, not
-attempted)``) it bisects the ladder's sizes between the largest that ran and the smallest that
-failed until the two are adjacent. The search keeps within each step's limit and the ladder's
-part of its suite's budget share (``bench_harness.BudgetPlan``); the first size always gets a
-step. Probed sizes become rows (measured or failure rows); the others are skipped tests (not
-rows: never needed). A summary row per ladder (``maxtok_summary``, or a ``kernel_mv_max_n``
-row with ``max_n``) names the largest size that ran, carries that step's timings and peak, and
-says how well the limit is known (:func:`ladder_outcome`): ``limit_bracket`` [ran, failed]
-with ``limit_kind`` ("out of memory", "timeout", "error") when the next ladder size failed,
-else ``limit_bracket`` null and ``max_is_lower_bound`` true (``limit_kind`` "time
-(predicted)", "budget" or "end of ladder"); ``stopped_by`` is the stopping error or reason and
-``probed_sizes`` the search's order. ``kernel_mv_peak`` rows are single-step ladders.
+time limit ``timeout after N s``) or a size predicted too slow for what is left of the ladder's
+budget share (``skipped: not attempted, timeout predicted``; a size predicted past the step
+limit alone is tried, so that its timeout brackets the limit) it bisects the ladder's sizes
+between the largest that ran and the smallest that failed until the two are adjacent. The
+search keeps within each step's limit and the ladder's part of its suite's budget share
+(``bench_harness.BudgetPlan``); the first size always gets a step. Probed sizes become rows
+(measured or failure rows); the others are skipped tests (not rows: never needed). A summary
+row per ladder (``maxtok_summary``, or a ``kernel_mv_max_n`` row with ``max_n``) names the
+largest size that ran, carries that step's timings and peak, and says how well the limit is
+known (:func:`ladder_outcome`): ``limit_bracket`` [ran, failed] with ``limit_kind`` ("out of
+memory", "timeout", "error") when the next ladder size failed, else ``limit_bracket`` null and
+``max_is_lower_bound`` true (``limit_kind`` "time (predicted)", "budget" or "end of ladder");
+``stopped_by`` is the stopping error or reason and ``probed_sizes`` the search's order.
+``kernel_mv_peak`` rows are single-step ladders.
 
 Children get ``XLA_PYTHON_CLIENT_PREALLOCATE=false`` and ``XLA_PYTHON_CLIENT_MEM_FRACTION=0.9``
 (unless already set), so their peak is what the problem needs and they may use most of the
@@ -243,6 +245,14 @@ def ladder_outcome(sizes, probes: list[dict]) -> dict:
             "max_is_lower_bound": True, "stopped_by": stop["error"][:500]}
 
 
+def too_slow_to_try(predicted_s: float, left_s: float, step_limit_s: float) -> bool:
+    """Whether a size predicted to take ``predicted_s`` is refused with ``left_s`` left to its
+    step. Only the budget refuses it: a size predicted past the step limit alone is tried
+    anyway (with that limit), so that its timeout brackets the limit instead of leaving the
+    largest size that ran a lower bound."""
+    return predicted_s > left_s and left_s < step_limit_s
+
+
 def run_step(runner, step: LadderStep) -> None:
     """One ladder step (or summary) into one row; see the module docstring.
 
@@ -316,12 +326,11 @@ def _search(runner, step: LadderStep) -> list[dict]:
         if last is None or settings.mode == "smoke":
             return None
         predicted = _predicted_wall(last, case_at(size).work(), calls)
-        if predicted > left:
-            return "time", (f"timeout (predicted, not attempted): about {predicted:.0f} s for "
-                            f"this step (scaled by the work from {last['wall_s']:.0f} s at "
-                            f"{last['label']}) exceeds the {left:.0f} s left to this step "
-                            f"(step limit {settings.step_timeout_s:.0f} s, and the ladder's "
-                            f"share of the budget)")
+        if too_slow_to_try(predicted, left, settings.step_timeout_s):
+            return "time", (f"skipped: not attempted, timeout predicted: about "
+                            f"{predicted:.0f} s for this step (scaled by the work from "
+                            f"{last['wall_s']:.0f} s at {last['label']}) exceeds the "
+                            f"{left:.0f} s left of this ladder's share of the budget")
         return None
 
     def jump(last):

@@ -137,6 +137,30 @@ def test_exceptions_become_failure_rows(fake_benchmark, failing_call):
     assert (fake_benchmark.extra_info["compile_s"] is None) == (failing_call == 1)
 
 
+def test_a_bare_assert_says_where_it_failed(tmp_path):
+    from bench_harness import describe_error
+
+    page = tmp_path / "guides" / "page.md"
+    page.parent.mkdir()
+    page.write_text("# prose\n\nrel = 0.5\nassert rel < 1e-2\n")
+    try:
+        exec(compile(page.read_text(), str(page), "exec"), {})
+    except AssertionError as exc:
+        error = describe_error(exc)
+    assert error == "AssertionError: raised at guides/page.md:4: assert rel < 1e-2"
+    assert describe_error(ValueError("bad n")) == "ValueError: bad n"
+
+
+def test_a_size_predicted_past_the_step_limit_is_tried_while_the_budget_lasts():
+    from bench_ladder import too_slow_to_try
+
+    # 60 s step limit: a size predicted at 90 s is tried (its timeout brackets the limit)
+    assert not too_slow_to_try(predicted_s=90.0, left_s=60.0, step_limit_s=60.0)
+    # the ladder's share of the budget has 30 s left: the same size is refused
+    assert too_slow_to_try(predicted_s=90.0, left_s=30.0, step_limit_s=60.0)
+    assert not too_slow_to_try(predicted_s=20.0, left_s=30.0, step_limit_s=60.0)
+
+
 def test_ladder_jumps_to_the_largest_size_predicted_to_fit():
     from bench_ladder import LadderStep, _jump_target
     from bench_moe import MoECase
@@ -216,7 +240,7 @@ def test_ladder_stopped_by_time_or_budget_is_a_lower_bound():
     attempted = []
 
     def too_slow(size, last):
-        return ("time", "timeout (predicted, not attempted)") if size >= 2**14 else None
+        return ("time", "skipped: not attempted, timeout predicted") if size >= 2**14 else None
 
     probes = search_ladder(SIZES, fake_step(2**16, attempted), lambda last: 2**16, too_slow)
     outcome = ladder_outcome(SIZES, probes)

@@ -108,3 +108,25 @@ def test_sizes_never_attempted_are_not_failures():
     record = analysis.ladder_limits(ladder, summary, size="tokens", stated="max_tokens",
                                     keys=["run", "label"]).iloc[0]
     assert record["lower_bound"] and pd.isna(record["failed"])
+
+
+def test_a_ladder_repeated_in_a_later_file_of_the_run_shows_once_bracketed():
+    # The first call's budget stopped the ladder (a lower bound); a second call of the same run
+    # bracketed it. The run's table shows the bracket only.
+    first, first_summary = _rows([(2**17, "measured"), (2**18, "measured")],
+                                 {"limit_kind": "time (predicted)", "max_is_lower_bound": True})
+    later, later_summary = _rows(
+        [(2**17, "measured"), (2**19, "measured"), (2**20, "failed")],
+        {"limit_ran": 2**19, "limit_failed": 2**20, "limit_kind": "out of memory",
+         "max_is_lower_bound": False})
+    ladder = pd.concat([first.assign(source_file="a.json"), later.assign(source_file="b.json")],
+                       ignore_index=True)
+    summary = pd.concat([first_summary.assign(source_file="a.json"),
+                         later_summary.assign(source_file="b.json")], ignore_index=True)
+    keys = ["source_file", "run", "label"]
+    limits = analysis.ladder_limits(ladder, summary, size="tokens", stated="max_tokens",
+                                    keys=keys)
+    assert len(limits) == 2
+    best = analysis.best_limit_per_ladder(limits, keys[1:])
+    assert len(best) == 1 and best.iloc[0]["source_file"] == "b.json"
+    assert _shared.limit_text(best.iloc[0]) == "between 524 288 (ran) and 1 048 576 (out of memory)"

@@ -26,6 +26,9 @@ def reject_unknown(record: Mapping[str, Any], known: set[str], where: str) -> No
 # An error message with one of these prefixes marks a case that was never attempted (the run's
 # time budget, a predicted failure, a peer library that is not installed): skipped, not failed.
 NOT_ATTEMPTED = ("skipped:", "unavailable:", "unsupported:")
+# How ladder rows up to commit b0ccf0d worded a size predicted too slow to try (later ones say
+# "skipped: not attempted, timeout predicted: ..."): also never attempted.
+OLD_PREDICTED_TIMEOUT = "timeout (predicted, not attempted)"
 
 
 def status_of(error: Any) -> str:
@@ -33,7 +36,8 @@ def status_of(error: Any) -> str:
     attempted, else 'failed' (out of memory, timeout, compile error, ...)."""
     if error is None or (isinstance(error, float) and error != error) or error == "":
         return "measured"
-    return "skipped" if str(error).strip().lower().startswith(NOT_ATTEMPTED) else "failed"
+    text = str(error).strip().lower()
+    return "skipped" if text.startswith((*NOT_ATTEMPTED, OLD_PREDICTED_TIMEOUT)) else "failed"
 
 
 def as_mapping(value: Any, where: str) -> Mapping[str, Any]:

@@ -181,6 +181,7 @@ def _maxtok(page: Page, ladder: pd.DataFrame, summary: pd.DataFrame) -> None:
     limits = analysis.ladder_limits(ladder.assign(code=ladder["code"].fillna("")),
                                     summary.assign(code=summary["code"].fillna("")),
                                     size="tokens", stated="max_tokens", keys=keys)
+    limits = analysis.best_limit_per_ladder(limits, keys[1:])
     page.md(LOWER_BOUND_NOTE)
     display = pd.DataFrame({
         "GPU": limits["gpu"], "run": limits["run"], "code": limits["code"],

@@ -502,6 +502,7 @@ def _max_n(page: Page, rows: pd.DataFrame) -> None:
         page.chart(chart, group, "A cross marks the size that failed or timed out.")
     keys = ["source_file", "run", "device", "label", "op", "config"]
     limits = analysis.ladder_limits(ladder, stated, size="n", stated="max_n", keys=keys)
+    limits = analysis.best_limit_per_ladder(limits, keys[1:])
     page.md(LOWER_BOUND_NOTE)
     display = pd.DataFrame({
         "GPU": limits["device"].map(analysis.short_gpu), "run": limits["run"],
