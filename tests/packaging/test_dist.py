@@ -46,6 +46,8 @@ def doc_examples():
     (``page_script``) and the environment a reader would not have are the ones used here."""
     path = REPO / "tests" / "docs" / "test_doc_examples.py"
     name = "tilax_doc_examples_for_packaging"
+    if str(path.parent) not in sys.path:  # it imports doc_blocks beside it
+        sys.path.insert(0, str(path.parent))
     if name not in sys.modules:  # its dataclasses look their module up there
         spec = importlib.util.spec_from_file_location(name, path)
         sys.modules[name] = importlib.util.module_from_spec(spec)
