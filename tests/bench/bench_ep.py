@@ -4,8 +4,9 @@ Two layers, bf16 train step (``value_and_grad`` of ``sum(y * dy)`` w.r.t. the pa
 the input, as in ``bench_moe``): the E8 top-2 d512 h1024 layer (``sorted`` dispatch, its fastest
 train step on the H200) and the E64 top-8 w128 decoder layer with a 1024-wide shared expert
 (``fused``, likewise). Weak scaling: ``T`` tokens per GPU, ``T`` = 65536 and 131072, on one GPU
-(no mesh: the plain layer) and on ``n`` local GPUs (all of them, or the most whose count
-divides the experts; ``n * T`` tokens, a 1-D ``expert`` mesh, the experts split over it). Rows
+(no mesh: the plain layer) and on ``n`` local GPUs for every ``n`` from 2 up to the host's
+count that divides the experts (``mesh_sizes``; ``n * T`` tokens, a 1-D ``expert`` mesh, the
+experts split over it). Rows
 carry ``devices``, ``mesh`` (``"expert=n"``, ``None`` for one GPU), ``tokens_per_device``,
 ``exchange`` (the transport, ``MoEConfig.exchange``) and ``part``:
 
@@ -186,14 +187,12 @@ class EpCase:
 # ----------------------------------------------------------------------------- case list
 
 
-def local_devices(experts: int) -> int:
-    """The mesh size of a layer's multi-device rows: the most local devices whose count divides
-    ``experts`` (each holds as many experts), at least 2 (so a one-GPU host stores what it could
-    not run)."""
-    import jax
-
-    have = jax.local_device_count()
-    return max([2] + [n for n in range(2, have + 1) if experts % n == 0])
+def mesh_sizes(experts: int, have: int) -> list[int]:
+    """The mesh sizes of a layer's multi-device rows on a host with ``have`` local devices:
+    every count from 2 up to ``have`` that divides ``experts`` (each device holds as many
+    experts), so that one process on a host of 8 GPUs measures 2, 4 and 8 against the same
+    one-GPU rows; ``[2]`` where none fits (a one-GPU host stores what it could not run)."""
+    return [n for n in range(2, have + 1) if experts % n == 0] or [2]
 
 
 def ep_cases(mode: str) -> list[EpCase]:
@@ -202,23 +201,27 @@ def ep_cases(mode: str) -> list[EpCase]:
         shapes, tokens = SMOKE_SHAPES, (64,)
     elif mode == "quick":
         tokens = TOKENS_PER_DEVICE[:1]
+    import jax
+
     cases = []
     for shape, dispatch in shapes:
-        n = local_devices(shape["experts"])
         common = dict(d_model=shape["d_model"], d_hidden=shape["d_hidden"],
                       experts=shape["experts"], top_k=shape["top_k"],
                       shared_hidden=shape.get("shared_hidden", 0), dispatch=dispatch)
+        sizes = mesh_sizes(shape["experts"], jax.local_device_count())
         for t in tokens:
-            cases += [EpCase(part="link", devices=n, tokens_per_device=t, priority=5,
-                             exchange=link, **common) for link in LINKS]
             cases.append(EpCase(part="step", devices=1, tokens_per_device=t, priority=10,
                                 **common))
-            for transport in TRANSPORTS:
-                for part in ("step", "exchange"):
-                    cases.append(EpCase(part=part, devices=n, tokens_per_device=t,
-                                        exchange=transport, priority=10, **common))
-            cases += [EpCase(part="step", devices=n, tokens_per_device=t, exchange="all_gather",
-                             chunks=c, priority=10, **common) for c in CHUNKS]
+            for n in sizes:
+                cases += [EpCase(part="link", devices=n, tokens_per_device=t, priority=5,
+                                 exchange=link, **common) for link in LINKS]
+                for transport in TRANSPORTS:
+                    for part in ("step", "exchange"):
+                        cases.append(EpCase(part=part, devices=n, tokens_per_device=t,
+                                            exchange=transport, priority=10, **common))
+                cases += [EpCase(part="step", devices=n, tokens_per_device=t,
+                                 exchange="all_gather", chunks=c, priority=10, **common)
+                          for c in CHUNKS]
     return sorted(cases, key=lambda case: case.priority)  # links first, stable otherwise
 
 

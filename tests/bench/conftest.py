@@ -106,10 +106,11 @@ launches         64k d8 o16, each kernel family apart: fast fwd 36, fast
                  neighbours by distance
 rbf              all six (``--bench-suite rbf``)                            ~370  ~13
 quick            every suite at one or two sizes (``--bench-quick``)        ~64   ~3
-ep               expert parallelism on all n local GPUs (``bench_ep``): E8   44    ~5
-                 top2 d512 h1024 and E64 top8 w128 + shared 1024, bf16
-                 train step, 1 GPU at T and n GPUs at n*T tokens (T 65k,
-                 131k), all_gather (also in 2 and 4 chunks), ragged and
+ep               expert parallelism on n local GPUs (``bench_ep``): E8 top2   44    ~5
+                 d512 h1024 and E64 top8 w128 + shared 1024, bf16 train      (2 GPUs)
+                 step, 1 GPU at T and n GPUs at n*T tokens (T 65k, 131k;
+                 n every count from 2 to the host's that divides the
+                 experts), all_gather (also in 2 and 4 chunks), ragged and
                  all_to_all exchange, the exchange alone, and the links (a
                  plain all-to-all and all-gather of the same bytes) first
 guide_gp         the RBF guide's Gaussian-process lengthscale step, run as   1     ~1

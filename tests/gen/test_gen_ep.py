@@ -88,6 +88,21 @@ def test_efficiency_is_the_ratio_within_the_file(ep_rows):
         assert row["clear"] is True and row["method"] == "rank test"
 
 
+def test_each_mesh_size_is_paired_with_the_same_one_gpu_step(tmp_path):
+    """A host of 4 GPUs stores 2- and 4-GPU steps in one file (bench_ep.mesh_sizes): each gets
+    its own efficiency against the one one-GPU step, with n in the definition."""
+    (tmp_path / "results").mkdir()
+    doc = ep_run.document()
+    four = ep_run.bench_ep.EpCase(part="step", devices=4, tokens_per_device=ep_run.T,
+                                  exchange="ragged", **ep_run.LAYER)
+    doc["benchmarks"].append(ep_run.benchmark(four, 12.5, None))
+    (tmp_path / "results" / ep_run.FILE_NAME).write_text(json.dumps(doc))
+    rows = scaling.ep_rows(analysis.with_labels(load_results(tmp_path).table))
+    eff = scaling.efficiency(rows).set_index(["config", "exchange", "devices"])
+    assert eff.loc[(E8, "ragged", 2), "efficiency"] == pytest.approx(ep_run.EFFICIENCY_RAGGED)
+    assert eff.loc[(E8, "ragged", 4), "efficiency"] == pytest.approx(10.0 / 12.5)
+
+
 def test_efficiency_never_pairs_rows_of_two_files(tmp_path):
     """The one-GPU and the two-GPU steps stored in two files of one run: no efficiency."""
     (tmp_path / "results").mkdir()
