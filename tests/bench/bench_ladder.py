@@ -343,11 +343,13 @@ def _search(runner, step: LadderStep) -> list[dict]:
 def summarize(runner, step: LadderStep, probes: list[dict]) -> None:
     case = step.case
     info = runner.info
+    outcome = ladder_outcome(step.sizes, probes)
+    best = outcome["best"]
+    if best is None and probes:  # the row names the size that failed, not the ladder's largest
+        info.update(json_safe(_sized(case, step.size_field, probes[0]["size"]).extra_info()))
     if case.family == "moe":
         info["suite"] = "maxtok_summary"
-    outcome = ladder_outcome(step.sizes, probes)
     info["probed_sizes"] = [p["size"] for p in probes]
-    best = outcome["best"]
     if best is None:
         record_failure(runner.benchmark, outcome["error"])
         return

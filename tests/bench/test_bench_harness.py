@@ -271,6 +271,24 @@ def test_ladder_whose_first_size_fails_has_no_summary_size():
     assert outcome["best"] is None and outcome["error"].startswith("no size ran: JaxRuntime")
 
 
+def test_a_summary_of_no_size_names_the_size_that_failed(fake_benchmark):
+    from bench_ladder import LadderStep, summarize
+    from bench_moe import MoECase
+
+    case = MoECase(suite="maxtok", impl="ragged_dot", dispatch="sorted", routing="dropless",
+                   dtype="bfloat16", op="train_step", tokens=2**24, d_model=512, d_hidden=1024,
+                   experts=8, top_k=2)  # the summary step's case: the ladder's largest size
+    step = LadderStep("maxtok-x", case, "tokens", (2**17, 2**18, 2**24), summary=True)
+    probes = [{"size": 2**17, "ok": False, "attempted": True,
+               "error": "JaxRuntimeError: RESOURCE_EXHAUSTED: Out of memory"}]
+    runner = SimpleNamespace(benchmark=fake_benchmark, info=fake_benchmark.extra_info)
+    runner.info.update(case.extra_info())
+    summarize(runner, step, probes)
+    info = fake_benchmark.extra_info
+    assert info["error"].startswith("no size ran: JaxRuntimeError")
+    assert info["tokens"] == 2**17 and info["suite"] == "maxtok_summary"
+
+
 def test_budget_split_keeps_time_for_every_suite():
     plan = BudgetPlan(shares=split_budget(400.0, {"maxtok": 3.0, "layer": 4.0, "decoder": 1.0}),
                       rows_left={"maxtok": 2, "layer": 10, "decoder": 5})
