@@ -14,6 +14,12 @@ bounds and noise-aware verdict (`verdict`) as every other within-file ratio of t
 - **exchange share** of an n-GPU ``step`` row: the median of the ``exchange`` row of the same
   layer, tokens, GPUs and transport over the step's median, bounds ``q1_x / q3_step`` and
   ``q3_x / q1_step``.
+- **overlap** of an n-GPU ``step`` row with both: its median over the larger of the one-GPU
+  step's (the expert compute of one GPU's share of the tokens) and the exchange row's,
+  ``median_n / max(median_1, median_x)``, bounds ``q1_n / max(q3_1, q3_x)`` and
+  ``q3_n / max(q1_1, q1_x)``: 1 when the smaller of compute and exchange hides entirely behind
+  the larger, ``1 + min / max`` when they run one after the other. Issue 14's target for a
+  link slower than NVLink is at most 1.15.
 
 Tokens per second are ``tokens / median`` (what the bench stores as ``tokens_per_s``, from the
 same median); link bandwidth is the stored ``gbps`` (``bytes / median``).
@@ -97,22 +103,43 @@ def exchange_share(rows: pd.DataFrame) -> pd.DataFrame:
                          exchange_ms=paired["median_ms_base"]).reset_index(drop=True)
 
 
+def overlap(rows: pd.DataFrame) -> pd.DataFrame:
+    """One row per timed n-GPU step row with both a timed one-GPU step and a timed exchange row
+    of its case in the same file: ``ROW``, ``overlap`` and ``overlap_lo``/``_hi`` (see the
+    module docstring)."""
+    base = ["median_ms_base", "q1_ms_base", "q3_ms_base"]
+    eff = efficiency(rows)
+    if eff.empty:
+        return pd.DataFrame(columns=[*ROW, "overlap", "overlap_lo", "overlap_hi"])
+    compute = eff[[*ROW, "median_ms", "q1_ms", "q3_ms", *base]]
+    exchange = exchange_share(rows)[[*ROW, *base]].set_axis(
+        [*ROW, "median_x", "q1_x", "q3_x"], axis=1)
+    both = compute.merge(exchange, on=ROW)
+    return pd.DataFrame({
+        **{key: both[key] for key in ROW},
+        "overlap": both["median_ms"] / np.maximum(both["median_ms_base"], both["median_x"]),
+        "overlap_lo": both["q1_ms"] / np.maximum(both["q3_ms_base"], both["q3_x"]),
+        "overlap_hi": both["q3_ms"] / np.maximum(both["q1_ms_base"], both["q1_x"]),
+    })
+
+
 def step_rows(rows: pd.DataFrame) -> pd.DataFrame:
     """Every ``step`` row, whatever its status, with ``tokens_per_s``, its efficiency (missing
-    for one GPU and where no pair exists), its exchange share, and ``exchange_status`` /
-    ``exchange_error`` (the status of the exchange row of its case in the same file, missing
-    where there is none)."""
+    for one GPU and where no pair exists), its exchange share and overlap, and
+    ``exchange_status`` / ``exchange_error`` (the status of the exchange row of its case in the
+    same file, missing where there is none)."""
     steps = rows[rows["part"] == "step"].copy()
     steps["tokens_per_s"] = tokens_per_s(steps).where(steps["status"] == "measured")
     eff = efficiency(rows)[[*ROW, "efficiency", "efficiency_lo", "efficiency_hi", "clear",
                             "method"]]
     share = exchange_share(rows)[[*ROW, "share", "share_lo", "share_hi", "exchange_ms"]]
+    hidden = overlap(rows)
     exchange = rows[rows["part"] == "exchange"]
     keys = [*analysis.RUN_KEYS, *EXCHANGE_CASE]
     exchange = exchange[[*keys, "status", "error"]].drop_duplicates(keys).rename(
         columns={"status": "exchange_status", "error": "exchange_error"})
     out = (steps.merge(eff, on=ROW, how="left").merge(share, on=ROW, how="left")
-           .merge(exchange, on=keys, how="left"))
+           .merge(hidden, on=ROW, how="left").merge(exchange, on=keys, how="left"))
     order = ["source_file", *SHAPE_ORDER, "tokens_per_device", "devices", "exchange"]
     return out.sort_values(order, na_position="first").reset_index(drop=True)
 

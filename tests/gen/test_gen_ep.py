@@ -103,6 +103,18 @@ def test_each_mesh_size_is_paired_with_the_same_one_gpu_step(tmp_path):
     assert eff.loc[(E8, "ragged", 4), "efficiency"] == pytest.approx(10.0 / 12.5)
 
 
+def test_overlap_is_the_step_over_the_larger_of_compute_and_exchange(ep_rows):
+    hidden = scaling.overlap(ep_rows).merge(
+        ep_rows[["source_file", "source_row", "config", "exchange"]]).set_index(
+        ["config", "exchange"])
+    # only steps with both a timed one-GPU step and a timed exchange row in the file
+    assert set(hidden.index) == {(E8, "ragged"), (E64, "all_to_all")}
+    assert hidden.loc[(E8, "ragged"), "overlap"] == pytest.approx(11.5 / max(10.0, 3.0))
+    assert hidden.loc[(E64, "all_to_all"), "overlap"] == pytest.approx(25.0 / max(20.0, 8.0))
+    for row in hidden.itertuples():
+        assert row.overlap_lo < row.overlap < row.overlap_hi
+
+
 def test_efficiency_never_pairs_rows_of_two_files(tmp_path):
     """The one-GPU and the two-GPU steps stored in two files of one run: no efficiency."""
     (tmp_path / "results").mkdir()
@@ -135,6 +147,7 @@ def test_page_shows_efficiency_share_link_and_source(page):
     summary = page[page.index("## Weak-scaling efficiency"):page.index("## NVIDIA H200")]
     assert f"{ep_run.EFFICIENCY_RAGGED:.3f}" == "0.870" and "0.870 (" in summary
     assert "0.800 (" in summary and "26.1% (" in summary and "32.0% (" in summary
+    assert "| 1.150 (" in summary and "| 1.250 (" in summary  # overlap: 11.5/10, 25/20
     assert f"{ep_run.LINK_GBPS:.1f}" in page  # 335.5 GB/s
     # a chunked exchange is listed as its own transport, without an exchange share
     assert f"all\\_gather in 2 chunks | {ep_run.EFFICIENCY_TWO_CHUNKS:.3f} (" in summary

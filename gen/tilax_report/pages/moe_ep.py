@@ -53,9 +53,13 @@ def build(results: StoredResults) -> str:
     page.md(
         "**Weak-scaling efficiency** = (n-GPU tokens/s) / (n × one-GPU tokens/s), tokens/s "
         "being tokens / median step time: 1 means n GPUs do n times the work in the time one "
-        "GPU does its share. **Exchange share** = exchange-only median / step median. Both are "
-        "ratios of two rows of the same stored file (one process); the range beside each comes "
-        "from the two rows' quartiles (the extreme ratios of q1 and q3)."
+        "GPU does its share. **Exchange share** = exchange-only median / step median. "
+        "**Overlap** = n-GPU step median / max(one-GPU step median, exchange-only median): the "
+        "one-GPU step is the compute of one GPU's share of the tokens, so 1 means the "
+        "exchange hides entirely behind the compute (or the compute behind it), and "
+        "1 + smaller/larger that the two run one after the other. Each is a ratio of rows of "
+        "the same stored file (one process); the range beside each comes from the rows' "
+        "quartiles (the extreme ratios of q1 and q3)."
     )
     page.md(_shared.NOISE_RULE)
     catalogue = runs.catalogue(table)
@@ -176,6 +180,8 @@ def _summary(page: Page, steps: pd.DataFrame, rows: pd.DataFrame, order: pd.Seri
         "efficiency (range)": [_efficiency_cell(r) for r in several.itertuples()],
         "vs 1": [_versus_one(r.efficiency, r.clear) for r in several.itertuples()],
         "exchange share (range)": [_share_cell(r) for r in several.itertuples()],
+        "overlap (range)": [_ratio(r.overlap, r.overlap_lo, r.overlap_hi)
+                            for r in several.itertuples()],
         "impl": several["label"],
         "GPU": several["device"].map(analysis.short_gpu),
         "run": several["run"],
@@ -183,7 +189,9 @@ def _summary(page: Page, steps: pd.DataFrame, rows: pd.DataFrame, order: pd.Seri
     page.table(display, rows[rows["part"].isin(["step", "exchange"])],
                "Efficiency: (n-GPU tokens/s) / (n × one-GPU tokens/s), bf16 train step; "
                "*vs 1*: below or above 1 only where the two step times differ beyond the "
-               "noise. Exchange share: exchange-only median / step median.",
+               "noise. Exchange share: exchange-only median / step median. Overlap: step "
+               "median / the larger of the one-GPU step's and the exchange's (1: the smaller "
+               "hidden behind the larger; 1 + smaller/larger: one after the other).",
                name="ep-summary", key_columns=4)
 
 
