@@ -103,17 +103,15 @@ def exchange_share(rows: pd.DataFrame) -> pd.DataFrame:
                          exchange_ms=paired["median_ms_base"]).reset_index(drop=True)
 
 
-def overlap(rows: pd.DataFrame) -> pd.DataFrame:
-    """One row per timed n-GPU step row with both a timed one-GPU step and a timed exchange row
-    of its case in the same file: ``ROW``, ``overlap`` and ``overlap_lo``/``_hi`` (see the
+def overlap(eff: pd.DataFrame, share: pd.DataFrame) -> pd.DataFrame:
+    """From the :func:`efficiency` and :func:`exchange_share` frames of the same rows, one row
+    per n-GPU step row in both: ``ROW``, ``overlap`` and ``overlap_lo``/``_hi`` (see the
     module docstring)."""
     base = ["median_ms_base", "q1_ms_base", "q3_ms_base"]
-    eff = efficiency(rows)
-    if eff.empty:
+    if eff.empty or share.empty:
         return pd.DataFrame(columns=[*ROW, "overlap", "overlap_lo", "overlap_hi"])
     compute = eff[[*ROW, "median_ms", "q1_ms", "q3_ms", *base]]
-    exchange = exchange_share(rows)[[*ROW, *base]].set_axis(
-        [*ROW, "median_x", "q1_x", "q3_x"], axis=1)
+    exchange = share[[*ROW, *base]].set_axis([*ROW, "median_x", "q1_x", "q3_x"], axis=1)
     both = compute.merge(exchange, on=ROW)
     return pd.DataFrame({
         **{key: both[key] for key in ROW},
@@ -130,10 +128,10 @@ def step_rows(rows: pd.DataFrame) -> pd.DataFrame:
     same file, missing where there is none)."""
     steps = rows[rows["part"] == "step"].copy()
     steps["tokens_per_s"] = tokens_per_s(steps).where(steps["status"] == "measured")
-    eff = efficiency(rows)[[*ROW, "efficiency", "efficiency_lo", "efficiency_hi", "clear",
-                            "method"]]
-    share = exchange_share(rows)[[*ROW, "share", "share_lo", "share_hi", "exchange_ms"]]
-    hidden = overlap(rows)
+    paired, shared = efficiency(rows), exchange_share(rows)
+    eff = paired[[*ROW, "efficiency", "efficiency_lo", "efficiency_hi", "clear", "method"]]
+    share = shared[[*ROW, "share", "share_lo", "share_hi", "exchange_ms"]]
+    hidden = overlap(paired, shared)
     exchange = rows[rows["part"] == "exchange"]
     keys = [*analysis.RUN_KEYS, *EXCHANGE_CASE]
     exchange = exchange[[*keys, "status", "error"]].drop_duplicates(keys).rename(

@@ -1,14 +1,13 @@
 """Expert-parallel benchmark cases (suite ``ep``): the MoE layer over a mesh of local GPUs.
 
 Two layers, bf16 train step (``value_and_grad`` of ``sum(y * dy)`` w.r.t. the parameters and
-the input, as in ``bench_moe``): the E8 top-2 d512 h1024 layer (``sorted`` dispatch, its fastest
-train step on the H200) and the E64 top-8 w128 decoder layer with a 1024-wide shared expert
-(``fused``, likewise). Weak scaling: ``T`` tokens per GPU, ``T`` = 65536 and 131072, on one GPU
-(no mesh: the plain layer) and on ``n`` local GPUs for every ``n`` from 2 up to the host's
-count that divides the experts (``mesh_sizes``; ``n * T`` tokens, a 1-D ``expert`` mesh, the
-experts split over it). Rows
-carry ``devices``, ``mesh`` (``"expert=n"``, ``None`` for one GPU), ``tokens_per_device``,
-``exchange`` (the transport, ``MoEConfig.exchange``) and ``part``:
+the input, as in ``bench_moe``): the E8 top-2 d512 h1024 layer (``sorted`` dispatch, its
+fastest train step on the H200) and the E64 top-8 w128 decoder layer with a 1024-wide shared
+expert (``fused``, likewise). Weak scaling: ``T`` tokens per GPU, ``T`` = 65536 and 131072, on
+one GPU (no mesh: the plain layer) and on ``n`` local GPUs for every ``n`` from 2 up to the
+host's count that divides the experts (``mesh_sizes``; ``n * T`` tokens, a 1-D ``expert`` mesh,
+the experts split over it). Rows carry ``devices``, ``mesh`` (``"expert=n"``, ``None`` for one
+GPU), ``tokens_per_device``, ``exchange`` (the transport, ``MoEConfig.exchange``) and ``part``:
 
 - ``link``: a plain ``jax.lax.all_to_all`` of the bytes one trip of the copies moves (each GPU
   sends its ``T * top_k`` copies of ``d_model`` bf16 values, an equal share to every GPU;

@@ -104,7 +104,7 @@ def test_each_mesh_size_is_paired_with_the_same_one_gpu_step(tmp_path):
 
 
 def test_overlap_is_the_step_over_the_larger_of_compute_and_exchange(ep_rows):
-    hidden = scaling.overlap(ep_rows).merge(
+    hidden = scaling.overlap(scaling.efficiency(ep_rows), scaling.exchange_share(ep_rows)).merge(
         ep_rows[["source_file", "source_row", "config", "exchange"]]).set_index(
         ["config", "exchange"])
     # only steps with both a timed one-GPU step and a timed exchange row in the file
