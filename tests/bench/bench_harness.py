@@ -294,8 +294,9 @@ class Runner:
             if case.work() >= work:
                 return (f"skipped: not attempted, a smaller or equal size of this config "
                         f"({label}) already failed with: {error[:300]}")
-        if key in state.last_call and self.settings.mode != "smoke":
-            work, seconds = state.last_call[key]
+        work, seconds = state.last_call.get(key, (0.0, 0.0))
+        # A row without a work measure (a piece that only moves data) cannot be scaled.
+        if work > 0 and self.settings.mode != "smoke":
             predicted = seconds * case.work() / work
             calls = 2 + settings.min_rounds
             if predicted * calls > row_limit:

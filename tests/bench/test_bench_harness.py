@@ -115,6 +115,15 @@ def test_time_predicted_from_the_previous_size_skips(fake_benchmark):
     assert "exceeds the 10 s per-row limit" in fake_benchmark.extra_info["error"]
 
 
+def test_a_size_without_a_work_measure_predicts_nothing(fake_benchmark):
+    state = make_state()
+    state.last_call[("fake",)] = (0.0, 1.0)  # a data-movement piece: no flops to scale by
+    case = FakeCase(work=0.0)
+    Runner(fake_benchmark, state).run(case)
+    assert fake_benchmark.extra_info.get("error") is None
+    assert case.workload.calls > 0
+
+
 def test_a_smaller_size_out_of_memory_skips(fake_benchmark):
     state = make_state()
     state.failed[("fake",)] = (2.0, "work=2.0", "RESOURCE_EXHAUSTED: Out of memory")
