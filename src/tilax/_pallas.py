@@ -35,6 +35,12 @@ def gpu_compute_capability() -> tuple[int, int] | None:
 
 
 @functools.cache
+def gpu_device_kind() -> str | None:
+    """``device_kind`` of the first GPU (e.g. ``"NVIDIA H200"``), or ``None`` off GPUs."""
+    return jax.devices()[0].device_kind if platform() == "gpu" else None
+
+
+@functools.cache
 def gpu_core_count() -> int | None:
     """Streaming multiprocessors of the first CUDA device (persistent kernels launch one
     program per SM), or ``None`` off CUDA GPUs."""
@@ -74,10 +80,10 @@ def mosaic_unavailable_reason() -> str | None:
 def resolve_backend(requested: str) -> Backend:
     """Map a user-facing kernel choice to the Pallas backend that will run it.
 
-    ``"auto"``/``"pallas"`` pick Triton on GPUs and interpret mode on CPU (Mosaic GPU is not
-    picked until measurements say where it wins). ``"triton"`` runs the Triton kernel,
-    interpreted on CPU (the same kernel code, so CPU tests cover it). ``"mosaic"`` needs
-    Hopper and raises ``ValueError`` with the reason elsewhere.
+    ``"auto"``/``"pallas"`` pick Triton on GPUs and interpret mode on CPU (the MoE layer's
+    ``impl="auto"`` consults its measured table first: ``tilax.moe.auto_rules``).
+    ``"triton"`` runs the Triton kernel, interpreted on CPU (the same kernel code, so CPU tests
+    cover it). ``"mosaic"`` needs Hopper and raises ``ValueError`` with the reason elsewhere.
     """
     if requested == "mosaic":
         reason = mosaic_unavailable_reason()

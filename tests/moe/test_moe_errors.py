@@ -152,9 +152,10 @@ def test_mosaic_tiles(monkeypatch):
     assert (tiles.block_m, tiles.block_n, tiles.programs_per_sm) == (128, 64, 2)
 
 
-def test_auto_never_picks_mosaic(monkeypatch):
-    # No measurement of the Mosaic GPU backend exists yet: auto and pallas keep Triton.
+def test_auto_picks_mosaic_only_by_a_rule(monkeypatch):
+    # This small config matches no measured rule (tilax.moe.auto_rules): auto keeps Triton.
     monkeypatch.setattr(_pallas, "platform", lambda: "gpu")
+    monkeypatch.setattr(_pallas, "gpu_device_kind", lambda: "NVIDIA H200")
     monkeypatch.setattr(_pallas, "mosaic_unavailable_reason", lambda: None)
     for impl in ("auto", "pallas"):
         assert api.resolve_impl(_config(impl=impl, dtype=jnp.bfloat16)) == "triton"

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 
 from tilax import _pallas
 from tilax.moe import (
+    auto_rules,
     dispatch,
     exchange,
     expert_parallel,
@@ -55,11 +56,13 @@ class MoEConfig:
         routing: ``"dropless"`` (every copy computed), ``"capacity"`` (at most
             ``C = ceil(capacity_factor * T * k / E)`` copies per expert, earliest tokens first,
             the rest dropped) or ``"dense"`` (every expert on every token, weighted).
-        impl: routed-expert implementation: ``"auto"``/``"pallas"`` (the best Pallas backend
-            for the device: Triton on GPUs, interpret mode on CPU), ``"triton"``, ``"mosaic"``
-            (Mosaic GPU kernels, Hopper and newer, bfloat16/float16 only; not yet measured, so
-            ``"auto"`` does not pick it), ``"blocked"`` (padded expert blocks in XLA) or
-            ``"ragged_dot"`` (``jax.lax.ragged_dot``). Ignored by ``routing="dense"``.
+        impl: routed-expert implementation: ``"auto"`` (the Pallas kernels on the backend
+            measured faster for this config and GPU, ``tilax.moe.auto_rules``: Mosaic GPU
+            where a stored run shows it winning, else Triton; interpret mode on CPU),
+            ``"pallas"``/``"triton"`` (Triton on GPUs, interpret mode on CPU), ``"mosaic"``
+            (Mosaic GPU kernels, Hopper and newer, bfloat16/float16 only), ``"blocked"``
+            (padded expert blocks in XLA) or ``"ragged_dot"`` (``jax.lax.ragged_dot``).
+            Ignored by ``routing="dense"``.
         dispatch: data movement of the Pallas path: ``"sorted"``, ``"gather"``, ``"fused"`` or
             ``"fused_gsum"`` (see the module docstring). All are exact up to float rounding.
         capacity_factor: ``> 0``, used by capacity routing.
@@ -289,7 +292,8 @@ def resolve_impl(config: MoEConfig) -> str:
 
     Returns ``"dense"`` for dense routing, ``"blocked"``/``"ragged_dot"`` for the XLA
     baselines, ``"mosaic"`` for ``impl="mosaic"``, and for the other Pallas names the backend:
-    ``"triton"`` on GPUs, ``"interpret"`` on CPU.
+    ``"triton"`` on GPUs, ``"interpret"`` on CPU; ``impl="auto"`` runs ``"mosaic"`` where
+    ``tilax.moe.auto_rules`` holds a measured win for the config on this GPU.
 
     Raises:
         ValueError: ``impl="mosaic"`` on a device that cannot run Mosaic GPU (with the reason),
@@ -310,9 +314,8 @@ def resolve_impl(config: MoEConfig) -> str:
         return "mosaic"
     if config.impl in ("blocked", "ragged_dot"):
         return config.impl
-    # impl="auto" and "pallas" pick Triton on every GPU, Hopper included: no measurement of
-    # the Mosaic GPU backend exists yet. Once the H200 runs compare them in one process, the
-    # rule (per device, dtype, dispatch and sizes, documented in docs/guides/moe.md) goes here.
+    if config.impl == "auto":
+        return auto_rules.auto_backend(config)
     return _pallas.resolve_backend(config.impl)
 
 

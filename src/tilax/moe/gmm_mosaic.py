@@ -32,7 +32,7 @@ Kernels (each wrapper launches one):
 Not warp-specialised: the contractions are short (``d_model`` or ``d_hidden``: a few
 ``block_k`` steps), where two programs per SM already overlap loads, MMAs and epilogues; the
 first H200 measurements should say whether a producer warpgroup pays on top. ``impl="auto"``
-does not pick this backend until they exist.
+picks this backend where ``tilax.moe.auto_rules`` holds a measured win.
 
 Mosaic GPU APIs relied on, read in jax 0.10.2 (installed here) and jax-ml/jax main at
 0.11.1.dev (2026-08), where they are unchanged except that 0.11 makes ``Warpgroup`` lowering
