@@ -34,7 +34,6 @@ def gpu_compute_capability() -> tuple[int, int] | None:
     return int(major), int(minor or 0)
 
 
-@functools.cache
 def gpu_device_kind() -> str | None:
     """``device_kind`` of the first GPU (e.g. ``"NVIDIA H200"``), or ``None`` off GPUs."""
     return jax.devices()[0].device_kind if platform() == "gpu" else None
