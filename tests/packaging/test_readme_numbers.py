@@ -142,11 +142,9 @@ def default_row(file: StoredFile, setting: dict) -> dict:
     """The stored row of what ``impl="auto"``, ``dispatch="sorted"`` runs for ``setting``."""
     from tilax.moe import auto_rules
 
-    rule = any(
-        (r.device_kind, r.dtype, r.dispatch, r.num_experts, r.top_k)
-        == (file.machine.get("gpu"), "bfloat16", "sorted", setting["experts"], setting["top_k"])
-        for r in auto_rules.RULES)
-    return stored_row(file, setting, "mosaic" if rule else "pallas", "sorted")
+    rule = auto_rules.rule_for(file.machine.get("gpu"), "bfloat16", "sorted",
+                               setting["experts"], setting["top_k"])
+    return stored_row(file, setting, rule.backend if rule else "pallas", "sorted")
 
 
 def column_row(header: str, file: StoredFile, row: TableRow, cell: str) -> dict:

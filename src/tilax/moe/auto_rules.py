@@ -43,19 +43,24 @@ RULES: tuple[AutoRule, ...] = (
 )
 
 
+def rule_for(device_kind, dtype, dispatch: str, num_experts: int, top_k: int) -> AutoRule | None:
+    """The rule of a layer (dropless, default tiles) on a GPU of ``device_kind``, or ``None``."""
+    for rule in RULES:
+        if (rule.device_kind == device_kind and jnp.dtype(rule.dtype) == jnp.dtype(dtype)
+                and (rule.dispatch, rule.num_experts, rule.top_k)
+                == (dispatch, num_experts, top_k)):
+            return rule
+    return None
+
+
 def matching_rule(config) -> AutoRule | None:
     """The rule for ``config`` (an ``MoEConfig``) on this device, or ``None``."""
     tiles_set = any(getattr(config, name) is not None for name in
                     ("block_m", "block_n", "block_k", "num_warps", "num_stages"))
     if config.routing != "dropless" or config.recompute or tiles_set:
         return None
-    kind = _pallas.gpu_device_kind()
-    for rule in RULES:
-        if (rule.device_kind == kind and jnp.dtype(rule.dtype) == jnp.dtype(config.dtype)
-                and (rule.dispatch, rule.num_experts, rule.top_k)
-                == (config.dispatch, config.num_experts, config.top_k)):
-            return rule
-    return None
+    return rule_for(_pallas.gpu_device_kind(), config.dtype, config.dispatch,
+                    config.num_experts, config.top_k)
 
 
 def auto_backend(config) -> str:
