@@ -68,6 +68,8 @@ COLUMNS: dict[str, tuple[str, str]] = {
                     "mesh)"),
     "devices": ("Int64", "GPUs the call ran on (suite ep)"),
     "precision": ("str", "RBF dot precision"),
+    "fwd_backend": ("str", "RBF pallas rows: backend of the forward kernel (triton, mosaic, "
+                    "interpret)"),
     # Problem shape and tuning knobs.
     "tokens": ("Int64", "MoE / NN tokens per call (suite ep: over all its GPUs)"),
     "tokens_per_device": ("Int64", "tokens per GPU (suite ep: weak scaling keeps it fixed)"),

@@ -92,7 +92,24 @@ class RbfCase:
         for name in ("block_q", "block_k", "block_o"):
             if getattr(self, name) is not None:
                 info[name] = getattr(self, name)
+        if self.impl == "pallas" and self.suite != "kde_density":
+            info["fwd_backend"] = self.forward_backend()
         return info
+
+    def forward_backend(self) -> str:
+        """The backend of ``rbf_kernel_mv``'s forward kernel here: the fast path's (the exact
+        path's for ``"highest"``): ``"triton"``, ``"mosaic"`` (Hopper) or ``"interpret"``."""
+        from tilax import _pallas
+        from tilax.rbf import pallas_config
+
+        backend = _pallas.resolve_backend("pallas")
+        cfg = pallas_config.default_config(
+            backend, self.precision, batch=self.batch, n=self.n, m=self.keys,
+            out=self.out or 1, dim=self.dim, block_q=self.block_q, block_k=self.block_k,
+            block_o=self.block_o,
+        )  # fmt: skip
+        path = cfg.fast or cfg.exact
+        return path.fwd.backend or path.backend
 
     def scale_key(self) -> tuple:
         fields = dataclasses.asdict(self)
@@ -330,6 +347,15 @@ class RbfLaunchCase(RbfCase):
             parts.append(self.precision)
         parts.append(self.op)
         return "-".join(parts)
+
+    def forward_backend(self) -> str:
+        """A replaced forward launch runs the path's backend (the sweep measures Triton's
+        launches on a GPU)."""
+        if self.kernel == "fwd":
+            from tilax import _pallas
+
+            return _pallas.resolve_backend("pallas")
+        return super().forward_backend()
 
     def extra_info(self) -> dict[str, Any]:
         return {**super().extra_info(), "path": self.path, "kernel": self.kernel,

@@ -1,7 +1,8 @@
 """GPU checks of the Triton kernels against float64 at moderate sizes (skipped off GPU).
 
 Run on the GPU host: ``PYTHONPATH=src python -m pytest tests/rbf/test_rbf_gpu.py -m gpu -q``
-(43 tests, about 200 s on the H200 at commit cf11ba3, where all passed).
+(44 tests; the 43 before the Mosaic GPU forward's passed in 199 s on the H200 at commit
+34e4f92).
 The float64 oracle runs on the GPU with x64 enabled only inside the oracle.
 tests/rbf/test_rbf_numerics.py runs on the GPU too (the extreme-scale cases).
 """
@@ -249,3 +250,20 @@ def test_peak_memory_is_linear_in_n():
     small, large = peak(16384), peak(65536)
     assert large < 6 * small, (small, large)
 
+
+
+def test_mosaic_forward_at_a_size_that_chooses_it():
+    """At N = M = 40000 (program tiles of 128 rows keep two programs per SM) the default fast
+    forward runs the Mosaic GPU kernel on Hopper (tilax.rbf.pallas_mosaic); against
+    ``"highest"`` (float32-exact) on the same data, with keys not a multiple of the tile."""
+    from tilax import _pallas
+
+    if _pallas.mosaic_unavailable_reason() is not None:
+        pytest.skip(_pallas.mosaic_unavailable_reason())
+    q, k, v, lengthscale, _ = make_inputs(7, (), 40000, 40037, 8, 16)
+    config = pallas_config.default_config("triton", None, batch=1, n=40000, m=40037, out=16,
+                                          dim=8)
+    assert config.fast.fwd.backend == "mosaic"
+    fast = tilax.rbf_kernel_mv(q, k, v, lengthscale, impl="pallas")
+    exact = tilax.rbf_kernel_mv(q, k, v, lengthscale, impl="pallas", precision="highest")
+    assert rel_err(fast, exact) < TOLERANCE["default"]

@@ -31,6 +31,7 @@ import functools
 import jax
 
 from tilax import _pallas
+from tilax.rbf import pallas_mosaic
 from tilax.rbf.pallas_triton import Difference, Distance, Expansion, difference_dims
 
 PRECISIONS = ("highest", "high", "default")
@@ -75,7 +76,10 @@ class Launch:
 
     ``block_p``: rows of the point set one program owns (its grid axis); ``block_l``: rows of
     the other point set per step of the in-kernel loop; ``block_o``: value columns per program
-    (forward) or per dot (gradients).
+    (forward) or per dot (gradients). ``backend``: ``"mosaic"`` where ``rbf_kernel_mv``'s fast
+    forward runs ``tilax.rbf.pallas_mosaic`` (Hopper; ``num_stages`` is then its key/value
+    tiles in flight, ``num_warps`` unused), else ``None``: the path's backend (the KDE's
+    forward, which has no Mosaic GPU kernel, always runs Triton with these tiles).
     """
 
     block_p: int
@@ -83,6 +87,7 @@ class Launch:
     block_o: int = 16
     num_warps: int = 4
     num_stages: int = 2
+    backend: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -386,8 +391,13 @@ def _path_config(
         fwd = dq = Launch(q_tile, k_tile, value_tile)
         dk = Launch(k_tile, q_tile, value_tile)
         return PathConfig(backend, modes, cols, fwd, dq, dk)
-    return _gpu_path_config(modes, backend, path, batch, n, m, cols, value_tile, dim, block_q,
-                            block_k, limit)  # fmt: skip
+    config = _gpu_path_config(modes, backend, path, batch, n, m, cols, value_tile, dim, block_q,
+                              block_k, limit)  # fmt: skip
+    # Not cached with the launches: whether Mosaic GPU runs is the device's (tests stand in).
+    if path == "fast" and pallas_mosaic.runs(config.fwd, forward_distance(modes, dim),
+                                             modes.values, parts_width(dim)):
+        config = dataclasses.replace(config, fwd=dataclasses.replace(config.fwd, backend="mosaic"))
+    return config
 
 
 @functools.lru_cache(maxsize=4096)

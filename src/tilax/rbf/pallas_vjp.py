@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from tilax.rbf import numerics, pallas_triton
+from tilax.rbf import numerics, pallas_mosaic, pallas_triton
 from tilax.rbf import pallas_layout as layout
 from tilax.rbf.pallas_config import (
     Launch,
@@ -126,8 +126,10 @@ def _kernel_mv_fast_fwd(qs, ks, v, path: PathConfig):
     rows_q, rows_k = path.query_rows(n, backward=False), path.key_rows(m, backward=False)
     x, y = layout.expansion_points(distance, qs, ks, rows_q, rows_k)
     values = layout.value_operand(v, rows_k, path.cols, path.modes.values)
+    kernel = pallas_mosaic.kernel_matmul if path.fwd.backend == "mosaic" else (
+        pallas_triton.kernel_matmul)
     out = _run(
-        "rbf_kernel_mv", pallas_triton.kernel_matmul, path, path.fwd, dict(x=x, y=y, v=values),
+        "rbf_kernel_mv", kernel, path, path.fwd, dict(x=x, y=y, v=values),
         distance=distance, valid_l=m, block_o=path.fwd.block_o, values=path.modes.values,
     )  # fmt: skip
     return out[:, :n, :out_dim], (qs, ks, v)

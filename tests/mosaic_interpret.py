@@ -5,7 +5,8 @@ simulates SMs, SMEM, TMA copies, barriers and ``wgmma`` on the CPU, on logical a
 what a kernel computes (indices, masks, the stored rows, the epilogues), not layouts, swizzles,
 register pressure or timing, which only the GPU tests do. Its ``wgmma`` reads operands through
 index transforms only; :func:`gpu_interpreter` teaches it transposed operands
-(``plgpu.transpose_ref``) by transposing what it reads.
+(``plgpu.transpose_ref``) by transposing what it reads, and an operand A held in registers.
+Used by the MoE and RBF Mosaic GPU tests.
 """
 
 from __future__ import annotations
@@ -55,16 +56,30 @@ def gpu_interpreter():
 
     def matmul(a, b, **kwargs):
         a_t, b_t = getattr(_transposed, "flags", (False, False))
+        registers = getattr(_transposed, "registers", None)
+        if registers is not None:
+            a = registers
         return np.matmul(a.T if a_t else a, b.T if b_t else b, **kwargs)
 
-    def wgmma(*, a_transforms, b_transforms, **kwargs):
+    def wgmma(*, a_allocation_key_as_array, a_transforms, b_allocation_key_as_array,
+              b_transforms, **kwargs):
+        # An operand A held in registers arrives as its value where a buffer key would be: read
+        # B's buffer in its place (a valid key) and multiply the value instead.
+        a_value = np.asarray(a_allocation_key_as_array)
+        registers = a_value if a_value.ndim > 1 else None
+        if registers is not None:
+            a_allocation_key_as_array, a_transforms = b_allocation_key_as_array, b_transforms
         a_transforms, a_t = _strip_transpose(a_transforms)
         b_transforms, b_t = _strip_transpose(b_transforms)
-        _transposed.flags = (a_t, b_t)
+        _transposed.flags = (a_t and registers is None, b_t)
+        _transposed.registers = registers
         try:
-            return original_wgmma(a_transforms=a_transforms, b_transforms=b_transforms, **kwargs)
+            return original_wgmma(
+                a_allocation_key_as_array=a_allocation_key_as_array, a_transforms=a_transforms,
+                b_allocation_key_as_array=b_allocation_key_as_array, b_transforms=b_transforms,
+                **kwargs)
         finally:
-            _transposed.flags = (False, False)
+            _transposed.flags, _transposed.registers = (False, False), None
 
     numpy_view = types.SimpleNamespace(**{n: getattr(np, n) for n in dir(np) if not n[:2] == "__"})
     numpy_view.matmul = matmul
