@@ -116,6 +116,8 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "round_ms": ("object", "the time of every round, ms (a tuple; pytest-benchmark stats.data)"),
     "inner": ("Int64", "calls per timed sample (seed files: inner; pytest-benchmark: iterations)"),
     "compile_s": ("float64", "first call including compilation, s"),
+    "sync_call_s": ("float64", "one warm call and its wait on its own (host latency included: "
+                               "the timed rounds queue calls back to back), s"),
     "run_s": ("float64", "wall time of the fresh subprocess (memory ladders), s"),
     # Throughput.
     "flops": ("float64", "counted useful FLOPs of one call (pytest-benchmark MoE rows)"),

@@ -41,7 +41,7 @@ import importlib.util
 import os
 from typing import Any
 
-from bench_harness import Unavailable, jax_device_memory
+from bench_harness import JaxWorkload, Unavailable
 
 MOE_IMPLS_WITH_DISPATCH = ("pallas", "triton", "mosaic", "blocked", "ragged_dot")
 TORCH_IMPLS = ("torch_grouped_mm", "torch_grouped_mm_compile")
@@ -492,29 +492,6 @@ def rel_err(actual, expected) -> float:
         diff += jnp.sum(jnp.square(a.astype(jnp.float32) - e))
         norm += jnp.sum(jnp.square(e))
     return float(jnp.sqrt(diff) / jnp.maximum(jnp.sqrt(norm), 1e-30))
-
-
-class JaxWorkload:
-    """A jitted function and its arguments; ``call`` ends in ``block_until_ready``."""
-
-    def __init__(self, fn, args, inspect=None):
-        self.fn = fn
-        self.args = args
-        self._inspect = inspect
-
-    def call(self):
-        import jax
-
-        return jax.block_until_ready(self.fn(*self.args))
-
-    def inspect(self, out) -> dict:
-        return self._inspect(out) if self._inspect else {}
-
-    def memory(self) -> tuple[int | None, int | None]:
-        return jax_device_memory()
-
-    def close(self) -> None:
-        self.args = None
 
 
 def numerics_info(case: MoECase, state, inputs: MoEInputs, y, grad_x=None,

@@ -36,7 +36,7 @@ import sys
 from typing import Any
 
 import numpy as np
-from bench_harness import Unavailable, jax_device_memory, torch_device_memory
+from bench_harness import JaxWorkload, Unavailable, torch_device_memory
 
 NUMERICS_ROWS = 1024
 REFERENCE_CHUNK_ELEMENTS = 1 << 24
@@ -616,25 +616,6 @@ def numerics_info(case: RbfCase, state, inputs: RbfInputs, out, masked_grads) ->
 # ----------------------------------------------------------------------------- JAX impls
 
 
-class JaxRbfWorkload:
-    def __init__(self, fn, args, inspect):
-        self.fn, self.args, self._inspect = fn, args, inspect
-
-    def call(self):
-        import jax
-
-        return jax.block_until_ready(self.fn(*self.args))
-
-    def inspect(self, out) -> dict:
-        return self._inspect(out)
-
-    def memory(self) -> tuple[int | None, int | None]:
-        return jax_device_memory()
-
-    def close(self) -> None:
-        self.args = None
-
-
 def tilax_op(case: RbfCase):
     import tilax
 
@@ -646,7 +627,7 @@ def tilax_op(case: RbfCase):
                                                       precision=case.precision, **tiles)
 
 
-def build_jax(case: RbfCase, state, op=None) -> JaxRbfWorkload:
+def build_jax(case: RbfCase, state, op=None) -> JaxWorkload:
     """``op`` (default: the public API, ``tilax_op``) jitted as a forward call or as
     ``jax.vjp`` of it, with the case's inputs."""
     import jax
@@ -678,8 +659,8 @@ def build_jax(case: RbfCase, state, op=None) -> JaxRbfWorkload:
         return numerics_info(case, state, inputs, forward, masked_grads)
 
     if case.op == "fwd":
-        return JaxRbfWorkload(jax.jit(op), tuple(primals), inspect)
-    return JaxRbfWorkload(fwd_bwd, (*primals, jnp.asarray(inputs.g)), inspect)
+        return JaxWorkload(jax.jit(op), tuple(primals), inspect)
+    return JaxWorkload(fwd_bwd, (*primals, jnp.asarray(inputs.g)), inspect)
 
 
 # ----------------------------------------------------------------------------- torch peers
@@ -759,7 +740,8 @@ def probe_keops(state) -> None:
 
 
 class TorchWorkload:
-    """torch_dense or keops on the GPU (CPU where torch has no CUDA); ``call`` synchronises."""
+    """torch_dense or keops on the GPU (CPU where torch has no CUDA). ``start`` runs one call
+    without waiting for the device, ``finish`` synchronises, ``call`` does both."""
 
     def __init__(self, case: RbfCase, state, keops: bool):
         torch = _import_torch()
@@ -787,14 +769,18 @@ class TorchWorkload:
         grads = torch.autograd.grad(out, leaves, g)
         return out.detach(), grads
 
-    def call(self):
+    def start(self):
         if self.case.op == "fwd":
             with self.torch.no_grad():
-                out = self.op(*self.tensors)
-        else:
-            out = self._fwd_bwd(self.g)
+                return self.op(*self.tensors)
+        return self._fwd_bwd(self.g)
+
+    def finish(self, pending):
         self._sync()
-        return out
+        return pending
+
+    def call(self):
+        return self.finish(self.start())
 
     def inspect(self, out) -> dict:
         forward = out if self.case.op == "fwd" else out[0]

@@ -76,7 +76,8 @@ def _to_torch(torch, array, device, dtype=None):
 
 
 class TorchMoEWorkload:
-    """One ``torch_grouped_mm*`` row; ``call`` ends in ``torch.cuda.synchronize``.
+    """One ``torch_grouped_mm*`` row. ``start`` runs one call without waiting for the device,
+    ``finish`` ends in ``torch.cuda.synchronize``, ``call`` does both.
 
     ``numerics(y, grad_x, grad_params)`` receives float32 numpy arrays (``grad_params`` shaped
     like the JAX parameters) and returns the row's numerics fields.
@@ -122,15 +123,19 @@ class TorchMoEWorkload:
         grads = torch.autograd.grad(loss, leaves)
         return y.detach(), grads
 
-    def call(self):
+    def start(self):
         if self.case.op == "forward":
             with self.torch.no_grad():
-                out = self.layer(self.x, self.params, self.case.top_k)
-        else:
-            out = self._train_step()
+                return self.layer(self.x, self.params, self.case.top_k)
+        return self._train_step()
+
+    def finish(self, pending):
         if self.device == "cuda":
             self.torch.cuda.synchronize()
-        return out
+        return pending
+
+    def call(self):
+        return self.finish(self.start())
 
     def inspect(self, out) -> dict:
         def numpy(t):

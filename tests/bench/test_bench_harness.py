@@ -4,6 +4,7 @@ pytest-benchmark fixture is exercised by the smoke rows themselves (see
 test_bench_contract.py). Smoke mode only (``bench_contract``).
 """
 
+import math
 import statistics
 import time
 from types import SimpleNamespace
@@ -29,7 +30,7 @@ class FakeBenchmark:
                 target()
             data.append((time.perf_counter() - start) / iterations)
         self.stats = SimpleNamespace(stats=SimpleNamespace(
-            median=statistics.median(data), rounds=rounds, min=min(data)))
+            median=statistics.median(data), rounds=rounds, iterations=iterations, min=min(data)))
 
 
 @pytest.fixture
@@ -39,14 +40,21 @@ def fake_benchmark():
 
 class FakeWorkload:
     def __init__(self, seconds=0.0, error=None):
-        self.seconds, self.error, self.calls = seconds, error, 0
+        self.seconds, self.error, self.calls, self.waits = seconds, error, 0, []
 
-    def call(self):
+    def start(self):
         self.calls += 1
         if self.error and self.calls >= self.error[0]:
             raise self.error[1]
         time.sleep(self.seconds)
         return self.calls
+
+    def finish(self, pending):
+        self.waits.append(pending)
+        return pending
+
+    def call(self):
+        return self.finish(self.start())
 
     def inspect(self, out):
         return {"first_output": out}
@@ -98,7 +106,12 @@ def test_measured_row(fake_benchmark):
     stats = fake_benchmark.stats.stats
     assert 3 <= stats.rounds <= 5 and stats.median >= 0.002
     assert info["tflops"] == pytest.approx(1e9 / stats.median / 1e12)
-    assert workload.calls == 2 + stats.rounds  # compile call, warm-up call, timed rounds
+    # compile call, warm-up call, then rounds of calls queued back to back (50 ms of 2 ms
+    # calls), waiting once per round
+    queued = stats.iterations
+    assert info["sync_call_s"] >= 0.002 and queued == math.ceil(0.05 / info["sync_call_s"]) > 20
+    assert workload.calls == 2 + stats.rounds * queued
+    assert workload.waits[2:] == [2 + queued * (r + 1) for r in range(stats.rounds)]
 
 
 def test_budget_spent_makes_a_skipped_row(fake_benchmark):
@@ -339,17 +352,19 @@ class LimitedCase(FakeCase):
 
 
 def test_a_case_limit_caps_its_timed_rounds(fake_benchmark):
-    # 20 ms calls, 70 ms allowed: the first two calls take 40 ms, one timed round fits
+    # 20 ms calls, 70 ms allowed: the first two calls take 40 ms, one round of one call fits
+    # (not the three calls a round would queue without the limit)
     workload = FakeWorkload(seconds=0.02)
     Runner(fake_benchmark, make_state(target_time_s=1.0)).run(
         LimitedCase(0.07, work=1e9, workload=workload))
     assert "error" not in fake_benchmark.extra_info
-    assert fake_benchmark.stats.stats.rounds == 1 and workload.calls == 3
+    stats = fake_benchmark.stats.stats
+    assert (stats.rounds, stats.iterations) == (1, 1) and workload.calls == 3
     # a fast call keeps its planned rounds; a case without a limit of its own is not capped
     for case in (LimitedCase(10.0, workload=FakeWorkload(0.002)),
                  FakeCase(workload=FakeWorkload(0.02))):
         benchmark = FakeBenchmark()
-        Runner(benchmark, make_state(target_time_s=1.0, row_limit_s=0.07)).run(case)
+        Runner(benchmark, make_state(target_time_s=1.0, row_limit_s=0.5)).run(case)
         assert benchmark.stats.stats.rounds == 5
 
 

@@ -23,7 +23,7 @@ FAMILIES = ("moe", "rbf")
 REQUIRED = ["family", "suite", "impl", "dtype", "op"]
 # extra_info keys copied under the same name.
 SAME_NAME = [
-    "family", "suite", "impl", "dtype", "op", "compile_s", "error",
+    "family", "suite", "impl", "dtype", "op", "compile_s", "sync_call_s", "error",
     # MoE
     "routing", "dispatch", "tokens", "d_model", "d_hidden", "experts", "top_k",
     "shared_hidden", "skew", "flops", "tflops", "max_expert_frac", "empty_experts",

@@ -83,6 +83,8 @@ def kernel_matmul(
     scale: jax.Array | None = None,
     num_warps: int | None = None,
     num_stages: int | None = 2,
+    compute_warpgroups: int = COMPUTE_WARPGROUPS,
+    ping_pong: bool = True,
 ) -> jax.Array:
     """``out[b, i, :] = sum_{l < valid_l} exp2(min(x[b, i] . y[b, l], 0)) v[b, l, :]``, float32
     ``[B, P, O]``; the signature of ``pallas_triton.kernel_matmul`` (``backend``, ``scale`` and
@@ -94,9 +96,11 @@ def kernel_matmul(
     reason = unsupported_reason(distance, values, width, block_o)
     if reason is None and scale is not None:
         reason = "it takes no residual scale"
-    if reason is None and (block_p != BLOCK_P or num_p % block_p or num_l % block_l
+    wgs = compute_warpgroups
+    ping_pong = ping_pong and wgs == 2
+    if reason is None and (block_p != ROWS_PER_WARPGROUP * wgs or num_p % block_p or num_l % block_l
                            or num_o % block_o or block_l % 64):
-        reason = (f"tiles: P={num_p} by {block_p} (must be {BLOCK_P}), L={num_l} by "
+        reason = (f"tiles: P={num_p} by {block_p} (must be {ROWS_PER_WARPGROUP * wgs}), L={num_l} by "
                   f"{block_l} (a multiple of 64), O={num_o} by {block_o}")
     if reason is not None:
         raise ValueError(f"the Mosaic GPU RBF forward cannot run this: {reason}")
@@ -104,6 +108,9 @@ def kernel_matmul(
     full_steps = valid_l // block_l
     steps = max(1, min(num_stages or 2, kv_steps))
     rows = ROWS_PER_WARPGROUP
+    # An SM's 64K registers split between the compute warpgroups and the memory one.
+    memory_registers = 40 if wgs < 4 else 24
+    compute_registers = min(232, (65536 // 128 - memory_registers) // wgs // 8 * 8)
 
     def kernel(x_ref, y_ref, v_ref, out_ref, scoped):
         (x_smem2, y_smem, v_smem, o_smem2), (y_ready, v_ready, x_ready), free, turn = scoped
@@ -112,15 +119,16 @@ def kernel_matmul(
         cols = pl.ds(lax.axis_index("o") * block_o, block_o)
 
         def take_turn():
-            plgpu.barrier_arrive(turn)
-            plgpu.barrier_wait(turn)
+            if ping_pong:
+                plgpu.barrier_arrive(turn)
+                plgpu.barrier_wait(turn)
 
         def slot_of(step):
             return lax.rem(step, jnp.array(steps, step.dtype))
 
-        @pl.when(wg < COMPUTE_WARPGROUPS)
+        @pl.when(wg < wgs)
         def _compute():
-            plgpu.set_max_registers(232, action="increase")
+            plgpu.set_max_registers(compute_registers, action="increase")
             x_smem, o_smem = x_smem2.at[wg], o_smem2.at[wg]
             own = pl.ds(lax.axis_index("p") * block_p + wg * rows, rows)
             plgpu.copy_gmem_to_smem(x_ref.at[b, own], x_smem, x_ready.at[wg])
@@ -144,9 +152,11 @@ def kernel_matmul(
                                                     layout=plgpu.Layout.WGMMA)
                     p = jnp.where(column + kv_step * block_l < valid_l, p, 0.0)
                 p16 = lax.optimization_barrier(p.astype(jnp.bfloat16))
-                plgpu.barrier_arrive(turn)  # done with the exps
+                if ping_pong:
+                    plgpu.barrier_arrive(turn)  # done with the exps
                 plgpu.barrier_wait(v_ready.at[slot])
-                plgpu.barrier_wait(turn)  # the tensor cores are this warpgroup's again
+                if ping_pong:
+                    plgpu.barrier_wait(turn)  # the tensor cores are this warpgroup's again
                 plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
                 following = kv_step + 1
 
@@ -173,9 +183,9 @@ def kernel_matmul(
             plgpu.copy_smem_to_gmem(o_smem, out_ref.at[b, own, cols])
             plgpu.wait_smem_to_gmem(0)
 
-        @pl.when(wg == COMPUTE_WARPGROUPS)
+        @pl.when(wg == wgs)
         def _memory():
-            plgpu.set_max_registers(40, action="decrease")
+            plgpu.set_max_registers(memory_registers, action="decrease")
 
             def fetch(tile, slot):
                 keys = pl.ds(tile * block_l, block_l)
@@ -201,18 +211,18 @@ def kernel_matmul(
 
     def entry(x_ref, y_ref, v_ref, out_ref):
         smem = [
-            plgpu.SMEM((COMPUTE_WARPGROUPS, rows, width), jnp.float32, transforms=_tiles(width, 4)),
+            plgpu.SMEM((wgs, rows, width), jnp.float32, transforms=_tiles(width, 4)),
             plgpu.SMEM((steps, block_l, width), jnp.float32, transforms=_tiles(width, 4)),
             plgpu.SMEM((steps, block_l, block_o), jnp.bfloat16, transforms=_tiles(block_o, 2)),
-            plgpu.SMEM((COMPUTE_WARPGROUPS, rows, block_o), jnp.float32),
+            plgpu.SMEM((wgs, rows, block_o), jnp.float32),
         ]
         pl.run_scoped(
             lambda *scoped: kernel(x_ref, y_ref, v_ref, out_ref, scoped),
             smem,
             (plgpu.Barrier(num_barriers=steps), plgpu.Barrier(num_barriers=steps),
-             plgpu.Barrier(num_barriers=COMPUTE_WARPGROUPS)),
-            (plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=steps),) * 2,
-            plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS),
+             plgpu.Barrier(num_barriers=wgs)),
+            (plgpu.Barrier(num_arrivals=wgs, num_barriers=steps),) * 2,
+            plgpu.Barrier(num_arrivals=2),
             collective_axes="wg",
         )
 
@@ -221,7 +231,7 @@ def kernel_matmul(
         out_type=jax.ShapeDtypeStruct((batch, num_p, num_o), jnp.float32),
         grid=(num_p // block_p, num_o // block_o, batch),
         grid_names=("p", "o", "b"),
-        num_threads=COMPUTE_WARPGROUPS + 1,
+        num_threads=wgs + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         kernel_name="rbf_kernel_matmul_mosaic",
