@@ -98,9 +98,10 @@ def kernel_matmul(
         reason = "it takes no residual scale"
     wgs = compute_warpgroups
     ping_pong = ping_pong and wgs == 2
-    if reason is None and (block_p != ROWS_PER_WARPGROUP * wgs or num_p % block_p or num_l % block_l
+    program_rows = ROWS_PER_WARPGROUP * wgs
+    if reason is None and (block_p != program_rows or num_p % block_p or num_l % block_l
                            or num_o % block_o or block_l % 64):
-        reason = (f"tiles: P={num_p} by {block_p} (must be {ROWS_PER_WARPGROUP * wgs}), L={num_l} by "
+        reason = (f"tiles: P={num_p} by {block_p} (must be {program_rows}), L={num_l} by "
                   f"{block_l} (a multiple of 64), O={num_o} by {block_o}")
     if reason is not None:
         raise ValueError(f"the Mosaic GPU RBF forward cannot run this: {reason}")
