@@ -85,6 +85,7 @@ def kernel_matmul(
     num_stages: int | None = 2,
     compute_warpgroups: int = COMPUTE_WARPGROUPS,
     ping_pong: bool = True,
+    integer_rounding: bool = False,
 ) -> jax.Array:
     """``out[b, i, :] = sum_{l < valid_l} exp2(min(x[b, i] . y[b, l], 0)) v[b, l, :]``, float32
     ``[B, P, O]``; the signature of ``pallas_triton.kernel_matmul`` (``backend``, ``scale`` and
@@ -152,7 +153,13 @@ def kernel_matmul(
                     column = plgpu.broadcasted_iota(jnp.int32, (rows, block_l), 1,
                                                     layout=plgpu.Layout.WGMMA)
                     p = jnp.where(column + kv_step * block_l < valid_l, p, 0.0)
-                p16 = lax.optimization_barrier(p.astype(jnp.bfloat16))
+                if integer_rounding:
+                    bits = lax.bitcast_convert_type(p, jnp.uint32)
+                    bits = bits + (0x7FFF + ((bits >> 16) & 1))  # to nearest, ties to even
+                    p16 = lax.bitcast_convert_type((bits >> 16).astype(jnp.uint16), jnp.bfloat16)
+                else:
+                    p16 = p.astype(jnp.bfloat16)
+                p16 = lax.optimization_barrier(p16)
                 if ping_pong:
                     plgpu.barrier_arrive(turn)  # done with the exps
                 plgpu.barrier_wait(v_ready.at[slot])
