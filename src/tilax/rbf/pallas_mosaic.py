@@ -38,8 +38,6 @@ MAX_WIDTH = 64
 #: Key/value tiles in flight. Measured on the H200 (N = M = 65536, D 8, O 16, 128-key tiles):
 #: 1.59 ms of kernel with 2, 1.65 ms with 3.
 KEY_STAGES = 2
-#: 2^f on [-1/2, 1/2], cubic, relative error under 7.6e-5 (bfloat16 rounds P to 2e-3).
-EXP2_POLY = (0.99992824, 0.69326097, 0.24260852, 0.0551705)
 
 
 def unsupported_reason(distance: Distance, values: str, width: int, block_o: int) -> str | None:
@@ -73,22 +71,6 @@ def _tiles(cols: int, itemsize: int):
     return plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)
 
 
-def _exp2_on_fma(t):
-    """``exp2(t)`` for ``t <= 0`` by the FMA unit, not the exp unit (FlashAttention-4's trick):
-    ``t = j + f`` with ``j`` an integer and ``|f| <= 1/2``, ``2^f`` by a cubic, ``j`` added to the
-    exponent bits. Below ``2^-125`` the result is 0."""
-    t = jnp.maximum(t, -125.0)
-    # 1.5 * 2^23 rounds t to an integer, held in the low mantissa bits; the barrier keeps a
-    # compiler from folding (t + c) - c back into t.
-    shifted = lax.optimization_barrier(t + 12582912.0)
-    f = t - (shifted - 12582912.0)
-    c0, c1, c2, c3 = EXP2_POLY
-    poly = ((c3 * f + c2) * f + c1) * f + c0
-    bits = lax.bitcast_convert_type(poly, jnp.int32)
-    bits = bits + (lax.bitcast_convert_type(shifted, jnp.int32) << 23)
-    return jnp.where(t > -125.0, lax.bitcast_convert_type(bits, jnp.float32), 0.0)
-
-
 def kernel_matmul(
     x: jax.Array,
     y: jax.Array,
@@ -104,13 +86,11 @@ def kernel_matmul(
     scale: jax.Array | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
-    fma_keys: int = 0,
 ) -> jax.Array:
     """``out[b, i, :] = sum_{l < valid_l} exp2(min(x[b, i] . y[b, l], 0)) v[b, l, :]``, float32
     ``[B, P, O]``; the signature of ``pallas_triton.kernel_matmul`` (``backend``, ``scale``,
     ``num_warps`` and ``num_stages`` are not used: one backend, no residual scale, three
-    warpgroups, ``KEY_STAGES``). ``fma_keys``: keys of each tile (the last ones, a multiple of
-    64) whose exps the FMA unit computes instead of the exp unit."""
+    warpgroups, ``KEY_STAGES``)."""
     del backend, num_warps, num_stages
     batch, num_p, width = x.shape
     num_l, num_o = v.shape[1], v.shape[2]
@@ -118,20 +98,15 @@ def kernel_matmul(
     if reason is None and scale is not None:
         reason = "it takes no residual scale"
     if reason is None and (block_p != BLOCK_P or num_p % block_p or num_l % block_l
-                           or num_o % block_o or block_l % 64 or fma_keys % 64
-                           or fma_keys > block_l):
+                           or num_o % block_o or block_l % 64):
         reason = (f"tiles: P={num_p} by {block_p} (must be {BLOCK_P}), L={num_l} by "
-                  f"{block_l} (a multiple of 64, with {fma_keys} keys of it, a multiple of "
-                  f"64, on the FMA unit), O={num_o} by {block_o}")
+                  f"{block_l} (a multiple of 64), O={num_o} by {block_o}")
     if reason is not None:
         raise ValueError(f"the Mosaic GPU RBF forward cannot run this: {reason}")
     kv_steps = pl.cdiv(valid_l, block_l)
     full_steps = valid_l // block_l
     steps = max(1, min(KEY_STAGES, kv_steps))
     rows = ROWS_PER_WARPGROUP
-    # Key slices of a tile: exps on the exp unit, then on the FMA unit.
-    parts = [(start, size) for start, size in ((0, block_l - fma_keys),
-                                               (block_l - fma_keys, fma_keys)) if size]
 
     def kernel(x_ref, y_ref, v_ref, out_ref, scoped):
         (x_smem2, y_smem, v_smem, o_smem2), (y_ready, v_ready, x_ready), free, turn = scoped
@@ -159,32 +134,25 @@ def kernel_matmul(
             def step(kv_step, acc_ref, masked):
                 slot = slot_of(kv_step)
 
-                def exponents(*t_refs):
-                    for t_ref, (start, size) in zip(t_refs, parts, strict=True):
-                        keys = y_smem.at[slot, pl.ds(start, size)]
-                        plgpu.wgmma(t_ref, x_smem, _transposed(keys))
+                def exponents(t_ref):
+                    plgpu.wgmma(t_ref, x_smem, _transposed(y_smem.at[slot]))
                     take_turn()
-                    return [t_ref[...] for t_ref in t_refs]
+                    return t_ref[...]
 
-                ts = pl.run_scoped(exponents, *[plgpu.ACC((rows, size), jnp.float32)
-                                                for _, size in parts])
+                t = pl.run_scoped(exponents, plgpu.ACC((rows, block_l), jnp.float32))
                 plgpu.barrier_arrive(y_free.at[slot])
-                p16 = []
-                for t, (start, size) in zip(ts, parts, strict=True):
-                    t = jnp.minimum(t, 0.0)
-                    p = jnp.exp2(t) if start == 0 else _exp2_on_fma(t)
-                    if masked:
-                        column = plgpu.broadcasted_iota(jnp.int32, (rows, size), 1,
-                                                        layout=plgpu.Layout.WGMMA)
-                        p = jnp.where(column + (kv_step * block_l + start) < valid_l, p, 0.0)
-                    p16.append(p.astype(jnp.bfloat16))
-                p16 = lax.optimization_barrier(p16)
+                p = jnp.exp2(jnp.minimum(t, 0.0))
+                if masked:
+                    column = plgpu.broadcasted_iota(jnp.int32, (rows, block_l), 1,
+                                                    layout=plgpu.Layout.WGMMA)
+                    p = jnp.where(column + kv_step * block_l < valid_l, p, 0.0)
+                p16 = lax.optimization_barrier(p.astype(jnp.bfloat16))
                 plgpu.barrier_arrive(turn)  # done with the exps
                 plgpu.barrier_wait(v_ready.at[slot])
                 plgpu.barrier_wait(turn)  # the tensor cores are this warpgroup's again
-                for p, (start, size) in zip(p16, parts, strict=True):
-                    plgpu.wgmma(acc_ref, p, v_smem.at[slot, pl.ds(start, size)])
+                plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
                 following = kv_step + 1
+
                 @pl.when(following < kv_steps)
                 def _():
                     plgpu.barrier_wait(y_ready.at[slot_of(following)])
