@@ -41,7 +41,8 @@ def _reference(q, k, v, lengthscale):
     return np.exp(-d2 / (2 * lengthscale**2)) @ v
 
 
-def test_forward_matches_float64_in_interpret_mode():
+@pytest.mark.parametrize("schedule", ["ping_pong", "overlap"])
+def test_forward_matches_float64_in_interpret_mode(schedule):
     from mosaic_interpret import available, gpu_interpreter
 
     reason = available()
@@ -60,7 +61,7 @@ def test_forward_matches_float64_in_interpret_mode():
     with gpu_interpreter():
         out = pallas_mosaic.kernel_matmul(
             x, y, values, distance=PARTS, valid_l=m, block_p=pallas_mosaic.BLOCK_P,
-            block_l=128, block_o=16, values="bf16", num_stages=2,
+            block_l=128, block_o=16, values="bf16", num_stages=2, schedule=schedule,
         )  # fmt: skip
     want = _reference(q, k, v, lengthscale)
     got = np.asarray(out)[0, :n]
