@@ -89,6 +89,7 @@ def test_lowers_for_cuda():
         (dict(values="bf16x3"), "bfloat16"),
         (dict(block_p=64), "must be 128"),
         (dict(block_o=8), "value tile 8"),
+        (dict(schedule="pingpong"), "schedule 'pingpong'"),
     ],
 )
 def test_unsupported_settings_say_why(settings, match):

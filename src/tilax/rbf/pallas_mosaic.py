@@ -100,6 +100,8 @@ def kernel_matmul(
     reason = unsupported_reason(distance, values, width, block_o)
     if reason is None and scale is not None:
         reason = "it takes no residual scale"
+    if reason is None and schedule not in ("ping_pong", "overlap"):
+        reason = f"schedule {schedule!r} is not 'ping_pong' or 'overlap'"
     if reason is None and (block_p != BLOCK_P or num_p % block_p or num_l % block_l
                            or num_o % block_o or block_l % 64):
         reason = (f"tiles: P={num_p} by {block_p} (must be {BLOCK_P}), L={num_l} by "
