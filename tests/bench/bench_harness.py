@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 #: Queued device time aimed at per timed round: the fixed host latency of dispatching a call and
-#: waiting for it (about 0.45 ms on the H200 host) then adds at most about 1% per call.
+#: waiting for it (a few tenths of a millisecond on the H200 host) then adds about 1% a call.
 QUEUED_S = 0.05
 OOM_MARKERS = ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory", "OutOfMemoryError")
 MAX_ERROR_CHARS = 2000
