@@ -109,7 +109,9 @@ def test_measured_row(fake_benchmark):
     # compile call, warm-up call, then rounds of calls queued back to back (50 ms of 2 ms
     # calls), waiting once per round
     queued = stats.iterations
-    assert info["sync_call_s"] >= 0.002 and queued == math.ceil(0.05 / info["sync_call_s"]) > 20
+    # (a loaded machine sleeps longer than asked: the count follows the warm-up call it timed)
+    assert info["sync_call_s"] >= 0.002
+    assert queued == min(50, math.ceil(0.05 / info["sync_call_s"])) > 1
     assert workload.calls == 2 + stats.rounds * queued
     assert workload.waits[2:] == [2 + queued * (r + 1) for r in range(stats.rounds)]
 
