@@ -125,6 +125,16 @@ def kernel_matmul(
         def slot_of(step):
             return lax.rem(step, jnp.array(steps, step.dtype))
 
+        def kernel_values(t, kv_step, masked):
+            """``exp2(min(t, 0))`` in bfloat16 for the values dot; in the last tile, keys at or
+            beyond ``valid_l`` masked by index."""
+            p = jnp.exp2(jnp.minimum(t, 0.0))
+            if masked:
+                column = plgpu.broadcasted_iota(jnp.int32, (rows, block_l), 1,
+                                                layout=plgpu.Layout.WGMMA)
+                p = jnp.where(column + kv_step * block_l < valid_l, p, 0.0)
+            return lax.optimization_barrier(p.astype(jnp.bfloat16))
+
         def overlapped_loop(x_smem):
             """Each warpgroup on its own: the distance dot of the next key tile runs on the
             tensor cores while this tile's exps run."""
@@ -140,12 +150,7 @@ def kernel_matmul(
                 def tile(t_next_ref):
                     if t_next_ref is not None:
                         distance(kv_step + 1, t_next_ref)
-                    p = jnp.exp2(jnp.minimum(t, 0.0))
-                    if masked:
-                        column = plgpu.broadcasted_iota(jnp.int32, (rows, block_l), 1,
-                                                        layout=plgpu.Layout.WGMMA)
-                        p = jnp.where(column + kv_step * block_l < valid_l, p, 0.0)
-                    p16 = lax.optimization_barrier(p.astype(jnp.bfloat16))
+                    p16 = kernel_values(t, kv_step, masked)
                     plgpu.barrier_wait(v_ready.at[slot])
                     plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
                     if t_next_ref is None:
@@ -202,12 +207,7 @@ def kernel_matmul(
 
                 t = pl.run_scoped(exponents, plgpu.ACC((rows, block_l), jnp.float32))
                 plgpu.barrier_arrive(y_free.at[slot])
-                p = jnp.exp2(jnp.minimum(t, 0.0))
-                if masked:
-                    column = plgpu.broadcasted_iota(jnp.int32, (rows, block_l), 1,
-                                                    layout=plgpu.Layout.WGMMA)
-                    p = jnp.where(column + kv_step * block_l < valid_l, p, 0.0)
-                p16 = lax.optimization_barrier(p.astype(jnp.bfloat16))
+                p16 = kernel_values(t, kv_step, masked)
                 plgpu.barrier_arrive(turn)  # done with the exps
                 plgpu.barrier_wait(v_ready.at[slot])
                 plgpu.barrier_wait(turn)  # the tensor cores are this warpgroup's again
