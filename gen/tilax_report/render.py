@@ -200,7 +200,8 @@ def _cell(value: object) -> str:
         text = str(value)
     text = html.escape(text, quote=False).replace("|", "\\|").replace("\n", " ")
     if len(text) <= NOWRAP_CHARS:
-        text = text.replace(" ", "\u00a0")  # short labels stay on one line
+        # short labels stay on one line, except after a " · " separator ("10 · wide spread")
+        text = text.replace(" ", "\u00a0").replace("\u00a0·\u00a0", "\u00a0· ")
     # Markdown emphasis characters in identifiers (fused_gsum, *_rerun) stay literal.
     return text.replace("_", "\\_").replace("*", "\\*")
 

@@ -106,8 +106,9 @@ def _fastest_table(page: Page, layer: pd.DataFrame) -> None:
         "verdict only where the noise allows it."
     )
     behind = layer[layer["run"].isin(set(ranked["run"]))]
+    # key columns: the case, the fastest and its median with spread (rounds and verdicts follow)
     page.table(_shared.ranked_display(ranked, tuple(CASE_LABEL)), behind,
-               name="moe-layer-fastest", key_columns=7,
+               name="moe-layer-fastest", key_columns=6,
                collapsed=f"All {len(ranked)} cases" if len(ranked) > 30 else None)
 
 
