@@ -31,6 +31,7 @@ import dataclasses
 import importlib.util
 import itertools
 import math
+import signal
 import subprocess
 import sys
 from typing import Any
@@ -708,6 +709,16 @@ print("keops probe ok")
 """
 
 
+def exit_status(returncode: int) -> str:
+    """"exit code 1", or for a process a signal ended, "crashed: SIGSEGV (signal 11)"."""
+    if returncode < 0:
+        try:
+            return f"crashed: {signal.Signals(-returncode).name} (signal {-returncode})"
+        except ValueError:
+            return f"ended by signal {-returncode}"
+    return f"exit code {returncode}"
+
+
 class KeOpsFailed(RuntimeError):
     """KeOps ran its probe and crashed or hung: its rows are failures, with the probe's error."""
 
@@ -730,7 +741,7 @@ def probe_keops(state) -> None:
             else:
                 tail = (proc.stderr or proc.stdout).strip()[-1200:]
                 state.probes["keops"] = (f"KeOps failed its probe in a fresh subprocess "
-                                         f"(exit code {proc.returncode}): {tail}")
+                                         f"({exit_status(proc.returncode)}): {tail}")
         except subprocess.TimeoutExpired:
             state.probes["keops"] = (f"KeOps probe timed out after {timeout:.0f} s "
                                      f"(compiling its first formula)")
