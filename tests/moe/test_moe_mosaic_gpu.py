@@ -9,8 +9,7 @@ spread over a few workers, with XLA's autotuning off (see test_moe_gpu.py)::
     XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_FLAGS=--xla_gpu_autotune_level=0 PYTHONPATH=src \\
         python -m pytest tests/moe/test_moe_mosaic_gpu.py -q -n 4
 
-On the H200 (jax 0.11.2, the Mosaic kernels at commit 6f1a2c3), 11 of these tests passed
-serially in 215 s before that call's time limit, none failed.
+On the H200 (jax 0.11.2, commit 2452d44) the 20 tests passed in 115 s with ``-n 4``.
 """
 
 import jax
