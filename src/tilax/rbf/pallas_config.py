@@ -79,7 +79,9 @@ class Launch:
     (forward) or per dot (gradients). ``backend``: ``"mosaic"`` where ``rbf_kernel_mv``'s fast
     forward runs ``tilax.rbf.pallas_mosaic`` (Hopper; ``num_stages`` is then its key/value
     tiles in flight, ``num_warps`` unused), else ``None``: the path's backend (the KDE's
-    forward, which has no Mosaic GPU kernel, always runs Triton with these tiles).
+    forward, which has no Mosaic GPU kernel, always runs Triton with these tiles). On the
+    ``dq`` and ``dk`` launches of the fast path, ``"mosaic"`` runs ``rbf_kernel_mv``'s
+    gradient sweeps on ``tilax.rbf.pallas_mosaic_grad`` (program tile 128; set both).
     """
 
     block_p: int

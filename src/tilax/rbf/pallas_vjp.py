@@ -42,7 +42,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from tilax.rbf import numerics, pallas_mosaic, pallas_triton
+from tilax import _pallas
+from tilax.rbf import numerics, pallas_mosaic, pallas_mosaic_grad, pallas_triton
 from tilax.rbf import pallas_layout as layout
 from tilax.rbf.pallas_config import (
     Launch,
@@ -52,6 +53,7 @@ from tilax.rbf.pallas_config import (
     forward_distance,
     fuses_dv,
 )
+from tilax.rbf.pallas_triton import Expansion
 
 LOG2E, LN2 = numerics.LOG2E, numerics.LN2
 
@@ -161,9 +163,33 @@ def _mv_grad_sweeps(path: PathConfig, distance, x, y, g_pad, v_pad, n, m, dim, s
     return r, c, dv
 
 
+def _mosaic_grad_sweeps(path: PathConfig, qs, ks, g, v):
+    """(query sums, key sums, dv) of the fast path on ``tilax.rbf.pallas_mosaic_grad``: the
+    distance from TF32 parts, the pair sums against the augmented points."""
+    (_, n, _), m = qs.shape, ks.shape[1]
+    rows_q = _pallas.round_up(n, max(pallas_mosaic_grad.BLOCK_P, path.dk.block_l))
+    rows_k = _pallas.round_up(m, max(pallas_mosaic_grad.BLOCK_P, path.dq.block_l))
+    parts = Expansion("tf32_parts")
+    x_parts, y_parts = layout.expansion_points(parts, qs, ks, rows_q, rows_k)
+    x, y = layout.augment_queries(qs, rows_q), layout.augment_keys(ks, rows_k)
+    g_pad = layout.value_operand(g, rows_q, path.cols, "bf16")
+    v_pad = layout.value_operand(v, rows_k, path.cols, "bf16")
+    r = _run("rbf_kernel_mv", pallas_mosaic_grad.pair_sums, path, path.dq,
+             dict(x=x_parts, y=y_parts, coords=y, u=g_pad, w=v_pad), valid_l=m)
+    c = _run("rbf_kernel_mv", pallas_mosaic_grad.pair_sums, path, path.dk,
+             dict(x=y_parts, y=x_parts, coords=x, u=v_pad, w=g_pad), valid_l=n, with_pw=True)
+    return r, c, c["pw"]
+
+
 def _kernel_mv_fast_bwd(path: PathConfig, residuals, g):
     qs, ks, v = residuals
     (_, n, dim), m, out_dim = qs.shape, ks.shape[1], v.shape[2]
+    if path.dq.backend == "mosaic":
+        r, c, dv = _mosaic_grad_sweeps(path, qs, ks, g, v)
+        r, c = r["sums"], c["sums"]
+        dqs = r[:, :n, :dim] / LOG2E - qs * r[:, :n, dim : dim + 1]
+        dks = c[:, :m, :dim] - ks * c[:, :m, dim + 1 : dim + 2]
+        return dqs, dks, dv[:, :m, :out_dim]
     rows_q, rows_k = path.query_rows(n, backward=True), path.key_rows(m, backward=True)
     x, y = layout.augment_queries(qs, rows_q), layout.augment_keys(ks, rows_k)
     g_pad = layout.value_operand(g, rows_q, path.cols, path.modes.values)

@@ -1,0 +1,126 @@
+"""The Mosaic GPU gradient sweep of the RBF fast path (tilax.rbf.pallas_mosaic_grad) on a CPU:
+its pair sums in JAX's GPU interpret mode against float64, its lowering for CUDA, and the
+settings it refuses. tests/rbf/test_rbf_gpu.py runs it on Hopper."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import export
+
+from tilax.rbf import pallas_layout, pallas_mosaic_grad
+from tilax.rbf.pallas_triton import Expansion
+
+PARTS = Expansion("tf32_parts")
+
+
+def _interpreter():
+    from mosaic_interpret import available, gpu_interpreter
+
+    reason = available()
+    if reason:
+        pytest.skip(reason)
+    from jax._src.interpreters import mlir
+    from jax._src.pallas.mosaic_gpu.core import layout_cast_p
+
+    mlir.register_lowering(layout_cast_p, lambda ctx, x, **_: [x], platform="cpu")
+    return gpu_interpreter()
+
+
+@pytest.mark.parametrize("with_pw", [False, True])
+def test_pair_sums_match_float64_in_interpret_mode(with_pw):
+    rng = np.random.default_rng(3)
+    n, m, dim, out, block_l = 128, 150, 3, 5, 64
+    qs = rng.standard_normal((1, n, dim)).astype(np.float32)
+    ks = rng.standard_normal((1, m, dim)).astype(np.float32)
+    g = rng.standard_normal((1, n, out)).astype(np.float32)
+    v = rng.standard_normal((1, m, out)).astype(np.float32)
+    rows_l = 192  # three loop tiles, the last one partial
+    x, y = pallas_layout.expansion_points(PARTS, jnp.asarray(qs), jnp.asarray(ks), n, rows_l)
+    coords = pallas_layout.augment_keys(jnp.asarray(ks), rows_l)
+    u = pallas_layout.value_operand(jnp.asarray(g), n, 16, "bf16")
+    w = pallas_layout.value_operand(jnp.asarray(v), rows_l, 16, "bf16")
+    # Padded loop rows hold garbage: only the index mask keeps them out.
+    w = w.at[:, m:].set(7.0)
+    coords = coords.at[:, m:].set(3.0)
+    with _interpreter():
+        got = pallas_mosaic_grad.pair_sums(x, y, coords, u, w, valid_l=m, block_l=block_l,
+                                           with_pw=with_pw)
+    q64, k64 = qs[0].astype(np.float64), ks[0].astype(np.float64)
+    kernel = np.exp(-0.5 * ((q64[:, None] - k64[None]) ** 2).sum(-1))
+    g16 = np.asarray(u[0, :, :out].astype(jnp.float32), np.float64)
+    v16 = np.asarray(w[0, :m, :out].astype(jnp.float32), np.float64)
+    a = kernel * (g16 @ v16.T)
+    want = a @ np.asarray(coords[0, :m], np.float64)
+    sums = np.asarray(got["sums"][0], np.float64)
+    assert sums.shape == (n, 16)
+    # bfloat16 x 3 coordinates: float32-like sums of the pair weights; TF32 parts exponents
+    assert np.linalg.norm(sums - want) / np.linalg.norm(want) < 1e-3
+    if with_pw:
+        pw = np.asarray(got["pw"][0, :, :out], np.float64)
+        want_pw = kernel @ v16
+        assert np.linalg.norm(pw - want_pw) / np.linalg.norm(want_pw) < 1e-2  # bfloat16 kernel
+    else:
+        assert "pw" not in got
+
+
+def test_lowers_for_cuda():
+    shapes = {"x": ((2, 256, 32), jnp.float32), "y": ((2, 384, 32), jnp.float32),
+              "coords": ((2, 384, 16), jnp.float32), "u": ((2, 256, 16), jnp.bfloat16),
+              "w": ((2, 384, 16), jnp.bfloat16)}
+    args = [jax.ShapeDtypeStruct(s, t) for s, t in shapes.values()]
+
+    def sweep(x, y, coords, u, w):
+        return pallas_mosaic_grad.pair_sums(x, y, coords, u, w, valid_l=300, block_l=128,
+                                            with_pw=True)
+
+    module = export.export(jax.jit(sweep), platforms=["cuda"])(*args).mlir_module()
+    assert module.count("mosaic_gpu") >= 1
+
+
+@pytest.mark.parametrize("shapes, block_l, match", [
+    (dict(x=(1, 128, 80)), 64, "parts width 80"),
+    (dict(coords=(1, 128, 24)), 64, "coordinates width 24"),
+    (dict(u=(1, 128, 128), w=(1, 128, 128)), 64, "value columns 128"),
+    (dict(x=(1, 64, 32), u=(1, 64, 16)), 64, "P=64"),
+    ({}, 32, "loop tile 32"),
+])
+def test_unsupported_settings_say_why(shapes, block_l, match):
+    sizes = dict(x=(1, 128, 32), y=(1, 128, 32), coords=(1, 128, 16), u=(1, 128, 16),
+                 w=(1, 128, 16)) | shapes
+    arrays = {name: jnp.zeros(size, jnp.bfloat16 if name in "uw" else jnp.float32)
+              for name, size in sizes.items()}
+    with pytest.raises(ValueError, match=match):
+        pallas_mosaic_grad.pair_sums(**arrays, valid_l=128, block_l=block_l)
+
+
+def test_fast_path_gradients_through_the_mosaic_sweeps_match_float64_in_interpret_mode():
+    import dataclasses
+
+    from rbf_oracle import kernel_mv_value_and_grads, rel_err
+
+    from tilax.rbf import pallas_config, pallas_vjp
+
+    rng = np.random.default_rng(5)
+    n, m, dim, out = 130, 150, 3, 5  # partial tiles in both sweeps
+    qs = (rng.standard_normal((1, n, dim)) * 0.8).astype(np.float32)  # centred, scaled points
+    ks = (rng.standard_normal((1, m, dim)) * 0.8).astype(np.float32)
+    v = rng.standard_normal((1, m, out)).astype(np.float32)
+    cot = rng.standard_normal((1, n, out)).astype(np.float32)
+    cfg = pallas_config.default_config("interpret", None, batch=1, n=n, m=m, out=out, dim=dim)
+    sweep = pallas_config.Launch(128, 64, cfg.fast.dq.block_o, backend="mosaic")
+    path = dataclasses.replace(cfg.fast, dq=sweep, dk=sweep)
+
+    # The forward runs the Triton kernel in interpret mode, the backward the Mosaic sweeps in
+    # JAX's GPU interpreter (which takes no Triton kernels).
+    _, backward = jax.vjp(lambda qs, ks, v: pallas_vjp._kernel_mv_fast(qs, ks, v, path),
+                          *map(jnp.asarray, (qs, ks, v)))
+    with _interpreter():
+        grads = backward(jnp.asarray(cot))
+    _, want = kernel_mv_value_and_grads(qs[0], ks[0], v[0], 1.0, cot[0])
+    for name, got, expected in zip(("dq", "dk", "dv"), grads, want, strict=False):
+        # bfloat16 values and cotangents (about 2.5e-3 here), as the Triton sweeps of the
+        # default precision
+        assert rel_err(got[0], expected) < 5e-3, name
