@@ -22,7 +22,7 @@ CASE = [
     "slab_elems", "n", "m", "dim", "out", "batch", "block_q", "block_k", "block_o", "repeat",
     "resolution", "model_dim", "part", "devices", "exchange", "exchange_chunks", "path",
     "kernel", "block_p",
-    "block_l", "num_warps", "num_stages",
+    "block_l", "num_warps", "num_stages", "bwd_backend",
 ]
 POINT = ["run", "source_file", "commit", "date", "started", "label", "config", "median_ms",
          "q1_ms", "q3_ms", "rounds", "round_ms"]

@@ -285,6 +285,9 @@ LAUNCH_GROUPS = {
     ("exact", "bwd"): ("highest", "fwd_bwd", (32, 64, 128), (32, 64, 128), (4, 8), (2,)),
 }
 LAUNCH_SHAPE = (65536, 8, 16)  # n = m, dim, out
+#: Loop tiles of the Mosaic GPU gradient sweeps (``grad_backend="mosaic"`` rows of the fast
+#: backward family; program tile 128), beside the Triton launches they would replace.
+MOSAIC_GRAD_LOOPS = (64, 128)
 #: Smoke (CPU, interpret mode: warps and stages are ignored): one launch per group at n = 64,
 #: off the default (64 x 64 there), so that every path and kernel runs a replaced launch.
 SMOKE_LAUNCH = (32, 32, 4, 2)
@@ -305,7 +308,7 @@ LAUNCH_PRIORITY = 25  # + the launch's distance from its group's default
 #   exact bwd  18 rows x ~4.5 s (compile ~2 s, calls 70-600 ms; a spilling launch
 #              of ~2 s a call is cut to one timed round by LAUNCH_ROW_LIMIT_S: ~9 s) ~80 s
 # about 255 s of rows plus start-up: ~5 min; run it alone with --bench-budget 450 (one call of
-# at most 8 minutes), or as two calls, -k fast (52 rows, ~2.5 min) and -k exact (36 rows,
+# at most 8 minutes), or as two calls, -k fast (54 rows, ~2.5 min) and -k exact (36 rows,
 # ~2 min, more if many exact launches spill).
 
 
@@ -318,7 +321,9 @@ class RbfLaunchCase(RbfCase):
     ``path``: ``"fast"`` (expansion) or ``"exact"`` (differences); ``kernel``: ``"fwd"`` (the
     forward launch) or ``"bwd"`` (the dq and dk launches); ``default_launch``: the launch is the
     one ``default_config`` picks for this problem on this device. ``block_o`` (the value tile)
-    stays the default's.
+    stays the default's. ``grad_backend``: ``"mosaic"`` runs a ``bwd`` row's sweeps on
+    ``tilax.rbf.pallas_mosaic_grad`` (Hopper; its program tile is 128 rows, warps and stages
+    are its own), ``None`` the path's backend.
     """
 
     path: str = "fast"
@@ -328,6 +333,7 @@ class RbfLaunchCase(RbfCase):
     num_warps: int = 4
     num_stages: int = 2
     default_launch: bool = False
+    grad_backend: str | None = None
 
     row_limit_s = LAUNCH_ROW_LIMIT_S
 
@@ -341,9 +347,11 @@ class RbfLaunchCase(RbfCase):
 
     @property
     def id(self) -> str:
-        parts = [self.suite, self.group, f"bp{self.block_p}", f"bl{self.block_l}",
-                 f"w{self.num_warps}", f"s{self.num_stages}", f"n{self.n}", f"d{self.dim}",
-                 f"o{self.out}"]
+        parts = [self.suite, self.group, *([self.grad_backend] if self.grad_backend else []),
+                 f"bp{self.block_p}", f"bl{self.block_l}"]
+        if not self.grad_backend:
+            parts += [f"w{self.num_warps}", f"s{self.num_stages}"]
+        parts += [f"n{self.n}", f"d{self.dim}", f"o{self.out}"]
         if self.precision is not None:
             parts.append(self.precision)
         parts.append(self.op)
@@ -363,7 +371,8 @@ class RbfLaunchCase(RbfCase):
                 "block_p": self.block_p, "block_l": self.block_l,
                 "num_warps": self.num_warps, "num_stages": self.num_stages,
                 "default_launch": self.default_launch,
-                "shared_memory_model_bytes": self.shared_memory_model()}
+                **({"bwd_backend": self.grad_backend} if self.grad_backend else {
+                    "shared_memory_model_bytes": self.shared_memory_model()})}
 
     def config(self, backend: str):
         """The ``PallasConfig`` of this row: the default for the problem, with this row's
@@ -374,7 +383,7 @@ class RbfLaunchCase(RbfCase):
                                     self.out)
         path = getattr(cfg, self.path)
         launch = pallas_config.Launch(self.block_p, self.block_l, self.block_o, self.num_warps,
-                                      self.num_stages)
+                                      self.num_stages, backend=self.grad_backend)
         kernels = {"fwd": ("fwd",), "bwd": ("dq", "dk")}[self.kernel]
         path = dataclasses.replace(path, **dict.fromkeys(kernels, launch))
         return dataclasses.replace(cfg, **{self.path: path})
@@ -396,6 +405,15 @@ class RbfLaunchCase(RbfCase):
         names = {"fwd": ("fwd",), "bwd": ("dq", "dk")}[self.kernel]
         return max(pallas_config.shared_memory_bytes(call, launch)
                    for name in names for call in calls[name])
+
+    def unavailable_reason(self) -> str | None:
+        if self.grad_backend == "mosaic":
+            from tilax import _pallas
+
+            reason = _pallas.mosaic_unavailable_reason()
+            if reason:
+                return f"unavailable: the Mosaic GPU gradient sweeps need Hopper ({reason})"
+        return super().unavailable_reason()
 
     def build(self, state):
         from tilax import _pallas
@@ -440,9 +458,10 @@ def launch_distance(launch: tuple, default: tuple) -> int:
 
 
 def launch_cases(mode: str) -> list[RbfLaunchCase]:
-    """The launch sweep. Full: ``LAUNCH_GROUPS`` (88 launches; the default launch is added
-    where a device's default is off the grid); quick: each group's default only; smoke:
-    ``SMOKE_LAUNCH`` at n = 64 (4 rows).
+    """The launch sweep. Full: ``LAUNCH_GROUPS`` (90 launches; the default launch is added
+    where a device's default is off the grid) and the Mosaic GPU gradient sweeps at
+    ``MOSAIC_GRAD_LOOPS`` in the fast backward family (2 rows); quick: each group's default and
+    those 2; smoke: ``SMOKE_LAUNCH`` at n = 64 (4 rows).
 
     Rows run nearest-first: priority ``LAUNCH_PRIORITY`` + the launch's distance from its
     group's default (``launch_distance``), so the four defaults run first, then every launch
@@ -475,6 +494,12 @@ def launch_cases(mode: str) -> list[RbfLaunchCase]:
                 LAUNCH_SUITE, "pallas", op, n, dim, out, block_o=block_o, precision=precision,
                 priority=LAUNCH_PRIORITY + distance, path=path, kernel=kernel, block_p=bp,
                 block_l=bl, num_warps=w, num_stages=s, default_launch=launch == default)))
+        if (path, kernel) == ("fast", "bwd") and mode != "smoke":
+            for bl in MOSAIC_GRAD_LOOPS:  # right after the defaults: the candidate
+                cases.append((0.5, order, RbfLaunchCase(
+                    LAUNCH_SUITE, "pallas", op, n, dim, out, block_o=block_o,
+                    precision=precision, priority=LAUNCH_PRIORITY, path=path, kernel=kernel,
+                    block_p=128, block_l=bl, grad_backend="mosaic")))
     cases.sort(key=lambda item: item[:2])  # stable: the grid order within a group and step
     return [case for _, _, case in cases]
 

@@ -25,9 +25,9 @@ def full():
 
 def test_full_grid_counts_and_unique_ids(full):
     counts = collections.Counter(case.group for case in full)
-    assert counts == {"fast_fwd": 36, "fast_bwd": 16, "exact_fwd": 18, "exact_bwd": 18}
+    assert counts == {"fast_fwd": 36, "fast_bwd": 18, "exact_fwd": 18, "exact_bwd": 18}
     ids = [case.id for case in full]
-    assert len(set(ids)) == len(ids) == 88
+    assert len(set(ids)) == len(ids) == 90
     assert all(case.suite == "kernel_mv_launches" and case.n == case.keys == 65536
                and (case.dim, case.out) == (8, 16) for case in full)
 
@@ -61,10 +61,21 @@ def test_each_group_has_its_default_launch_once(full):
 
 def test_defaults_then_neighbours_run_first(full):
     assert all(case.default_launch for case in full[:4])
+    # then the Mosaic GPU gradient sweeps, the candidate for the fast backward's default
+    mosaic = [case for case in full if case.grad_backend]
+    assert full[4:6] == mosaic
+    assert [(c.group, c.block_p, c.block_l) for c in mosaic] == [("fast_bwd", 128, 64),
+                                                                 ("fast_bwd", 128, 128)]
+    assert [c.id for c in mosaic] == [
+        f"kernel_mv_launches-fast_bwd-mosaic-bp128-bl{bl}-n65536-d8-o16-fwd_bwd"
+        for bl in (64, 128)]
     priorities = [case.priority for case in full]
     assert priorities == sorted(priorities)
     defaults = {case.group: case.launch for case in full if case.default_launch}
     for case in full:
+        if case.grad_backend:
+            assert case.priority == bench_rbf.LAUNCH_PRIORITY and not case.default_launch
+            continue
         distance = bench_rbf.launch_distance(case.launch, defaults[case.group])
         assert case.priority == bench_rbf.LAUNCH_PRIORITY + distance
     neighbours = [case for case in full if case.priority == bench_rbf.LAUNCH_PRIORITY + 1]
@@ -82,7 +93,10 @@ def test_rows_carry_the_launch_and_satisfy_the_contract(full):
         assert (info["path"], info["kernel"]) == (case.path, case.kernel)
         assert info["precision"] == ("highest" if case.path == "exact" else None)
         assert info["op"] == ("fwd" if case.kernel == "fwd" else "fwd_bwd")
-        assert isinstance(info["shared_memory_model_bytes"], int)
+        if case.grad_backend:  # its own kernel: no Triton shared-memory model
+            assert info["bwd_backend"] == "mosaic" and "shared_memory_model_bytes" not in info
+        else:
+            assert isinstance(info["shared_memory_model_bytes"], int)
     bad = {**full[0].extra_info(), "compile_s": None, "error": "x"}
     del bad["num_stages"]
     assert check_extra_info(bad) == ["missing 'num_stages'"]
@@ -92,7 +106,8 @@ def test_rows_carry_the_launch_and_satisfy_the_contract(full):
 def test_config_replaces_only_its_group(full, group):
     from tilax.rbf import pallas_config
 
-    case = next(c for c in full if c.group == group and not c.default_launch)
+    case = next(c for c in full if c.group == group and not c.default_launch
+                and not c.grad_backend)
     cfg = case.config("triton")
     default = pallas_config.default_config("triton", case.precision, batch=1, n=case.n,
                                            m=case.keys, out=case.out, dim=case.dim)
@@ -108,10 +123,26 @@ def test_config_replaces_only_its_group(full, group):
     assert dataclasses.replace(cfg, **{case.path: default_path}) == default
 
 
+def test_mosaic_rows_set_both_sweeps_and_need_hopper(full, monkeypatch):
+    from tilax import _pallas
+    from tilax.rbf import pallas_config
+
+    case = next(c for c in full if c.grad_backend)
+    cfg = case.config("triton")
+    sweep = pallas_config.Launch(128, case.block_l, 16, case.num_warps, case.num_stages,
+                                 backend="mosaic")
+    assert cfg.fast.dq == cfg.fast.dk == sweep
+    monkeypatch.setattr(_pallas, "mosaic_unavailable_reason", lambda: "no Hopper here")
+    assert case.unavailable_reason().startswith("unavailable: the Mosaic GPU gradient sweeps")
+    monkeypatch.setattr(_pallas, "mosaic_unavailable_reason", lambda: None)
+    assert case.unavailable_reason() is None
+
+
 def test_quick_and_smoke_are_small():
     quick = bench_rbf.launch_cases("quick")
-    assert [case.group for case in quick] == list(GROUPS)
-    assert all(case.default_launch and case.n == 65536 for case in quick)
+    assert [case.group for case in quick] == [*GROUPS, "fast_bwd", "fast_bwd"]
+    assert all((case.default_launch or case.grad_backend) and case.n == 65536
+               for case in quick)
     smoke = bench_rbf.launch_cases("smoke")
     assert [case.group for case in smoke] == list(GROUPS)
     assert all(case.n == case.keys == 64 and case.launch == bench_rbf.SMOKE_LAUNCH

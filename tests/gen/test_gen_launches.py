@@ -61,13 +61,16 @@ def test_loader_reads_the_launch_columns(launches):
     assert len(rows) == len(OUTCOMES) and set(rows["source_file"]) == {NAME}
     assert str(rows["block_p"].dtype) == "Int64" and str(rows["num_stages"].dtype) == "Int64"
     assert str(rows["default_launch"].dtype) == "boolean"
-    assert rows["status"].value_counts().to_dict() == {"measured": 10, "failed": 2, "skipped": 1}
+    assert rows["status"].value_counts().to_dict() == {"measured": 11, "failed": 2, "skipped": 1}
+    assert rows["bwd_backend"].dropna().tolist() == ["mosaic"]
     defaults = rows[rows["default_launch"].fillna(False).astype(bool)]
     assert sorted(zip(defaults["path"], defaults["kernel"], strict=True)) == [
         ("exact", "bwd"), ("exact", "fwd"), ("fast", "bwd"), ("fast", "fwd")]
     # the model's estimate is kept as stored; nothing else the bench writes is left unread
-    assert {tuple(json.loads(extra)) for extra in rows["extra"]} == {
+    triton = rows[rows["bwd_backend"].isna()]
+    assert {tuple(json.loads(extra)) for extra in triton["extra"]} == {
         ("shared_memory_model_bytes",)}
+    assert rows.loc[rows["bwd_backend"].notna(), "extra"].isna().all()  # its own kernel
 
 
 def test_one_table_per_family_sorted_with_the_default_marked(page):
@@ -101,7 +104,12 @@ def test_a_default_without_a_time_and_a_capped_row(page):
     assert [row["× default"] for row in rows] == ["", "", ""]  # nothing to compare with
     assert rows[1]["rounds"] == "1 · few rounds" and rows[1]["rel. error"] == "3.0e-07"
     sentence, rows = family_tables(launch_section(page))[FAMILIES[1]]
-    assert "ranks 1 of 2." in sentence and rows[0]["× default"] == "1.00×"
+    # the Mosaic GPU sweeps, a candidate beside the Triton launches, ranked with them
+    assert ("Fastest: 128 × 64 · Mosaic GPU, 6.000 (5.978–6.022) ms. The default, 128 × 64 · "
+            "w4 · s3, ranks 2 of 3 (1.67× the fastest's time).") in sentence
+    assert [row["launch"] for row in rows] == [
+        "128 × 64 · Mosaic GPU", "**128 × 64 · w4 · s3 (default)**", "64 × 64 · w4 · s3"]
+    assert [row["× default"] for row in rows] == ["0.60×", "1.00×", "1.50×"]
 
 
 def test_the_chart_draws_the_launches_against_their_default(page):
@@ -112,8 +120,8 @@ def test_the_chart_draws_the_launches_against_their_default(page):
     spec = json.loads(re.search(r'data-chart-for="[^"]+">(.*?)</script>', section,
                                 re.S).group(1).replace("<\\/", "</"))
     points = next(iter(spec["datasets"].values()))
-    # 4 fast forward + 2 fast backward + 2 exact forward; the exact backward has no default
-    assert len(points) == 8
+    # 4 fast forward + 3 fast backward + 2 exact forward; the exact backward has no default
+    assert len(points) == 9
     assert {p["family"] for p in points} == {
         "fast fwd · dim 8, out 16 · n 64k", "fast bwd (fwd_bwd) · dim 8, out 16 · n 64k",
         "exact fwd · dim 8, out 16 · n 64k"}
@@ -158,5 +166,5 @@ def test_history_keeps_launches_apart(tmp_path_factory, data_dir):
     table = analysis.with_labels(results_with(tmp_path_factory, data_dir, {}, later).table)
     points = history.timeline(table, runs.run_order(table))
     ours = points[points["suite"] == "kernel_mv_launches"]
-    assert ours["case_id"].nunique() == 10  # one case per measured launch, not per family
+    assert ours["case_id"].nunique() == 11  # one case per measured launch, not per family
     assert set(ours["run"]) == {RUN, "h200-20260118-2c3d4e5"}

@@ -38,6 +38,7 @@ SAME_NAME = [
     "max_n", "precision", "fwd_backend",
     # RBF launch sweep
     "path", "kernel", "block_p", "block_l", "num_warps", "num_stages", "default_launch",
+    "bwd_backend",
     # Ladder summaries
     "limit_kind", "max_is_lower_bound", "stopped_by",
 ]

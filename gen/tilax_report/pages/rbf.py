@@ -236,7 +236,8 @@ def _launches(page: Page, rows: pd.DataFrame) -> None:
         "other set per step) · w Triton warps · s pipeline stages. The fast path is the default "
         "precision's expansion kernels, the exact path `precision=\"highest\"`'s difference "
         "kernels; a backward row sets the dq and dk launches together and times forward + "
-        "backward (`fwd_bwd`). **default** marks the launch `rbf_kernel_mv` picks for the "
+        "backward (`fwd_bwd`); a *Mosaic GPU* row runs both sweeps on the Hopper kernel "
+        "instead. **default** marks the launch `rbf_kernel_mv` picks for the "
         "problem on that "
         "GPU. × default is the launch's median over the default's, within one stored file "
         "(~: within the noise); rel. error is the largest relative error of the output "
@@ -268,12 +269,16 @@ def _launches_count(count: int) -> str:
 
 
 def _launch_text(row) -> str:
-    """'128 × 64 · w4 · s3' (block_p × block_l, warps, stages; w4-s3 as in the row ids)."""
+    """'128 × 64 · w4 · s3' (block_p × block_l, warps, stages; w4-s3 as in the row ids), or
+    '128 × 64 · Mosaic GPU' for the Mosaic GPU gradient sweeps (warps and stages their own)."""
     def number(value):
         return "?" if pd.isna(value) else str(int(value))
 
-    return (f"{number(row.block_p)} × {number(row.block_l)} · w{number(row.num_warps)} · "
-            f"s{number(row.num_stages)}")
+    tiles = f"{number(row.block_p)} × {number(row.block_l)}"
+    backend = getattr(row, "bwd_backend", None)
+    if isinstance(backend, str) and backend == "mosaic":
+        return f"{tiles} · Mosaic GPU"
+    return f"{tiles} · w{number(row.num_warps)} · s{number(row.num_stages)}"
 
 
 def _worst_error(rows: pd.DataFrame) -> pd.Series:
