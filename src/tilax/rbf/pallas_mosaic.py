@@ -70,6 +70,24 @@ def _tiles(cols: int, itemsize: int):
     return plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)
 
 
+def stream_tiles(steps: int, stages: int, fetch, wait_free) -> None:
+    """The memory warpgroup's loop: ``fetch(tile, slot)`` the first ``stages`` tiles, then
+    each next tile into its slot once ``wait_free(slot)`` returns; at the end, wait for every
+    slot's last release (a barrier phase nobody waits for is a bug in the eyes of JAX's GPU
+    interpreter, and costs nothing here)."""
+    for slot in range(stages):
+        fetch(slot, slot)
+
+    @pl.loop(0, steps - stages)
+    def _(step):
+        slot = lax.rem(step, jnp.array(stages, step.dtype))
+        wait_free(slot)
+        fetch(step + stages, slot)
+
+    for last in range(steps - stages, steps):
+        wait_free(last % stages)
+
+
 def kernel_matmul(
     x: jax.Array,
     y: jax.Array,
@@ -247,21 +265,11 @@ def kernel_matmul(
                 plgpu.copy_gmem_to_smem(v_ref.at[b, keys, cols], v_smem.at[slot],
                                         v_ready.at[slot])
 
-            for slot in range(steps):
-                fetch(slot, slot)
-
-            @pl.loop(0, kv_steps - steps)
-            def _(kv_step):
-                slot = slot_of(kv_step)
+            def wait_free(slot):
                 plgpu.barrier_wait(y_free.at[slot])
                 plgpu.barrier_wait(v_free.at[slot])
-                fetch(kv_step + steps, slot)
 
-            # Observe the last use of every slot: a barrier phase nobody waits for is a bug in
-            # JAX's GPU interpreter's eyes (and costs nothing here, at the end).
-            for last in range(kv_steps - steps, kv_steps):
-                plgpu.barrier_wait(y_free.at[last % steps])
-                plgpu.barrier_wait(v_free.at[last % steps])
+            stream_tiles(kv_steps, steps, fetch, wait_free)
 
     def entry(x_ref, y_ref, v_ref, out_ref):
         smem = [

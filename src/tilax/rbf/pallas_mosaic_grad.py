@@ -38,6 +38,7 @@ from tilax.rbf.pallas_mosaic import (
     _tiles,
     _transposed,
     plgpu,
+    stream_tiles,
 )
 
 #: Loop tiles in flight.
@@ -215,17 +216,7 @@ def pair_sums(
                 plgpu.copy_gmem_to_smem(clo_ref.at[b, tile_rows], clo_smem.at[slot],
                                         c_ready.at[slot + stages])
 
-            for slot in range(stages):
-                fetch(slot, slot)
-
-            @pl.loop(0, steps - stages)
-            def _(index):
-                slot = slot_of(index)
-                plgpu.barrier_wait(slot_free.at[slot])
-                fetch(index + stages, slot)
-
-            for last in range(steps - stages, steps):  # observe every slot's last use
-                plgpu.barrier_wait(slot_free.at[last % stages])
+            stream_tiles(steps, stages, fetch, lambda slot: plgpu.barrier_wait(slot_free.at[slot]))
 
     def entry(x_ref, y_ref, chi_ref, clo_ref, u_ref, w_ref, *out_refs):
         smem = [
