@@ -4,9 +4,11 @@ Suites (``extra_info["suite"]``) mirror the stored seed files:
 
 - ``layer``: the E8 top-2 d512 h1024 layer at 4k/32k/131k tokens, E64 top-4 h256 at 32k, and
   skewed routing (skew 0.9) at 32k; every impl x dispatch x routing; float32 and bfloat16;
-  ``forward`` and ``train_step``. The peers (``tokamax``, ``torch_grouped_mm``,
-  ``torch_grouped_mm_compile``: see ``bench_tokamax`` and ``bench_torch_moe``) run bfloat16
-  only, the one dtype their grouped matmuls take.
+  ``forward`` and ``train_step``. The peers (``tokamax``, ``tokamax_autotuned``,
+  ``torch_grouped_mm``, ``torch_grouped_mm_compile``: see ``bench_tokamax`` and
+  ``bench_torch_moe``) run bfloat16 only, the one dtype their grouped matmuls take;
+  ``tokamax_autotuned`` (tokamax's configs searched on the device first: ``autotuned_ops`` in
+  ``extra_info``) at the headline sizes only (32k and 131k; the decoder's 16k and 131k).
 - ``decoder``: the decoder layer of the H100 seed (E64 top-8, expert width 128, shared expert
   1024, d512) at 16k/131k/1M tokens, bfloat16.
 - ``pieces``: the train-step cost split of the sorted Pallas path (route, sort_permute,
@@ -45,8 +47,9 @@ from bench_harness import JaxWorkload, Unavailable
 
 MOE_IMPLS_WITH_DISPATCH = ("pallas", "triton", "mosaic", "blocked", "ragged_dot")
 TORCH_IMPLS = ("torch_grouped_mm", "torch_grouped_mm_compile")
+TOKAMAX_IMPLS = ("tokamax", "tokamax_autotuned")
 # peers whose grouped matmuls take bfloat16/float16 only: no float32 rows are made for them
-BF16_ONLY_IMPLS = ("tokamax",) + TORCH_IMPLS
+BF16_ONLY_IMPLS = TOKAMAX_IMPLS + TORCH_IMPLS
 PIECES = ("route", "sort_permute", "experts_grouped_swiglu", "unpermute_combine")
 # Device memory one chunk of the float32 dense reference may keep alive (its train step keeps
 # about T*E*(3h+d)*4 B*2.5: [T, E, h] and [T, E, d] activations).
@@ -148,7 +151,7 @@ class MoECase:
         return {"tflops": self.work() / median_s / 1e12}
 
     def unavailable_reason(self) -> str | None:
-        if self.impl == "tokamax" and importlib.util.find_spec("tokamax") is None:
+        if self.impl in TOKAMAX_IMPLS and importlib.util.find_spec("tokamax") is None:
             return "unavailable: tokamax is not installed here"
         if self.impl in TORCH_IMPLS and importlib.util.find_spec("torch") is None:
             return "unavailable: torch is not installed here"
@@ -255,6 +258,7 @@ MOSAIC = tuple(("mosaic", d, "dropless") for d in ("sorted", "gather", "fused", 
 BLOCKED = ("blocked", "sorted", "dropless")
 RAGGED = ("ragged_dot", "sorted", "dropless")
 TOKAMAX = ("tokamax", None, "dropless")
+TOKAMAX_AUTOTUNED = ("tokamax_autotuned", None, "dropless")
 TORCH = ("torch_grouped_mm", None, "dropless")
 TORCH_COMPILE = ("torch_grouped_mm_compile", None, "dropless")
 DENSE = ("dense", None, "dense")
@@ -284,8 +288,8 @@ def layer_cases(mode: str) -> list[MoECase]:
     return (
         # the headline comparison first: every impl at 32k and 131k, both dtypes and ops
         _layer_cases("layer", LAYER_ALL, [32768, 131072], BOTH_DTYPES, BOTH_OPS, SEED_LAYER, 10)
-        + _layer_cases("layer", (TRITON, *MOSAIC), [32768, 131072], ["bfloat16"], BOTH_OPS,
-                       SEED_LAYER, 11)
+        + _layer_cases("layer", (TRITON, *MOSAIC, TOKAMAX_AUTOTUNED), [32768, 131072],
+                       ["bfloat16"], BOTH_OPS, SEED_LAYER, 11)
         + _layer_cases("layer", LAYER_CORE, [4096], BOTH_DTYPES, BOTH_OPS, SEED_LAYER, 30)
         + _layer_cases("layer", (P_SORTED, P_GSUM, BLOCKED, RAGGED, TOKAMAX, DENSE), [32768],
                        BOTH_DTYPES, BOTH_OPS, SEED_WIDE, 31)
@@ -313,6 +317,8 @@ def decoder_cases(mode: str) -> list[MoECase]:
                          SEED_DECODER, 20)
             + _layer_cases("decoder", DECODER_IMPLS, [1048576], ["bfloat16"], BOTH_OPS,
                            SEED_DECODER, 25)
+            + _layer_cases("decoder", (TOKAMAX_AUTOTUNED,), [16384, 131072], ["bfloat16"],
+                           BOTH_OPS, SEED_DECODER, 21)
             + _layer_cases("decoder", DECODER_MORE, [16384, 131072, 1048576], ["bfloat16"],
                            BOTH_OPS, SEED_DECODER, 26))
 
@@ -448,7 +454,7 @@ def _inputs_key(case: MoECase) -> tuple:
 
 def layer_apply_fn(case: MoECase):
     """``apply(params, x) -> (y, aux)`` of the case's implementation."""
-    if case.impl == "tokamax":
+    if case.impl in TOKAMAX_IMPLS:
         try:
             import bench_tokamax
         except ModuleNotFoundError as exc:  # not installed: not attempted; any other error fails
@@ -545,15 +551,21 @@ def build_layer(case: MoECase, state):
         return numerics_info(case, state, inputs, y, grad_x, grad_params)
 
     if case.op == "forward":
-        return JaxWorkload(jax.jit(apply), (inputs.params, inputs.x), numerics)
+        fn, args = jax.jit(apply), (inputs.params, inputs.x)
+    else:
+        def loss(params, x, dy):
+            y, _ = apply(params, x)
+            return jnp.sum(y.astype(jnp.float32) * dy), y
 
-    def loss(params, x, dy):
-        y, _ = apply(params, x)
-        return jnp.sum(y.astype(jnp.float32) * dy), y
+        # y rides along as an output (it is computed anyway) so numerics need no extra forward
+        fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
+        args = (inputs.params, inputs.x, inputs.dy)
+    if case.impl == "tokamax_autotuned":
+        import bench_tokamax
 
-    # y rides along as an output (it is computed anyway) so numerics need no extra forward
-    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
-    return JaxWorkload(step, (inputs.params, inputs.x, inputs.dy), numerics)
+        fn, tuned = bench_tokamax.autotuned(fn, args)
+        return JaxWorkload(fn, args, lambda out: {**numerics(out), "autotuned_ops": tuned})
+    return JaxWorkload(fn, args, numerics)
 
 
 # ----------------------------------------------------------------------------- pieces

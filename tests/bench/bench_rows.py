@@ -31,7 +31,8 @@ RBF_SUITES = {
     "kernel_mv", "kde_density", "kernel_mv_tiles", "kernel_mv_launches", "kernel_mv_crossover",
     "kernel_mv_peak", "kernel_mv_max_n", "guide_gp",
 }
-MOE_IMPLS = {"pallas", "triton", "mosaic", "blocked", "ragged_dot", "tokamax", "torch_grouped_mm",
+MOE_IMPLS = {"pallas", "triton", "mosaic", "blocked", "ragged_dot", "tokamax",
+             "tokamax_autotuned", "torch_grouped_mm",
              "torch_grouped_mm_compile", "dense", "all_to_all", "all_gather"}
 EP_PARTS = {"link", "step", "exchange"}  # the link alone, a full step, the exchange alone
 RBF_IMPLS = {"pallas", "xla", "dense", "torch_dense", "keops"}
