@@ -12,6 +12,9 @@ def test_autotuned_tokamax_at_the_headline_configs():
         (8, 32768), (8, 131072), (64, 16384), (64, 131072)]
     assert len(tuned) == 8 and {case.op for case in tuned} == {"forward", "train_step"}
     assert all(case.dtype == "bfloat16" and case.numerics and not case.skew for case in tuned)
+    # last in their suites: each searches tokamax's configs first (minutes)
+    assert all(case.priority > max(c.priority for c in cases if c.impl != case.impl)
+               for case in tuned)
     defaults = {(c.suite, c.experts, c.tokens, c.op) for c in cases if c.impl == "tokamax"}
     assert {(c.suite, c.experts, c.tokens, c.op) for c in tuned} <= defaults
     ids = [case.id for case in cases]
