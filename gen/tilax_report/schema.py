@@ -70,8 +70,8 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "precision": ("str", "RBF dot precision"),
     "fwd_backend": ("str", "RBF pallas rows: backend of the forward kernel (triton, mosaic, "
                     "interpret)"),
-    "bwd_backend": ("str", "RBF launch sweep: backend of the gradient sweeps where a row sets "
-                    "it (mosaic; missing: the path's)"),
+    "bwd_backend": ("str", "RBF pallas fwd_bwd rows: backend of the gradient sweeps (triton, "
+                    "mosaic, interpret)"),
     # Problem shape and tuning knobs.
     "tokens": ("Int64", "MoE / NN tokens per call (suite ep: over all its GPUs)"),
     "tokens_per_device": ("Int64", "tokens per GPU (suite ep: weak scaling keeps it fixed)"),

@@ -95,11 +95,12 @@ class RbfCase:
                 info[name] = getattr(self, name)
         if self.impl == "pallas" and self.suite != "kde_density":
             info["fwd_backend"] = self.forward_backend()
+            if self.op == "fwd_bwd":
+                info["bwd_backend"] = self.backward_backend()
         return info
 
-    def forward_backend(self) -> str:
-        """The backend of ``rbf_kernel_mv``'s forward kernel here: the fast path's (the exact
-        path's for ``"highest"``): ``"triton"``, ``"mosaic"`` (Hopper) or ``"interpret"``."""
+    def _default_path(self):
+        """The fast path of the default config here (the exact path's for ``"highest"``)."""
         from tilax import _pallas
         from tilax.rbf import pallas_config
 
@@ -109,8 +110,18 @@ class RbfCase:
             out=self.out or 1, dim=self.dim, block_q=self.block_q, block_k=self.block_k,
             block_o=self.block_o,
         )  # fmt: skip
-        path = cfg.fast or cfg.exact
+        return cfg.fast or cfg.exact
+
+    def forward_backend(self) -> str:
+        """The backend of ``rbf_kernel_mv``'s forward kernel here: the fast path's (the exact
+        path's for ``"highest"``): ``"triton"``, ``"mosaic"`` (Hopper) or ``"interpret"``."""
+        path = self._default_path()
         return path.fwd.backend or path.backend
+
+    def backward_backend(self) -> str:
+        """The backend of the gradient sweeps here, as ``forward_backend``."""
+        path = self._default_path()
+        return path.dq.backend or path.backend
 
     def scale_key(self) -> tuple:
         fields = dataclasses.asdict(self)
@@ -371,8 +382,16 @@ class RbfLaunchCase(RbfCase):
                 "block_p": self.block_p, "block_l": self.block_l,
                 "num_warps": self.num_warps, "num_stages": self.num_stages,
                 "default_launch": self.default_launch,
-                **({"bwd_backend": self.grad_backend} if self.grad_backend else {
+                **({} if self.grad_backend else {
                     "shared_memory_model_bytes": self.shared_memory_model()})}
+
+    def backward_backend(self) -> str:
+        """A ``bwd`` row's sweeps run its own launches: ``grad_backend``, else the path's."""
+        if self.kernel == "bwd":
+            from tilax import _pallas
+
+            return self.grad_backend or _pallas.resolve_backend("pallas")
+        return super().backward_backend()
 
     def config(self, backend: str):
         """The ``PallasConfig`` of this row: the default for the problem, with this row's

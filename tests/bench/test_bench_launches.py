@@ -87,6 +87,8 @@ def test_defaults_then_neighbours_run_first(full):
 
 
 def test_rows_carry_the_launch_and_satisfy_the_contract(full):
+    from tilax import _pallas
+
     for case in full:
         info = {**case.extra_info(), "compile_s": 1.0, "pairs_per_s": 1e12}
         assert check_extra_info(info) == [], case.id
@@ -94,9 +96,13 @@ def test_rows_carry_the_launch_and_satisfy_the_contract(full):
         assert info["precision"] == ("highest" if case.path == "exact" else None)
         assert info["op"] == ("fwd" if case.kernel == "fwd" else "fwd_bwd")
         if case.grad_backend:  # its own kernel: no Triton shared-memory model
-            assert info["bwd_backend"] == "mosaic" and "shared_memory_model_bytes" not in info
+            assert "shared_memory_model_bytes" not in info
         else:
             assert isinstance(info["shared_memory_model_bytes"], int)
+        # the sweeps a bwd row runs: its own launches' backend, whatever the default's
+        assert info.get("bwd_backend") == (
+            (case.grad_backend or _pallas.resolve_backend("pallas"))
+            if case.kernel == "bwd" else None)
     bad = {**full[0].extra_info(), "compile_s": None, "error": "x"}
     del bad["num_stages"]
     assert check_extra_info(bad) == ["missing 'num_stages'"]
@@ -162,3 +168,15 @@ def test_suite_names_weights_and_docs_agree(full):
     assert f" {len(full)} " in table_row
     assert f"launches {conftest.SUITE_WEIGHTS['kernel_mv_launches']:g}" in " ".join(
         conftest.__doc__.split())
+
+
+def test_kernel_mv_rows_name_the_backends_that_ran():
+    from tilax import _pallas
+
+    cases = bench_rbf.kernel_mv_cases("smoke")
+    both = next(c for c in cases if c.impl == "pallas" and c.op == "fwd_bwd")
+    forward = next(c for c in cases if c.impl == "pallas" and c.op == "fwd")
+    here = _pallas.resolve_backend("pallas")
+    assert both.extra_info()["bwd_backend"] == both.extra_info()["fwd_backend"] == here
+    assert "bwd_backend" not in forward.extra_info()
+    assert "bwd_backend" not in next(c for c in cases if c.impl == "xla").extra_info()
