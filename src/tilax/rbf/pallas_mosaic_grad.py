@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from tilax import _pallas
+from tilax.rbf.pallas_dots import split
 from tilax.rbf.pallas_mosaic import (
     BLOCK_P,
     COMPUTE_WARPGROUPS,
@@ -59,18 +59,6 @@ def unsupported_reason(parts_width: int, coords_width: int, columns: int, block_
     if block_l not in (64, 128):
         return f"loop tile {block_l} is not 64 or 128"
     return None
-
-
-def runs(parts_width: int, coords_width: int, columns: int, block_l: int) -> bool:
-    """Whether the sweeps run here: on a Hopper GPU, for widths this kernel supports."""
-    return (_pallas.mosaic_unavailable_reason() is None
-            and unsupported_reason(parts_width, coords_width, columns, block_l) is None)
-
-
-def split_bf16(c: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``c`` float32 as bfloat16 ``(hi, lo)`` with ``hi + lo`` close to ``c``."""
-    hi = c.astype(jnp.bfloat16)
-    return hi, (c - hi.astype(jnp.float32)).astype(jnp.bfloat16)
 
 
 def pair_sums(
@@ -104,7 +92,7 @@ def pair_sums(
         reason = f"rows: P={num_p} by {BLOCK_P}, L={num_l} by {block_l}"
     if reason is not None:
         raise ValueError(f"the Mosaic GPU RBF gradient sweep cannot run this: {reason}")
-    c_hi, c_lo = split_bf16(coords.astype(jnp.float32))
+    c_hi, c_lo = split(coords.astype(jnp.float32), "bf16x3")
     u, w = u.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
     steps = pl.cdiv(valid_l, block_l)
     full_steps = valid_l // block_l
