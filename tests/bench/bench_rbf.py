@@ -297,7 +297,8 @@ LAUNCH_GROUPS = {
 }
 LAUNCH_SHAPE = (65536, 8, 16)  # n = m, dim, out
 #: Loop tiles of the Mosaic GPU gradient sweeps (``grad_backend="mosaic"`` rows of the fast
-#: backward family; program tile 128), beside the Triton launches they would replace.
+#: backward family; program tile 128), beside the Triton launches (on Hopper the default is
+#: the Mosaic GPU sweep with ``pallas_mosaic_grad.BLOCK_L``).
 MOSAIC_GRAD_LOOPS = (64, 128)
 #: Smoke (CPU, interpret mode: warps and stages are ignored): one launch per group at n = 64,
 #: off the default (64 x 64 there), so that every path and kernel runs a replaced launch.
@@ -460,13 +461,12 @@ def default_launch_config(backend: str, precision, n: int, m: int, dim: int, out
 
 
 def group_default(path: str, kernel: str, backend: str, n: int, dim: int, out: int):
-    """(block_p, block_l, warps, stages, block_o) that ``default_config`` gives the group's
-    launch; for ``bwd`` the dq launch (dk has the same tiles at n = m)."""
+    """The ``pallas_config.Launch`` that ``default_config`` gives the group's kernel on this
+    device; for ``bwd`` the dq launch (dk has the same tiles at n = m). Its ``backend`` is
+    ``"mosaic"`` where a Hopper GPU runs the group on Mosaic GPU."""
     precision = LAUNCH_GROUPS[(path, kernel)][0]
     cfg = default_launch_config(backend, precision, n, n, dim, out)
-    launch = getattr(getattr(cfg, path), "fwd" if kernel == "fwd" else "dq")
-    return (launch.block_p, launch.block_l, launch.num_warps, launch.num_stages,
-            launch.block_o)
+    return getattr(getattr(cfg, path), "fwd" if kernel == "fwd" else "dq")
 
 
 def launch_distance(launch: tuple, default: tuple) -> int:
@@ -483,9 +483,12 @@ def launch_cases(mode: str) -> list[RbfLaunchCase]:
     those 2; smoke: ``SMOKE_LAUNCH`` at n = 64 (4 rows).
 
     Rows run nearest-first: priority ``LAUNCH_PRIORITY`` + the launch's distance from its
-    group's default (``launch_distance``), so the four defaults run first, then every launch
-    one step from its default, and so on; the far corners (the exact path's large tiles, the
-    likeliest to spill) last.
+    group's default tiles (``launch_distance``), so the four defaults run first, then every
+    launch one step from its default, and so on; the far corners (the exact path's large tiles,
+    the likeliest to spill) last. ``default_launch`` marks the row that runs what
+    ``default_config`` picks on this device, backend included: on Hopper the fast backward's
+    is a Mosaic GPU row, and the fast forward's (the Mosaic GPU forward) is none of the
+    sweep's Triton rows (the ``kernel_mv`` suite times it).
     """
     from tilax import _pallas
 
@@ -496,15 +499,16 @@ def launch_cases(mode: str) -> list[RbfLaunchCase]:
     cases = []
     for order, ((path, kernel), spec) in enumerate(LAUNCH_GROUPS.items()):
         precision, op, programs, loops, warps, stages = spec
-        *default, block_o = group_default(path, kernel, backend, n, dim, out)
-        default = tuple(default)
+        chosen = group_default(path, kernel, backend, n, dim, out)
+        default = (chosen.block_p, chosen.block_l, chosen.num_warps, chosen.num_stages)
+        block_o = chosen.block_o
         if mode == "full":
             launches = list(itertools.product(programs, loops, warps, stages))
         elif mode == "quick":
             launches = []
         else:
             launches = [SMOKE_LAUNCH]
-        if default not in launches and mode != "smoke":
+        if default not in launches and chosen.backend is None and mode != "smoke":
             launches.insert(0, default)
         for launch in launches:
             distance = launch_distance(launch, default)
@@ -512,13 +516,15 @@ def launch_cases(mode: str) -> list[RbfLaunchCase]:
             cases.append((distance, order, RbfLaunchCase(
                 LAUNCH_SUITE, "pallas", op, n, dim, out, block_o=block_o, precision=precision,
                 priority=LAUNCH_PRIORITY + distance, path=path, kernel=kernel, block_p=bp,
-                block_l=bl, num_warps=w, num_stages=s, default_launch=launch == default)))
+                block_l=bl, num_warps=w, num_stages=s,
+                default_launch=launch == default and chosen.backend is None)))
         if (path, kernel) == ("fast", "bwd") and mode != "smoke":
-            for bl in MOSAIC_GRAD_LOOPS:  # right after the defaults: the candidate
+            for bl in MOSAIC_GRAD_LOOPS:  # right after the defaults (Hopper's default)
                 cases.append((0.5, order, RbfLaunchCase(
                     LAUNCH_SUITE, "pallas", op, n, dim, out, block_o=block_o,
                     precision=precision, priority=LAUNCH_PRIORITY, path=path, kernel=kernel,
-                    block_p=128, block_l=bl, grad_backend="mosaic")))
+                    block_p=128, block_l=bl, grad_backend="mosaic",
+                    default_launch=(chosen.backend, chosen.block_l) == ("mosaic", bl))))
     cases.sort(key=lambda item: item[:2])  # stable: the grid order within a group and step
     return [case for _, _, case in cases]
 

@@ -59,6 +59,24 @@ def test_each_group_has_its_default_launch_once(full):
         assert case.block_o == 16  # the value tile at O = 16
 
 
+def test_on_hopper_the_defaults_name_their_backend(full, monkeypatch):
+    """Where Mosaic GPU runs, the fast backward's default is the Mosaic GPU sweep with
+    ``pallas_mosaic_grad.BLOCK_L`` and the fast forward's (the Mosaic GPU forward) is no row
+    of the Triton grid; the rows and their ids are the same as on any other device."""
+    from tilax import _pallas
+    from tilax.rbf import pallas_mosaic_grad
+
+    monkeypatch.setattr(_pallas, "mosaic_unavailable_reason", lambda: None)
+    hopper = bench_rbf.launch_cases("full")
+    assert sorted(case.id for case in hopper) == sorted(case.id for case in full)
+    defaults = {case.group: case for case in hopper if case.default_launch}
+    assert sorted(defaults) == ["exact_bwd", "exact_fwd", "fast_bwd"]
+    chosen = defaults["fast_bwd"]
+    assert (chosen.grad_backend, chosen.block_p, chosen.block_l) == (
+        "mosaic", 128, pallas_mosaic_grad.BLOCK_L)
+    assert chosen.extra_info()["bwd_backend"] == "mosaic"
+
+
 def test_defaults_then_neighbours_run_first(full):
     assert all(case.default_launch for case in full[:4])
     # then the Mosaic GPU gradient sweeps, the candidate for the fast backward's default

@@ -1,8 +1,8 @@
-"""GPU checks of the Triton kernels against float64 at moderate sizes (skipped off GPU).
+"""GPU checks of the Pallas kernels (Triton; Mosaic GPU on Hopper) against float64 at moderate
+sizes (skipped off GPU).
 
 Run on the GPU host: ``PYTHONPATH=src python -m pytest tests/rbf/test_rbf_gpu.py -m gpu -q``
-(44 tests; the 43 before the Mosaic GPU forward's passed in 199 s on the H200 at commit
-34e4f92).
+(46 tests; they passed in 218 s on the H200 at commit 42a1217).
 The float64 oracle runs on the GPU with x64 enabled only inside the oracle.
 tests/rbf/test_rbf_numerics.py runs on the GPU too (the extreme-scale cases).
 """
@@ -252,21 +252,29 @@ def test_peak_memory_is_linear_in_n():
 
 
 
-def test_mosaic_forward_at_a_size_that_chooses_it():
+def test_mosaic_kernels_at_a_size_that_chooses_them():
     """At N = M = 40000 (program tiles of 128 rows keep two programs per SM) the default fast
-    forward runs the Mosaic GPU kernel on Hopper (tilax.rbf.pallas_mosaic); against
-    ``"highest"`` (float32-exact) on the same data, with keys not a multiple of the tile."""
+    path runs the Mosaic GPU forward (tilax.rbf.pallas_mosaic) and gradient sweeps
+    (tilax.rbf.pallas_mosaic_grad) on Hopper; against ``"highest"`` (float32-exact) on the
+    same data, with keys not a multiple of the tile."""
     from tilax import _pallas
 
     if _pallas.mosaic_unavailable_reason() is not None:
         pytest.skip(_pallas.mosaic_unavailable_reason())
-    q, k, v, lengthscale, _ = make_inputs(7, (), 40000, 40037, 8, 16)
+    q, k, v, lengthscale, cot = make_inputs(7, (), 40000, 40037, 8, 16)
     config = pallas_config.default_config("triton", None, batch=1, n=40000, m=40037, out=16,
                                           dim=8)
-    assert config.fast.fwd.backend == "mosaic"
-    fast = tilax.rbf_kernel_mv(q, k, v, lengthscale, impl="pallas")
-    exact = tilax.rbf_kernel_mv(q, k, v, lengthscale, impl="pallas", precision="highest")
+    assert config.fast.fwd.backend == config.fast.dq.backend == config.fast.dk.backend == (
+        "mosaic")
+    fast, fast_grads = pallas_value_and_grads(q, k, v, lengthscale, cot)
+    exact, exact_grads = pallas_value_and_grads(q, k, v, lengthscale, cot, precision="highest")
     assert rel_err(fast, exact) < TOLERANCE["default"]
+    for name, got, want in zip(("dq", "dk", "dv"), fast_grads, exact_grads, strict=False):
+        assert rel_err(got, want) < 5 * TOLERANCE["default"], name
+    scale = lengthscale_grad_scale(q, k, lengthscale, np.asarray(exact_grads[0]),
+                                   np.asarray(exact_grads[1]))
+    error = np.abs(np.asarray(fast_grads[3], np.float64) - np.asarray(exact_grads[3], np.float64))
+    assert np.all(error <= 5 * TOLERANCE["default"] * scale)
 
 
 @pytest.mark.parametrize("block_l", [64, 128])
@@ -284,6 +292,7 @@ def test_mosaic_gradient_sweeps(block_l):
     n, m = 20000, 20011
     q, k, v, lengthscale, cot = make_inputs(11, (), n, m, 8, 16)
     triton = pallas_config.default_config("triton", None, batch=1, n=n, m=m, out=16, dim=8)
+    assert triton.fast.dq.backend is None  # program tiles of 64 at this size: Triton
     sweep = dataclasses.replace(triton.fast.dq, block_p=128, block_l=block_l, backend="mosaic")
     mosaic = dataclasses.replace(triton, fast=dataclasses.replace(triton.fast, dq=sweep,
                                                                   dk=sweep))

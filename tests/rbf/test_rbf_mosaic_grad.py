@@ -1,6 +1,7 @@
 """The Mosaic GPU gradient sweep of the RBF fast path (tilax.rbf.pallas_mosaic_grad) on a CPU:
-its pair sums in JAX's GPU interpret mode against float64, its lowering for CUDA, and the
-settings it refuses. tests/rbf/test_rbf_gpu.py runs it on Hopper."""
+its pair sums in JAX's GPU interpret mode against float64, its lowering for CUDA, the settings
+it refuses, and where the default config chooses it. tests/rbf/test_rbf_gpu.py runs it on
+Hopper."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import numpy as np
 import pytest
 from jax import export
 
-from tilax.rbf import pallas_layout, pallas_mosaic_grad
+from tilax import _pallas
+from tilax.rbf import pallas_config, pallas_layout, pallas_mosaic_grad
 from tilax.rbf.pallas_triton import Expansion
 
 PARTS = Expansion("tf32_parts")
@@ -124,3 +126,31 @@ def test_fast_path_gradients_through_the_mosaic_sweeps_match_float64_in_interpre
         # bfloat16 values and cotangents (about 2.5e-3 here), as the Triton sweeps of the
         # default precision
         assert rel_err(got[0], expected) < 5e-3, name
+
+
+def _gradient_launches(precision=None, n=65536, dim=8, out=16, **settings):
+    config = pallas_config.default_config("triton", precision, batch=1, n=n, m=n, out=out,
+                                          dim=dim, shared_memory=232448, **settings)
+    return config.fast.dq, config.fast.dk
+
+
+def test_chosen_for_rbf_kernel_mv_on_hopper(monkeypatch):
+    monkeypatch.setattr(_pallas, "mosaic_unavailable_reason", lambda: None)
+    dq, dk = _gradient_launches()
+    assert dq.backend == dk.backend == "mosaic"
+    assert (dq.block_p, dq.block_l) == (dk.block_p, dk.block_l) == (128, 128)
+    assert _gradient_launches(block_q=128, block_k=128) == (dq, dk)  # the caller's tiles
+    assert _gradient_launches(block_q=64)[0].backend is None  # program tiles of 64: Triton
+    assert _gradient_launches(block_k=64)[1].backend is None  # (the key sweep's)
+    assert _gradient_launches("high")[0].backend is None  # bfloat16 x 3 values
+    assert _gradient_launches(dim=20)[0].backend is None  # parts wider than 64 columns
+    assert _gradient_launches(out=100)[0].backend is None  # 128 value columns
+    assert _gradient_launches(n=4096)[0].backend is None  # program tiles under 128 rows
+    assert _gradient_launches(op="kde")[0].backend is None  # the KDE has no Mosaic sweeps
+    monkeypatch.setattr(_pallas, "mosaic_unavailable_reason", lambda: "no Hopper here")
+    assert _gradient_launches()[0].backend is None
+
+
+def test_default_config_names_a_wrong_op():
+    with pytest.raises(ValueError, match="op must be 'kernel_mv' or 'kde', not 'kmv'"):
+        pallas_config.default_config("triton", None, batch=1, n=8, m=8, out=1, dim=2, op="kmv")

@@ -182,10 +182,12 @@ def rbf_kernel_mv(
       block_q: query tile size of the forward and both backward kernels for ``impl="pallas"``
         (a power of two, at least 16); ``None`` picks it per problem and device (see
         ``tilax.rbf.pallas_config.default_config``; on GPUs, for large problems, 128 queries
-        forward and 64 in the backward kernels). Tiles shrink where a launch would not fit the
-        device's shared memory.
+        in the fast path's kernels and 64 in the exact path's). Tiles shrink where a launch
+        would not fit the device's shared memory. On Hopper, tiles the Mosaic GPU kernels
+        cannot take (program tiles other than 128 rows) run the Triton kernels instead.
       block_k: key tile size (a power of two, at least 16); ``None`` picks it (for large
-        problems on GPUs, 32 keys forward and 128 in the fast backward kernels).
+        problems on GPUs, 128 keys in the fast path's forward and Hopper gradient sweeps, 64
+        in its Triton gradient kernels, 32 in the exact path's).
       block_o: value column tile size (a power of two, at least 16); ``None`` gives
         ``min(64, next_power_of_2(O))``, at least 16.
 
@@ -343,7 +345,7 @@ def rbf_kde_density(
     batch = math.prod(batch_shape)
     cfg = pallas_config.default_config(
         _pallas.resolve_backend("pallas"), precision, batch=batch, n=n, m=m, out=1, dim=dim,
-        block_q=block_q, block_k=block_k,
+        block_q=block_q, block_k=block_k, op="kde",
     )  # fmt: skip
     h = bandwidth.astype(jnp.float32)
     log_sum = pallas_vjp.kde_log_sum(

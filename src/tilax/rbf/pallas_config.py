@@ -31,7 +31,7 @@ import functools
 import jax
 
 from tilax import _pallas
-from tilax.rbf import pallas_mosaic
+from tilax.rbf import pallas_mosaic, pallas_mosaic_grad
 from tilax.rbf.pallas_triton import Difference, Distance, Expansion, difference_dims
 
 PRECISIONS = ("highest", "high", "default")
@@ -81,7 +81,8 @@ class Launch:
     tiles in flight, ``num_warps`` unused), else ``None``: the path's backend (the KDE's
     forward, which has no Mosaic GPU kernel, always runs Triton with these tiles). On the
     ``dq`` and ``dk`` launches of the fast path, ``"mosaic"`` runs ``rbf_kernel_mv``'s
-    gradient sweeps on ``tilax.rbf.pallas_mosaic_grad`` (program tile 128; set both).
+    gradient sweeps on ``tilax.rbf.pallas_mosaic_grad`` (program tile 128; set both; the
+    KDE, which has no Mosaic GPU sweeps, is never given such launches).
     """
 
     block_p: int
@@ -381,7 +382,7 @@ def _occupancy_tile(preferred: int, size: int, other_programs: int, smallest: in
 
 
 def _path_config(
-    modes: DotModes, backend, path: str, *, batch, n, m, out, dim, block_q, block_k, block_o,
+    modes: DotModes, backend, path: str, *, op, batch, n, m, out, dim, block_q, block_k, block_o,
     limit,
 ) -> PathConfig:  # fmt: skip
     value_tile = block_o or _fit_tile(64, out)
@@ -399,6 +400,24 @@ def _path_config(
     if path == "fast" and pallas_mosaic.runs(config.fwd, forward_distance(modes, dim),
                                              modes.values, parts_width(dim)):
         config = dataclasses.replace(config, fwd=dataclasses.replace(config.fwd, backend="mosaic"))
+    if path == "fast" and op == "kernel_mv":
+        config = _mosaic_gradients(config, dim, block_q, block_k)
+    return config
+
+
+def _mosaic_gradients(config: PathConfig, dim: int, block_q, block_k) -> PathConfig:
+    """``config`` with ``rbf_kernel_mv``'s gradient sweeps on ``tilax.rbf.pallas_mosaic_grad``
+    where both run (``pallas_mosaic_grad.runs``: Hopper, the default precision's modes, program
+    tiles of 128 rows as the Triton launches chose), with the caller's loop tiles or
+    ``pallas_mosaic_grad.BLOCK_L``."""
+    dq = dataclasses.replace(config.dq, block_l=block_k or pallas_mosaic_grad.BLOCK_L,
+                             backend="mosaic")
+    dk = dataclasses.replace(config.dk, block_l=block_q or pallas_mosaic_grad.BLOCK_L,
+                             backend="mosaic")
+    widths = (parts_width(dim), expansion_width(dim), config.cols)
+    if all(pallas_mosaic_grad.runs(launch, config.modes.values, config.modes.coords, *widths)
+           for launch in (dq, dk)):
+        return dataclasses.replace(config, dq=dq, dk=dk)
     return config
 
 
@@ -448,8 +467,10 @@ def default_config(
     block_k: int | None = None,
     block_o: int | None = None,
     shared_memory: int | None = None,
+    op: str = "kernel_mv",
 ) -> PallasConfig:
-    """The settings ``rbf_kernel_mv``/``rbf_kde_density`` use unless told otherwise.
+    """The settings ``rbf_kernel_mv`` (``op="kernel_mv"``) or ``rbf_kde_density``
+    (``op="kde"``) use unless told otherwise.
 
     ``precision`` names the dot modes (``FAST_MODES``, ``EXACT_MODES``; ``None`` is
     ``"default"``). On GPUs (Triton) the launches start from ``GPU_PREFERRED``; a program tile
@@ -460,13 +481,18 @@ def default_config(
     limit, :func:`shared_memory_limit`) with the margin. In interpret mode (CPU) every tile is
     ``min(128, next_power_of_2(size))``. Explicit ``block_q``/``block_k`` set the query/key
     tiles of all kernels, ``block_o`` the value tile (shared memory may still shrink them).
+    On Hopper, the fast path's forward (``tilax.rbf.pallas_mosaic``) and ``rbf_kernel_mv``'s
+    gradient sweeps (``tilax.rbf.pallas_mosaic_grad``, loop tiles of 128) run on Mosaic GPU
+    where those kernels support the settings and the Triton launch has program tiles of 128.
     """
+    if op not in ("kernel_mv", "kde"):
+        raise ValueError(f"op must be 'kernel_mv' or 'kde', not {op!r}")
     precision = precision or "default"
     limit = None
     if backend != "interpret":
         limit = shared_memory or shared_memory_limit()
-    common = dict(batch=batch, n=n, m=m, out=out, dim=dim, block_q=block_q, block_k=block_k,
-                  block_o=block_o, limit=limit)  # fmt: skip
+    common = dict(op=op, batch=batch, n=n, m=m, out=out, dim=dim, block_q=block_q,
+                  block_k=block_k, block_o=block_o, limit=limit)  # fmt: skip
     fast = None
     if precision in FAST_MODES:
         fast = _path_config(FAST_MODES[precision], backend, "fast", **common)

@@ -103,22 +103,17 @@ def kernel_matmul(
     scale: jax.Array | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
-    schedule: str = "ping_pong",
 ) -> jax.Array:
     """``out[b, i, :] = sum_{l < valid_l} exp2(min(x[b, i] . y[b, l], 0)) v[b, l, :]``, float32
     ``[B, P, O]``; the signature of ``pallas_triton.kernel_matmul`` (``backend``, ``scale``,
     ``num_warps`` and ``num_stages`` are not used: one backend, no residual scale, three
-    warpgroups, ``KEY_STAGES``). ``schedule``: ``"ping_pong"``, the two compute warpgroups
-    taking turns on the tensor cores, or ``"overlap"``, each on its own with the next key
-    tile's distance dot issued before this tile's exps (not yet measured on a GPU)."""
+    warpgroups, ``KEY_STAGES``)."""
     del backend, num_warps, num_stages
     batch, num_p, width = x.shape
     num_l, num_o = v.shape[1], v.shape[2]
     reason = unsupported_reason(distance, values, width, block_o)
     if reason is None and scale is not None:
         reason = "it takes no residual scale"
-    if reason is None and schedule not in ("ping_pong", "overlap"):
-        reason = f"schedule {schedule!r} is not 'ping_pong' or 'overlap'"
     if reason is None and (block_p != BLOCK_P or num_p % block_p or num_l % block_l
                            or num_o % block_o or block_l % 64):
         reason = (f"tiles: P={num_p} by {block_p} (must be {BLOCK_P}), L={num_l} by "
@@ -153,50 +148,6 @@ def kernel_matmul(
                 p = jnp.where(column + kv_step * block_l < valid_l, p, 0.0)
             return lax.optimization_barrier(p.astype(jnp.bfloat16))
 
-        def overlapped_loop(x_smem):
-            """Each warpgroup on its own: the distance dot of the next key tile runs on the
-            tensor cores while this tile's exps run."""
-
-            def distance(kv_step, t_ref):
-                slot = slot_of(kv_step)
-                plgpu.barrier_wait(y_ready.at[slot])
-                plgpu.wgmma(t_ref, x_smem, _transposed(y_smem.at[slot]))
-
-            def step(kv_step, t, acc_ref, masked, last):
-                slot = slot_of(kv_step)
-
-                def tile(t_next_ref):
-                    if t_next_ref is not None:
-                        distance(kv_step + 1, t_next_ref)
-                    p16 = kernel_values(t, kv_step, masked)
-                    plgpu.barrier_wait(v_ready.at[slot])
-                    plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
-                    if t_next_ref is None:
-                        plgpu.wgmma_wait(0)
-                        return None
-                    return t_next_ref[...]  # waits for both dots
-
-                t_next = tile(None) if last else pl.run_scoped(
-                    tile, plgpu.ACC((rows, block_l), jnp.float32))
-                plgpu.barrier_arrive(v_free.at[slot])
-                if not last:
-                    plgpu.barrier_arrive(y_free.at[slot_of(kv_step + 1)])
-                return t_next
-
-            def loop(acc_ref):
-                def first(t_ref):
-                    distance(jnp.int32(0), t_ref)
-                    return t_ref[...]
-
-                t = pl.run_scoped(first, plgpu.ACC((rows, block_l), jnp.float32))
-                plgpu.barrier_arrive(y_free.at[0])
-                t = lax.fori_loop(0, kv_steps - 1,
-                                  lambda j, t: step(j, t, acc_ref, False, False), t)
-                step(jnp.int32(kv_steps - 1), t, acc_ref, kv_steps > full_steps, True)
-                return acc_ref[...]
-
-            return loop
-
         @pl.when(wg < COMPUTE_WARPGROUPS)
         def _compute():
             plgpu.set_max_registers(232, action="increase")
@@ -204,14 +155,6 @@ def kernel_matmul(
             own = pl.ds(lax.axis_index("p") * block_p + wg * rows, rows)
             plgpu.copy_gmem_to_smem(x_ref.at[b, own], x_smem, x_ready.at[wg])
             plgpu.barrier_wait(x_ready.at[wg])
-            if schedule == "overlap":
-                acc = pl.run_scoped(overlapped_loop(x_smem),
-                                    plgpu.ACC((rows, block_o), jnp.float32))
-                o_smem[...] = acc
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(o_smem, out_ref.at[b, own, cols])
-                plgpu.wait_smem_to_gmem(0)
-                return
             plgpu.barrier_wait(y_ready.at[0])
             pl.when(wg == 1)(take_turn)
 
