@@ -65,6 +65,21 @@ def unsupported_reason(parts_width: int, coords_width: int, columns: int, block_
     return None
 
 
+def _bfloat16_bits(bits: jax.Array) -> jax.Array:
+    """The bfloat16 whose bits are the high half of ``bits`` (uint32): float32 truncated."""
+    return lax.bitcast_convert_type((bits >> 16).astype(jnp.uint16), jnp.bfloat16)
+
+
+def _truncated_split(a: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``a`` (float32) as bfloat16 ``(hi, lo)`` with ``|a - hi - lo| <= 2^-16 |a|``, by
+    truncation: integer operations on the ALU. Conversion instructions run on the exp unit
+    (XU), which the exps already keep about 70% busy (ncu on the H200: two conversions per
+    pair doubled its load)."""
+    bits = lax.bitcast_convert_type(a, jnp.uint32)
+    rest = a - lax.bitcast_convert_type(bits & jnp.uint32(0xFFFF0000), jnp.float32)  # exact
+    return _bfloat16_bits(bits), _bfloat16_bits(lax.bitcast_convert_type(rest, jnp.uint32))
+
+
 def runs(launch, values: str, coords: str, parts_width: int, coords_width: int,
          columns: int) -> bool:
     """Whether a sweep of ``launch`` (a ``pallas_config.Launch``) runs here: on a Hopper GPU,
@@ -156,10 +171,7 @@ def pair_sums(
                     column = plgpu.broadcasted_iota(jnp.int32, (rows, block_l), 1,
                                                     layout=plgpu.Layout.WGMMA)
                     p = jnp.where(column + index * block_l < valid_l, p, 0.0)
-                a = p * uw
-                a_hi = a.astype(jnp.bfloat16)
-                a_lo = (a - a_hi.astype(jnp.float32)).astype(jnp.bfloat16)
-                a_hi, a_lo = lax.optimization_barrier((a_hi, a_lo))
+                a_hi, a_lo = lax.optimization_barrier(_truncated_split(p * uw))
                 p16 = lax.optimization_barrier(p.astype(jnp.bfloat16)) if with_pw else None
                 plgpu.barrier_arrive(turn)  # done with the exps
                 plgpu.barrier_wait(c_ready.at[slot])
