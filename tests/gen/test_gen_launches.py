@@ -169,3 +169,20 @@ def test_history_keeps_launches_apart(tmp_path_factory, data_dir):
     ours = points[points["suite"] == "kernel_mv_launches"]
     assert ours["case_id"].nunique() == 11  # one case per measured launch, not per family
     assert set(ours["run"]) == {RUN, "h200-20260118-2c3d4e5"}
+
+
+def test_each_runs_chart_follows_its_own_tables(tmp_path_factory, data_dir):
+    later = {"name": "h200-20260118-2c3d4e5-launches.json", "commit": "2c3d4e5",
+             "started": "2026-01-18T10:00:00+00:00"}
+    results = results_with(tmp_path_factory, data_dir, {}, later)
+    section = launch_section(rbf.build(results))
+    blocks = section.split("\n### ")[1:]
+    charted = [re.findall(r'<div class="tilax-chart" id="[^"]+" data-sources="([^"]*)"', block)
+               for block in blocks]
+    runs_of = [block.partition(":")[0] for block in blocks]
+    # every chart lies in the last family section of the run whose file it draws
+    for index, sources in enumerate(charted):
+        if sources:
+            assert index + 1 == len(blocks) or runs_of[index + 1] != runs_of[index]
+            assert runs_of[index].endswith(sources[0].removesuffix("-launches.json"))
+    assert sum(len(sources) for sources in charted) == 2

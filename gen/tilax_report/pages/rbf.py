@@ -259,9 +259,10 @@ def _launches(page: Page, rows: pd.DataFrame) -> None:
                         rows.groupby(LAUNCH_KEYS, dropna=False, sort=False)])
     for (device, run), per_run in ranked.groupby(["device", "run"], sort=False):
         who = f"{analysis.short_gpu(device)}, run {run}"
-        _launch_chart(page, who, per_run)
         for _, group in per_run.groupby(LAUNCH_KEYS, dropna=False, sort=False):
             _launch_table(page, who, group)
+        # After the run's tables: before them it would sit under the previous run's heading.
+        _launch_chart(page, who, per_run)
 
 
 def _launches_count(count: int) -> str:
