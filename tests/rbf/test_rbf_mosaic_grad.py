@@ -154,3 +154,20 @@ def test_chosen_for_rbf_kernel_mv_on_hopper(monkeypatch):
 def test_default_config_names_a_wrong_op():
     with pytest.raises(ValueError, match="op must be 'kernel_mv' or 'kde', not 'kmv'"):
         pallas_config.default_config("triton", None, batch=1, n=8, m=8, out=1, dim=2, op="kmv")
+
+
+def test_truncated_split_keeps_sixteen_bits():
+    """The pair weights' bfloat16 hi + lo (integer truncation, no conversion instruction):
+    within 2^-15 of each value, relative, for either sign and zero; near 1 + 2^-7 is the worst
+    case (the rest just below 2^-7, its truncation dropping almost a unit of its last place)."""
+    rng = np.random.default_rng(3)
+    worst = 1.0 + 2.0**-7 - 2.0**-23
+    a = np.concatenate([rng.standard_normal(4096) * 10.0 ** rng.integers(-25, 25, 4096),
+                        [0.0, -0.0, 1.0, -1.0, worst, -worst]]).astype(np.float32)
+    hi, lo = pallas_mosaic_grad._truncated_split(jnp.asarray(a))
+    assert hi.dtype == lo.dtype == jnp.bfloat16
+    total = np.asarray(hi, np.float64) + np.asarray(lo, np.float64)
+    error = np.abs(total - a)
+    assert np.all(error <= 2.0**-15 * np.abs(a))
+    assert error[-1] > 2.0**-16 * worst  # the bound is nearly reached: truncation, not rounding
+    assert np.all(np.sign(np.asarray(hi, np.float64)) * np.sign(a) >= 0)  # no sign flips

@@ -71,10 +71,11 @@ def _bfloat16_bits(bits: jax.Array) -> jax.Array:
 
 
 def _truncated_split(a: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``a`` (float32) as bfloat16 ``(hi, lo)`` with ``|a - hi - lo| <= 2^-16 |a|``, by
-    truncation: integer operations on the ALU. Conversion instructions run on the exp unit
-    (XU), which the exps already keep about 70% busy (ncu on the H200: two conversions per
-    pair doubled its load)."""
+    """``a`` (float32) as bfloat16 ``(hi, lo)`` with ``|a - hi - lo| < 2^-15 |a|`` (``a`` and
+    the rest normal numbers; rounding would give 2^-17, and the values and cotangents the pair
+    weights come from are bfloat16, 2^-9), by truncation: integer operations on the ALU.
+    Conversion instructions run on the exp unit (XU), which the exps keep busy already (ncu on
+    the H200: with two conversions per pair it was the sweep's busiest pipe, 72%)."""
     bits = lax.bitcast_convert_type(a, jnp.uint32)
     rest = a - lax.bitcast_convert_type(bits & jnp.uint32(0xFFFF0000), jnp.float32)  # exact
     return _bfloat16_bits(bits), _bfloat16_bits(lax.bitcast_convert_type(rest, jnp.uint32))
