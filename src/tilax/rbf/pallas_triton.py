@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 from tilax._pallas import Backend, pallas_call
 from tilax.rbf.pallas_dots import dot, split
@@ -158,11 +159,34 @@ class _Pairs:
             return [scale_ref[d] for d in range(self.distance.dim)]
         return scale_ref[0] * scale_ref[0]
 
-    def difference(self, points, scales, y_ref, rows, d):
+    def difference(self, points, scales, y_ref, rows, d, *, scaled=True):
         """``e_d = x_d - y_d`` of the program's rows against loop rows ``rows`` (``d`` may be
-        traced), times the residual scale where it is per dimension."""
+        traced), times the residual scale where it is per dimension (and ``scaled``)."""
         e = points[d][:, None] - y_ref[d, rows][None, :]
-        return e * scales[d] if self.distance.per_dimension else e
+        return e * scales[d] if scaled and self.distance.per_dimension else e
+
+    def exp2(self, t):
+        """``2^t``: on a GPU one ``ex2.approx.ftz`` (Triton's own calls libdevice's
+        ``exp2f``, which adds instructions for subnormal results; here those are 0)."""
+        if self.backend == "interpret":
+            return jnp.exp2(t)
+        [result] = pltriton.elementwise_inline_asm(
+            "ex2.approx.ftz.f32 $0, $1;", args=[t], constraints="=f,f", pack=1,
+            result_shape_dtypes=[jax.ShapeDtypeStruct(t.shape, jnp.float32)],
+        )  # fmt: skip
+        return result
+
+    def fma(self, a, b, c):
+        """``a * b + c``, rounded once on a GPU. Pallas's Triton lowering emits the multiply and
+        the add apart, separately rounded (ncu on the H200: not one fused instruction in the
+        exact kernels, which spend most of their issue slots on them), so it is PTX there."""
+        if self.backend == "interpret":
+            return a * b + c
+        [result] = pltriton.elementwise_inline_asm(
+            "fma.rn.f32 $0, $1, $2, $3;", args=[a, b, c], constraints="=f,f,f,f", pack=1,
+            result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.float32)],
+        )  # fmt: skip
+        return result
 
     def exponent(self, points, scales, y_ref, rows):
         """``t <= 0`` for loop rows ``rows``. The gradient kernels recompute the differences
@@ -173,22 +197,22 @@ class _Pairs:
             y = split(y_ref[rows, :], distance.mode)
             return jnp.minimum(dot(points, y, distance.mode, self.backend, b_transposed=True), 0.0)
 
-        def square(e):
-            return jnp.maximum(e * e, 0.0) if distance.rounded else e * e
+        def add_square(d, s):
+            """``s + e_d^2``: one fused multiply-add, or (``rounded``) the square rounded
+            first, in a form no compiler fuses."""
+            e = self.difference(points, scales, y_ref, rows, d)
+            if distance.rounded:
+                return s + jnp.maximum(e * e, 0.0)
+            return e * e if s is None else self.fma(e, e, s)
 
         if distance.dim > HOISTED_DIMS:  # a loop over dimensions: compact code, few registers
-            def subtract_square(d, t):
-                return t - square(self.difference(points, scales, y_ref, rows, d))
-
             shape = (points.shape[-1], rows.size)
-            t = lax.fori_loop(0, distance.dim, subtract_square, jnp.zeros(shape, jnp.float32))
+            s = lax.fori_loop(0, distance.dim, add_square, jnp.zeros(shape, jnp.float32))
         else:
-            t = -square(self.difference(points, scales, y_ref, rows, 0))
-            for d in range(1, distance.dim):
-                t = t - square(self.difference(points, scales, y_ref, rows, d))
-        if not distance.per_dimension:
-            t = t * scales
-        return t
+            s = None if not distance.rounded else jnp.zeros((points[0].size, rows.size))
+            for d in range(distance.dim):
+                s = add_square(d, s)
+        return s * -scales if not distance.per_dimension else -s
 
 
 def _loop_tiles(body, carry, valid_l: int, block_l: int):
@@ -218,7 +242,7 @@ def _kernel_matmul_kernel(x_ref, y_ref, *refs, pairs, names, valid_l, block_l, v
 
     def body(j, acc, masked):
         rows = _tile(j, block_l)
-        p = jnp.exp2(pairs.exponent(points, scales, y_ref, rows))
+        p = pairs.exp2(pairs.exponent(points, scales, y_ref, rows))
         if masked:
             p = jnp.where(_valid_columns(j, block_l, valid_l), p, 0.0)
         return acc + dot(split(p, values), split(v_ref[rows, :], values), values, pairs.backend)
@@ -322,7 +346,7 @@ def _kernel_matmul_grad_kernel(
             if x_offset is not None:
                 t = t + x_offset[:, None]
             t = jnp.minimum(t, EXPONENT_LIMIT)
-        p = jnp.exp2(t)
+        p = pairs.exp2(t)
         if masked:
             p = jnp.where(_valid_columns(j, block_l, valid_l), p, 0.0)
         a, new_pw = p, []
@@ -347,7 +371,8 @@ def _kernel_matmul_grad_kernel(
             return sums, squares, row_sums, tuple(new_pw)
         new_sums, new_squares = [], []
         for i in range(chunk):
-            e = pairs.difference(points, scales, y_ref, rows, first + i)
+            # Unscaled: the residual scale multiplies the sums once, after the loop.
+            e = pairs.difference(points, scales, y_ref, rows, first + i, scaled=False)
             ae = a * e
             new_sums.append(sums[i] + jnp.sum(ae, axis=1))
             if per_dim_squares:
@@ -375,6 +400,10 @@ def _kernel_matmul_grad_kernel(
     sums, squares, row_sums, pw_acc = _loop_tiles(body, init, valid_l, block_l)
     if not difference:
         out["sums"][...] = sums
+    elif distance.per_dimension:
+        residual = [scales[first + i] for i in range(chunk)]
+        sums = tuple(acc * r for acc, r in zip(sums, residual, strict=True))
+        squares = tuple(acc * (r * r) for acc, r in zip(squares, residual, strict=False))
     for name, accs in (("sums", sums if difference else ()), ("squares", squares),
                        ("rows", row_sums)):  # fmt: skip
         for i, acc in enumerate(accs):
@@ -502,7 +531,7 @@ def _kernel_logsumexp_kernel(x_ref, y_ref, *refs, pairs, names, valid_l, block_l
         # shift of 0, so that no -inf - -inf = NaN arises. The clamp keeps zero-weight points
         # closer than every weighted one finite (their weight then makes them 0).
         shift = jnp.where(new_max == -jnp.inf, 0.0, new_max)
-        p = jnp.exp2(jnp.minimum(t - shift[:, None], EXPONENT_LIMIT))
+        p = pairs.exp2(jnp.minimum(t - shift[:, None], EXPONENT_LIMIT))
         if weight_ref is not None:
             p = p * weight_ref[rows][None, :]
         if masked:
