@@ -132,6 +132,19 @@ def _num_rows(distance: Distance, points: jax.Array) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
+class _LoopTile:
+    """Rows ``rows`` of the loop points ``ref``; ``coords``: their coordinate rows, loaded
+    already (``_Pairs.prefetch``), or ``None``: read from ``ref`` where used."""
+
+    ref: object
+    rows: pl.Slice
+    coords: tuple | None = None
+
+    def coordinate(self, d):
+        return self.coords[d] if self.coords is not None else self.ref[d, self.rows]
+
+
+@dataclasses.dataclass(frozen=True)
 class _Pairs:
     """Exponents of a program's rows against loop tiles, for a static distance and backend."""
 
@@ -159,10 +172,20 @@ class _Pairs:
             return [scale_ref[d] for d in range(self.distance.dim)]
         return scale_ref[0] * scale_ref[0]
 
-    def difference(self, points, scales, y_ref, rows, d, *, scaled=True):
-        """``e_d = x_d - y_d`` of the program's rows against loop rows ``rows`` (``d`` may be
+    def prefetch(self, y_ref, block_l: int):
+        """``j -> `` the coordinate rows of loop tile ``j`` (differences of up to
+        ``HOISTED_DIMS`` dimensions), for ``_loop_tiles`` to load a step ahead; else ``None``.
+        Triton pipelines only the loads that feed dots: loaded where they are used, these
+        left the exact forward waiting on memory (ncu on the H200: long-scoreboard stalls
+        first)."""
+        if isinstance(self.distance, Expansion) or self.distance.dim > HOISTED_DIMS:
+            return None
+        return lambda j: tuple(y_ref[d, _tile(j, block_l)] for d in range(self.distance.dim))
+
+    def difference(self, points, scales, tile: _LoopTile, d, *, scaled=True):
+        """``e_d = x_d - y_d`` of the program's rows against the loop tile (``d`` may be
         traced), times the residual scale where it is per dimension (and ``scaled``)."""
-        e = points[d][:, None] - y_ref[d, rows][None, :]
+        e = points[d][:, None] - tile.coordinate(d)[None, :]
         return e * scales[d] if scaled and self.distance.per_dimension else e
 
     def exp2(self, t):
@@ -188,41 +211,52 @@ class _Pairs:
         )  # fmt: skip
         return result
 
-    def exponent(self, points, scales, y_ref, rows):
-        """``t <= 0`` for loop rows ``rows``. The gradient kernels recompute the differences
+    def exponent(self, points, scales, tile: _LoopTile):
+        """``t <= 0`` for the loop tile's rows. The gradient kernels recompute the differences
         they sum rather than keep these: held across the exponent, they made the key-gradient
         kernel spill (312 bytes a thread at its H200 launch, none when recomputed)."""
         distance = self.distance
         if isinstance(distance, Expansion):
-            y = split(y_ref[rows, :], distance.mode)
+            y = split(tile.ref[tile.rows, :], distance.mode)
             return jnp.minimum(dot(points, y, distance.mode, self.backend, b_transposed=True), 0.0)
 
         def add_square(d, s):
             """``s + e_d^2``: one fused multiply-add, or (``rounded``) the square rounded
             first, in a form no compiler fuses."""
-            e = self.difference(points, scales, y_ref, rows, d)
+            e = self.difference(points, scales, tile, d)
             if distance.rounded:
                 return s + jnp.maximum(e * e, 0.0)
             return e * e if s is None else self.fma(e, e, s)
 
         if distance.dim > HOISTED_DIMS:  # a loop over dimensions: compact code, few registers
-            shape = (points.shape[-1], rows.size)
+            shape = (points.shape[-1], tile.rows.size)
             s = lax.fori_loop(0, distance.dim, add_square, jnp.zeros(shape, jnp.float32))
         else:
-            s = None if not distance.rounded else jnp.zeros((points[0].size, rows.size))
+            s = None if not distance.rounded else jnp.zeros((points[0].size, tile.rows.size))
             for d in range(distance.dim):
                 s = add_square(d, s)
         return s * -scales if not distance.per_dimension else -s
 
 
-def _loop_tiles(body, carry, valid_l: int, block_l: int):
-    """``body(j, carry, masked)`` over the tiles holding rows ``[0, valid_l)``: a loop over the
-    full ones, then the partial last tile (if any) with ``masked=True``."""
+def _loop_tiles(body, carry, valid_l: int, block_l: int, y_ref, prefetch=None):
+    """``body(j, carry, masked, tile)`` over the loop tiles ``tile`` (a :class:`_LoopTile` of
+    ``y_ref``) holding rows ``[0, valid_l)``: a loop over the full ones, then the partial last
+    tile (if any) with ``masked=True``. With ``prefetch`` (``_Pairs.prefetch``), each step
+    loads the next tile's coordinates before it computes on its own."""
     full, partial = divmod(valid_l, block_l)
-    carry = lax.fori_loop(0, full, lambda j, c: body(j, c, False), carry)
+    last = full + (1 if partial else 0) - 1
+
+    def step(j, state, masked):
+        carry, coords = state
+        following = prefetch(jnp.minimum(j + 1, last)) if prefetch else ()
+        tile = _LoopTile(y_ref, _tile(j, block_l), coords if prefetch else None)
+        return body(j, carry, masked, tile), following
+
+    state = (carry, prefetch(0) if prefetch else ())
+    state = lax.fori_loop(0, full, lambda j, s: step(j, s, False), state)
     if partial:
-        carry = body(full, carry, True)
-    return carry
+        state = step(full, state, True)
+    return state[0]
 
 
 def _valid_columns(j, block_l: int, valid_l: int) -> jax.Array:
@@ -240,15 +274,16 @@ def _kernel_matmul_kernel(x_ref, y_ref, *refs, pairs, names, valid_l, block_l, v
     points = pairs.program_points(x_ref)
     scales = pairs.scales(optional.get("scale"))
 
-    def body(j, acc, masked):
-        rows = _tile(j, block_l)
-        p = pairs.exp2(pairs.exponent(points, scales, y_ref, rows))
+    def body(j, acc, masked, tile):
+        rows = tile.rows
+        p = pairs.exp2(pairs.exponent(points, scales, tile))
         if masked:
             p = jnp.where(_valid_columns(j, block_l, valid_l), p, 0.0)
         return acc + dot(split(p, values), split(v_ref[rows, :], values), values, pairs.backend)
 
     acc = jnp.zeros(out_ref.shape, jnp.float32)
-    out_ref[...] = _loop_tiles(body, acc, valid_l, block_l).astype(out_ref.dtype)
+    acc = _loop_tiles(body, acc, valid_l, block_l, y_ref, pairs.prefetch(y_ref, block_l))
+    out_ref[...] = acc.astype(out_ref.dtype)
 
 
 def kernel_matmul(
@@ -336,10 +371,10 @@ def _kernel_matmul_grad_kernel(
         if len(chunks) * block_o <= 64:
             hoisted_u = [split(u_ref[:, c], values) for c in chunks]
 
-    def body(j, carry, masked):
+    def body(j, carry, masked, tile):
         sums, squares, row_sums, pw_acc = carry
-        rows = _tile(j, block_l)
-        t = distance_exponent = pairs.exponent(points, scales, y_ref, rows)
+        rows = tile.rows
+        t = distance_exponent = pairs.exponent(points, scales, tile)
         if y_offset_ref is not None or x_offset is not None:
             if y_offset_ref is not None:
                 t = t + y_offset_ref[rows][None, :]
@@ -372,7 +407,7 @@ def _kernel_matmul_grad_kernel(
         new_sums, new_squares = [], []
         for i in range(chunk):
             # Unscaled: the residual scale multiplies the sums once, after the loop.
-            e = pairs.difference(points, scales, y_ref, rows, first + i, scaled=False)
+            e = pairs.difference(points, scales, tile, first + i, scaled=False)
             ae = a * e
             new_sums.append(sums[i] + jnp.sum(ae, axis=1))
             if per_dim_squares:
@@ -397,7 +432,8 @@ def _kernel_matmul_grad_kernel(
     else:
         init = (jnp.zeros(out["sums"].shape, jnp.float32), (), ())
     init += (zeros(len(chunks) if "pw" in out else 0, (num_p, block_o)),)
-    sums, squares, row_sums, pw_acc = _loop_tiles(body, init, valid_l, block_l)
+    sums, squares, row_sums, pw_acc = _loop_tiles(body, init, valid_l, block_l, y_ref,
+                                                  pairs.prefetch(y_ref, block_l))
     if not difference:
         out["sums"][...] = sums
     elif distance.per_dimension:
@@ -517,10 +553,10 @@ def _kernel_logsumexp_kernel(x_ref, y_ref, *refs, pairs, names, valid_l, block_l
     scales = pairs.scales(optional.get("scale"))
     weight_ref = optional.get("y_weight")
 
-    def body(j, carry, masked):
+    def body(j, carry, masked, tile):
         running_max, running_sum = carry
-        rows = _tile(j, block_l)
-        t = pairs.exponent(points, scales, y_ref, rows)
+        rows = tile.rows
+        t = pairs.exponent(points, scales, tile)
         counted = None if weight_ref is None else weight_ref[rows][None, :] > 0
         if masked:
             valid = _valid_columns(j, block_l, valid_l)
@@ -540,7 +576,8 @@ def _kernel_logsumexp_kernel(x_ref, y_ref, *refs, pairs, names, valid_l, block_l
         return new_max, rescaled + jnp.sum(p, axis=1)
 
     init = (jnp.full(max_ref.shape, -jnp.inf, jnp.float32), jnp.zeros(sum_ref.shape, jnp.float32))
-    max_ref[...], sum_ref[...] = _loop_tiles(body, init, valid_l, block_l)
+    max_ref[...], sum_ref[...] = _loop_tiles(body, init, valid_l, block_l, y_ref,
+                                             pairs.prefetch(y_ref, block_l))
 
 
 def kernel_logsumexp(
