@@ -432,8 +432,9 @@ def _kernel_matmul_grad_kernel(
     else:
         init = (jnp.zeros(out["sums"].shape, jnp.float32), (), ())
     init += (zeros(len(chunks) if "pw" in out else 0, (num_p, block_o)),)
-    sums, squares, row_sums, pw_acc = _loop_tiles(body, init, valid_l, block_l, y_ref,
-                                                  pairs.prefetch(y_ref, block_l))
+    # No prefetch: held across a step, the coordinates pushed the key-gradient kernel from 245
+    # to 255 registers a thread and to twice its time on the H200 (long-scoreboard stalls).
+    sums, squares, row_sums, pw_acc = _loop_tiles(body, init, valid_l, block_l, y_ref)
     if not difference:
         out["sums"][...] = sums
     elif distance.per_dimension:
