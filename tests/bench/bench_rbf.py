@@ -487,8 +487,8 @@ def launch_cases(mode: str) -> list[RbfLaunchCase]:
     launch one step from its default, and so on; the far corners (the exact path's large tiles,
     the likeliest to spill) last. ``default_launch`` marks the row that runs what
     ``default_config`` picks on this device, backend included: on Hopper the fast backward's
-    is a Mosaic GPU row, and the fast forward's (the Mosaic GPU forward) is none of the
-    sweep's Triton rows (the ``kernel_mv`` suite times it).
+    is a Mosaic GPU row, and the forwards' (the Mosaic GPU forwards, fast and exact) are none
+    of the sweep's Triton rows (the ``kernel_mv`` suite times them).
     """
     from tilax import _pallas
 

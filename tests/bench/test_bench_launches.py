@@ -61,8 +61,9 @@ def test_each_group_has_its_default_launch_once(full):
 
 def test_on_hopper_the_defaults_name_their_backend(full, monkeypatch):
     """Where Mosaic GPU runs, the fast backward's default is the Mosaic GPU sweep with
-    ``pallas_mosaic_grad.BLOCK_L`` and the fast forward's (the Mosaic GPU forward) is no row
-    of the Triton grid; the rows and their ids are the same as on any other device."""
+    ``pallas_mosaic_grad.BLOCK_L`` and the forwards' (the Mosaic GPU forwards, fast and exact)
+    are no rows of the Triton grid; the rows and their ids are the same as on any other
+    device."""
     from tilax import _pallas
     from tilax.rbf import pallas_mosaic_grad
 
@@ -70,7 +71,7 @@ def test_on_hopper_the_defaults_name_their_backend(full, monkeypatch):
     hopper = bench_rbf.launch_cases("full")
     assert sorted(case.id for case in hopper) == sorted(case.id for case in full)
     defaults = {case.group: case for case in hopper if case.default_launch}
-    assert sorted(defaults) == ["exact_bwd", "exact_fwd", "fast_bwd"]
+    assert sorted(defaults) == ["exact_bwd", "fast_bwd"]
     chosen = defaults["fast_bwd"]
     assert (chosen.grad_backend, chosen.block_p, chosen.block_l) == (
         "mosaic", 128, pallas_mosaic_grad.BLOCK_L)

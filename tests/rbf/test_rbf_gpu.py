@@ -2,7 +2,7 @@
 sizes (skipped off GPU).
 
 Run on the GPU host: ``PYTHONPATH=src python -m pytest tests/rbf/test_rbf_gpu.py -m gpu -q``
-(46 tests; they passed in 218 s on the H200 at commit 42a1217).
+(48 tests; 46 of them passed in 288 s on the H200 at commit 86daa73).
 The float64 oracle runs on the GPU with x64 enabled only inside the oracle.
 tests/rbf/test_rbf_numerics.py runs on the GPU too (the extreme-scale cases).
 """
@@ -275,6 +275,48 @@ def test_mosaic_kernels_at_a_size_that_chooses_them():
                                    np.asarray(exact_grads[1]))
     error = np.abs(np.asarray(fast_grads[3], np.float64) - np.asarray(exact_grads[3], np.float64))
     assert np.all(error <= 5 * TOLERANCE["default"] * scale)
+
+
+@pytest.mark.parametrize("isotropic", [False, True])
+def test_mosaic_exact_forward_at_a_size_that_chooses_it(isotropic):
+    """At N = M = 40000 ``"highest"``'s forward runs the Mosaic GPU exact kernel
+    (tilax.rbf.pallas_mosaic_exact) on Hopper: float32-accurate against float64 on data far
+    from the origin at a small lengthscale (where the expansion is useless), with coincident
+    points and keys not a multiple of the tile, and as the Triton difference kernel."""
+    import dataclasses
+
+    from tilax import _pallas
+    from tilax.rbf import pallas_vjp
+
+    if _pallas.mosaic_unavailable_reason() is not None:
+        pytest.skip(_pallas.mosaic_unavailable_reason())
+    n, m, dim = 40000, 40037, 8
+    rng = np.random.default_rng(5)
+    lengthscale = np.float32(1e-3) if isotropic else rng.uniform(5e-4, 2e-3, dim).astype(
+        np.float32)
+    q = (100.0 + 3e-3 * rng.normal(size=(n, dim))).astype(np.float32)
+    k = (100.0 + 3e-3 * rng.normal(size=(m, dim))).astype(np.float32)
+    k[:1000] = q[:1000]
+    v = rng.normal(size=(m, 16)).astype(np.float32)
+    config = pallas_config.default_config("triton", "highest", batch=1, n=n, m=m, out=16,
+                                          dim=dim)
+    assert config.exact.fwd.backend == "mosaic"
+    triton_fwd = dataclasses.replace(
+        config.exact, fwd=pallas_config.GPU_PREFERRED[("exact", "fwd")])
+    triton = dataclasses.replace(config, exact=triton_fwd)
+
+    def forward(cfg):
+        return np.asarray(jax.jit(lambda *a: pallas_vjp.kernel_mv_with_config(*a, cfg))(
+            q, k, v, lengthscale), np.float64)
+
+    got, baseline = forward(config), forward(triton)
+    rows = np.r_[0:128, n - 128:n]  # coincident points, then others
+    scales = np.broadcast_to(np.asarray(lengthscale, np.float64), (dim,))
+    d2 = sum(((q[rows, d, None].astype(np.float64) - k[None, :, d]) / scales[d]) ** 2
+             for d in range(dim))
+    want = np.exp(-0.5 * d2) @ v.astype(np.float64)
+    assert rel_err(got[rows], want) < TOLERANCE["highest"]
+    assert rel_err(got, baseline) < TOLERANCE["highest"]
 
 
 @pytest.mark.parametrize("block_l", [64, 128])

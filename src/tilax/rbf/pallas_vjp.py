@@ -43,7 +43,13 @@ import jax.numpy as jnp
 from jax import lax
 
 from tilax import _pallas
-from tilax.rbf import numerics, pallas_mosaic, pallas_mosaic_grad, pallas_triton
+from tilax.rbf import (
+    numerics,
+    pallas_mosaic,
+    pallas_mosaic_exact,
+    pallas_mosaic_grad,
+    pallas_triton,
+)
 from tilax.rbf import pallas_layout as layout
 from tilax.rbf.pallas_config import (
     Launch,
@@ -225,8 +231,10 @@ def _kernel_mv_exact_fwd(q, k, v, lengthscale, path: PathConfig):
     xq, xk, scale, _ = _exact_operands(q, k, lengthscale, rows_q, rows_k,
                                        per_dimension=per_dimension)  # fmt: skip
     values = layout.value_operand(v, rows_k, path.cols, path.modes.values)
+    kernel = pallas_mosaic_exact.kernel_matmul if path.fwd.backend == "mosaic" else (
+        pallas_triton.kernel_matmul)
     out = _run(
-        "rbf_kernel_mv", pallas_triton.kernel_matmul, path, path.fwd,
+        "rbf_kernel_mv", kernel, path, path.fwd,
         dict(x=xq, y=xk, v=values, scale=scale), distance=distance, valid_l=m,
         block_o=path.fwd.block_o, values=path.modes.values,
     )  # fmt: skip

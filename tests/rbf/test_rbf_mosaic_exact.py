@@ -1,0 +1,141 @@
+"""The Mosaic GPU exact RBF forward (tilax.rbf.pallas_mosaic_exact) on a CPU: the exact split
+of kernel values, results in JAX's GPU interpret mode (tests/mosaic_interpret.py) against
+float64, lowering for CUDA, the settings it refuses, and when ``"highest"`` chooses it.
+Layouts, registers and timing are the GPU tests' (tests/rbf/test_rbf_gpu.py)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import export
+
+from tilax import _pallas
+from tilax.rbf import numerics, pallas_config, pallas_layout, pallas_mosaic_exact
+from tilax.rbf.pallas_triton import Difference
+
+_JAX_VERSION = tuple(int(part) for part in jax.__version__.split(".")[:2])
+BLOCK = dict(block_p=pallas_mosaic_exact.BLOCK_P, block_l=pallas_mosaic_exact.BLOCK_L)
+
+
+def test_split3_is_exact_to_float32():
+    rng = np.random.default_rng(0)
+    a = np.concatenate([rng.uniform(0, 1, 100000), rng.uniform(0, 1, 1000) * 2.0**-60,
+                        [1.0, 0.0, 1 - 2.0**-24, 2.0**-126]]).astype(np.float32)
+    parts = pallas_mosaic_exact.split3(jnp.asarray(a))
+    assert all(part.dtype == jnp.bfloat16 for part in parts)
+    total = sum(np.asarray(part).astype(np.float64) for part in parts)
+    assert np.all(np.abs(total - a) <= 2.0**-24 * np.abs(a))
+    hi, mid, _ = (np.abs(np.asarray(part).astype(np.float64)) for part in parts)
+    assert np.all(mid <= 2.0**-7 * hi)  # truncation: each part below the one before
+
+
+def _operands(n, m, dim, out, lengthscale, seed=0, offset=0.0):
+    rng = np.random.default_rng(seed)
+    q = (rng.standard_normal((1, n, dim)) * lengthscale * 3 + offset).astype(np.float32)
+    k = (rng.standard_normal((1, m, dim)) * lengthscale * 3 + offset).astype(np.float32)
+    v = rng.standard_normal((1, m, out)).astype(np.float32)
+    return q, k, v
+
+
+def _kernel_operands(q, k, v, lengthscale, per_dimension):
+    rows_q = pallas_mosaic_exact.BLOCK_P * -(-q.shape[1] // pallas_mosaic_exact.BLOCK_P)
+    rows_k = pallas_mosaic_exact.BLOCK_L * -(-k.shape[1] // pallas_mosaic_exact.BLOCK_L)
+    ls = jnp.asarray(lengthscale, jnp.float32)
+    power, residual = numerics.exact_scales(ls)
+    x = pallas_layout.exact_points(jnp.asarray(q), power, rows_q)
+    y = pallas_layout.exact_points(jnp.asarray(k), power, rows_k)
+    scale = pallas_layout.exact_scale(residual, q.shape[-1] if per_dimension else None)
+    values = pallas_layout.value_operand(jnp.asarray(v), rows_k, 16, "tf32x3")
+    return x, y, values, scale
+
+
+def _reference(q, k, v, lengthscale):
+    q, k, v = (a[0].astype(np.float64) for a in (q, k, v))
+    d2 = (((q[:, None, :] - k[None, :, :]) / np.asarray(lengthscale, np.float64)) ** 2).sum(-1)
+    return np.exp(-0.5 * d2) @ v
+
+
+@pytest.mark.parametrize("per_dimension", [True, False])
+def test_forward_matches_float64_in_interpret_mode(per_dimension):
+    from mosaic_interpret import available, gpu_interpreter
+
+    reason = available()
+    if reason:
+        pytest.skip(reason)
+    if _JAX_VERSION < (0, 11):
+        pytest.skip("jax 0.10's GPU interpreter cannot run plgpu.load (jax 0.11's can: the "
+                    "tests_jax011 session runs this)")
+    from jax._src.interpreters import mlir
+    from jax._src.pallas.mosaic_gpu.core import layout_cast_p
+
+    mlir.register_lowering(layout_cast_p, lambda ctx, x, **_: [x], platform="cpu")
+    n, m, dim = 128, 200, 3
+    # Far from the origin at a small lengthscale: the expansion would be useless here.
+    lengthscale = np.array([1e-3, 2e-3, 1.5e-3]) if per_dimension else 1e-3
+    q, k, v = _operands(n, m, dim, 16, 1e-3, offset=100.0)
+    k[0, :50] = q[0, :50]  # coincident points: kernel values of exactly 1
+    x, y, values, scale = _kernel_operands(q, k, v, lengthscale, per_dimension)
+    # Padded keys hold garbage: only the index mask in the last tile keeps them out.
+    y, values = y.at[:, :, m:].set(0.0), values.at[:, m:].set(1e3)
+    with gpu_interpreter():
+        out = pallas_mosaic_exact.kernel_matmul(
+            x, y, values, distance=Difference(dim, per_dimension), valid_l=m, block_o=16,
+            values="tf32x3", scale=scale, **BLOCK,
+        )  # fmt: skip
+    want = _reference(q, k, v, lengthscale)
+    got = np.asarray(out)[0, :n]
+    assert np.max(np.abs(got - want)) <= 1e-5 * np.max(np.abs(want))
+
+
+def test_lowers_for_cuda():
+    args = [jax.ShapeDtypeStruct(s, jnp.float32) for s in ((2, 8, 256), (2, 8, 384),
+                                                           (2, 384, 32), (8,))]
+
+    def forward(x, y, v, scale):
+        return pallas_mosaic_exact.kernel_matmul(
+            x, y, v, distance=Difference(8, True), valid_l=300, block_o=16, values="tf32x3",
+            scale=scale, **BLOCK,
+        )  # fmt: skip
+
+    module = export.export(jax.jit(forward), platforms=["cuda"])(*args).mlir_module()
+    assert module.count("mosaic_gpu") >= 1
+
+
+@pytest.mark.parametrize(
+    "settings, match",
+    [
+        (dict(distance=Difference(8, True, rounded=True)), "unrounded"),
+        (dict(distance=Difference(32, True)), "32 dimensions"),
+        (dict(values="bf16"), "float32 accuracy"),
+        (dict(block_p=64), "must be 128"),
+        (dict(block_o=8), "value tile 8"),
+    ],
+)
+def test_unsupported_settings_say_why(settings, match):
+    x = jnp.zeros((1, 8, 128), jnp.float32)
+    v = jnp.zeros((1, 128, 16), jnp.float32)
+    kwargs = dict(distance=Difference(8, True), valid_l=128, block_o=16, values="tf32x3",
+                  scale=jnp.ones(8), **BLOCK) | settings
+    with pytest.raises(ValueError, match=match):
+        pallas_mosaic_exact.kernel_matmul(x, x, v, **kwargs)
+
+
+def _exact_forward(precision="highest", n=65536, dim=8, out=16, op="kernel_mv"):
+    config = pallas_config.default_config("triton", precision, batch=1, n=n, m=n, out=out,
+                                          dim=dim, shared_memory=232448, op=op)
+    return config.exact.fwd
+
+
+def test_chosen_for_the_highest_forward_on_hopper(monkeypatch):
+    monkeypatch.setattr(_pallas, "mosaic_unavailable_reason", lambda: None)
+    launch = _exact_forward()
+    assert (launch.backend, launch.block_p, launch.block_l) == ("mosaic", 128, 128)
+    assert _exact_forward(out=100).backend == "mosaic"
+    assert _exact_forward("default").backend is None  # bfloat16 values: Triton
+    assert _exact_forward(dim=20).backend is None  # more dimensions than registers hold
+    assert _exact_forward(n=4096).backend is None  # program tiles under 128 rows
+    assert _exact_forward(op="kde").backend is None  # the KDE has no Mosaic GPU kernel
+    monkeypatch.setattr(_pallas, "mosaic_unavailable_reason", lambda: "no Hopper here")
+    assert _exact_forward().backend is None
