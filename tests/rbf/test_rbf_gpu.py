@@ -301,9 +301,10 @@ def test_mosaic_exact_forward_at_a_size_that_chooses_it(isotropic):
     config = pallas_config.default_config("triton", "highest", batch=1, n=n, m=m, out=16,
                                           dim=dim)
     assert config.exact.fwd.backend == "mosaic"
-    triton_fwd = dataclasses.replace(
-        config.exact, fwd=pallas_config.GPU_PREFERRED[("exact", "fwd")])
-    triton = dataclasses.replace(config, exact=triton_fwd)
+    # Explicit tiles keep the Triton difference kernel (the default ones at this size).
+    triton = pallas_config.default_config("triton", "highest", batch=1, n=n, m=m, out=16,
+                                          dim=dim, block_q=64, block_k=32)
+    assert triton.exact.fwd.backend is None
 
     def forward(cfg):
         return np.asarray(jax.jit(lambda *a: pallas_vjp.kernel_mv_with_config(*a, cfg))(
