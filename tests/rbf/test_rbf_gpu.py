@@ -283,8 +283,6 @@ def test_mosaic_exact_forward_at_a_size_that_chooses_it(isotropic):
     (tilax.rbf.pallas_mosaic_exact) on Hopper: float32-accurate against float64 on data far
     from the origin at a small lengthscale (where the expansion is useless), with coincident
     points and keys not a multiple of the tile, and as the Triton difference kernel."""
-    import dataclasses
-
     from tilax import _pallas
     from tilax.rbf import pallas_vjp
 
