@@ -181,28 +181,32 @@ def kernel_matmul(
                     p = jnp.where(column + kv_step * block_l < valid_l, p, 0.0)
                 return lax.optimization_barrier(split3(p))
 
-            def step(kv_step, acc_ref, masked):
+            def step(kv_step, total, masked):
                 slot = slot_of(kv_step)
                 plgpu.barrier_wait(y_ready.at[slot])
                 parts = kernel_values(slot, kv_step, masked)
                 plgpu.barrier_arrive(y_free.at[slot])
                 for part in range(3):
                     plgpu.barrier_wait(v_ready.at[3 * slot + part])
-                for p_part, v_part in PRODUCTS:
-                    plgpu.wgmma(acc_ref, parts[p_part], v_smem.at[3 * slot + v_part])
-                plgpu.wgmma_wait(0)  # the value parts are read: the slot may be refilled
-                plgpu.barrier_arrive(v_free.at[slot])
 
-            def loop(acc_ref):
-                @pl.loop(0, full_steps)
-                def _(j):
-                    step(j, acc_ref, False)
+                def products(acc_ref):
+                    for p_part, v_part in PRODUCTS:
+                        plgpu.wgmma(acc_ref, parts[p_part], v_smem.at[3 * slot + v_part])
+                    return acc_ref[...]  # (waits for the products)
 
-                if steps > full_steps:
-                    step(jnp.int32(full_steps), acc_ref, True)
-                return acc_ref[...]
+                # A fresh accumulator a tile, added with a float32 add: the tensor cores'
+                # accumulation truncates, and over all tiles its error grew to 2^-14 of the
+                # terms' size on the H200 (the Triton kernels add each dot the same way).
+                tile = pl.run_scoped(products, plgpu.ACC((rows, block_o), jnp.float32))
+                plgpu.barrier_arrive(v_free.at[slot])  # the value parts are read
+                return total + tile
 
-            o_smem[...] = pl.run_scoped(loop, plgpu.ACC((rows, block_o), jnp.float32))
+            total = plgpu.layout_cast(jnp.zeros((rows, block_o), jnp.float32),
+                                      plgpu.Layout.WGMMA)
+            total = lax.fori_loop(0, full_steps, lambda j, acc: step(j, acc, False), total)
+            if steps > full_steps:
+                total = step(jnp.int32(full_steps), total, True)
+            o_smem[...] = total
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(o_smem, out_ref.at[b, own, cols])
             plgpu.wait_smem_to_gmem(0)
