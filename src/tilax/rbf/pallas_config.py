@@ -413,7 +413,7 @@ def _mosaic_exact_forward(config: PathConfig, batch: int, n: int, dim: int) -> P
     where it runs (``pallas_mosaic_exact.runs``: Hopper, ``"highest"``'s float32 values, at
     most ``MAX_DIMS`` dimensions) and its 128-row program tiles still give two programs per SM
     (the rule of the Triton launches), with its own tiles; explicit tiles keep the Triton
-    kernel. On the H200 at N = M = 65536, D = 8, O = 16 the forward took 7.45 ms on it against
+    kernel. On the H200 at N = M = 65536, D = 8, O = 16 the forward took 7.56 ms on it against
     11.0 ms on the Triton difference kernel (the ``kernel_mv`` bench suite's ``"highest"``
     rows; see the methodology page)."""
     fwd = dataclasses.replace(config.fwd, block_p=pallas_mosaic_exact.BLOCK_P,
