@@ -88,6 +88,24 @@ def stream_tiles(steps: int, stages: int, fetch, wait_free) -> None:
         wait_free(last % stages)
 
 
+def launch_forward(entry, out_shape: tuple[int, int, int], block_p: int, block_o: int,
+                   name: str):
+    """``plgpu.kernel`` of a forward kernel ``entry``: float32 ``out_shape`` ``[B, P, O]``,
+    grid (P tiles, O tiles, batch), the compute warpgroups and the memory warpgroup, the exp
+    unit's approximate ``exp2``."""
+    batch, num_p, num_o = out_shape
+    return plgpu.kernel(
+        entry,
+        out_type=jax.ShapeDtypeStruct(out_shape, jnp.float32),
+        grid=(num_p // block_p, num_o // block_o, batch),
+        grid_names=("p", "o", "b"),
+        num_threads=COMPUTE_WARPGROUPS + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        kernel_name=name,
+    )
+
+
 def kernel_matmul(
     x: jax.Array,
     y: jax.Array,
@@ -231,13 +249,5 @@ def kernel_matmul(
             collective_axes="wg",
         )
 
-    return plgpu.kernel(
-        entry,
-        out_type=jax.ShapeDtypeStruct((batch, num_p, num_o), jnp.float32),
-        grid=(num_p // block_p, num_o // block_o, batch),
-        grid_names=("p", "o", "b"),
-        num_threads=COMPUTE_WARPGROUPS + 1,
-        thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
-        kernel_name="rbf_kernel_matmul_mosaic",
-    )(x, y, v)
+    return launch_forward(entry, (batch, num_p, num_o), block_p, block_o,
+                          "rbf_kernel_matmul_mosaic")(x, y, v)

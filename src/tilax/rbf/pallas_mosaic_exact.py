@@ -37,6 +37,7 @@ from tilax.rbf.pallas_mosaic import (
     COMPUTE_WARPGROUPS,
     ROWS_PER_WARPGROUP,
     _tiles,
+    launch_forward,
     plgpu,
     stream_tiles,
 )
@@ -245,13 +246,5 @@ def kernel_matmul(
             collective_axes="wg",
         )
 
-    return plgpu.kernel(
-        entry,
-        out_type=jax.ShapeDtypeStruct((batch, num_p, num_o), jnp.float32),
-        grid=(num_p // block_p, num_o // block_o, batch),
-        grid_names=("p", "o", "b"),
-        num_threads=COMPUTE_WARPGROUPS + 1,
-        thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
-        kernel_name="rbf_kernel_matmul_exact_mosaic",
-    )(x, y, *v_parts)
+    return launch_forward(entry, (batch, num_p, num_o), block_p, block_o,
+                          "rbf_kernel_matmul_exact_mosaic")(x, y, *v_parts)
