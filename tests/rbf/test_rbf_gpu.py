@@ -2,7 +2,8 @@
 sizes (skipped off GPU).
 
 Run on the GPU host: ``PYTHONPATH=src python -m pytest tests/rbf/test_rbf_gpu.py -m gpu -q``
-(48 tests; 46 of them passed in 288 s on the H200 at commit 86daa73).
+(48 tests: at commit 9e2d1ac 46 passed in 235 s on the H200 and the Mosaic exact forward's
+two failed on its accumulation, fixed in d98132e; the five Mosaic GPU tests passed at 80aa7bd).
 The float64 oracle runs on the GPU with x64 enabled only inside the oracle.
 tests/rbf/test_rbf_numerics.py runs on the GPU too (the extreme-scale cases).
 """
