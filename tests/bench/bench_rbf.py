@@ -469,6 +469,14 @@ def group_default(path: str, kernel: str, backend: str, n: int, dim: int, out: i
     return getattr(getattr(cfg, path), "fwd" if kernel == "fwd" else "dq")
 
 
+def _sweeps_agree(path: str, backend: str, n: int, dim: int, out: int) -> bool:
+    """Whether the path's default dq and dk launches have the same tiles, warps and stages
+    (on a GPU the exact path's dk takes shorter loop tiles: ``GPU_PREFERRED``)."""
+    precision = LAUNCH_GROUPS[(path, "bwd")][0]
+    cfg = getattr(default_launch_config(backend, precision, n, n, dim, out), path)
+    return dataclasses.replace(cfg.dq, block_o=0) == dataclasses.replace(cfg.dk, block_o=0)
+
+
 def launch_distance(launch: tuple, default: tuple) -> int:
     """Steps from the default: doublings of each tile and of the warps, plus stages apart."""
     steps = sum(abs(round(math.log2(a / b))) for a, b in zip(launch[:3], default[:3],
@@ -479,8 +487,8 @@ def launch_distance(launch: tuple, default: tuple) -> int:
 def launch_cases(mode: str) -> list[RbfLaunchCase]:
     """The launch sweep. Full: ``LAUNCH_GROUPS`` (90 launches; the default launch is added
     where a device's default is off the grid) and the Mosaic GPU gradient sweeps at
-    ``MOSAIC_GRAD_LOOPS`` in the fast backward family (2 rows); quick: each group's default and
-    those 2; smoke: ``SMOKE_LAUNCH`` at n = 64 (4 rows).
+    ``MOSAIC_GRAD_LOOPS`` in the fast backward family (2 rows); quick: each group's default that
+    is a row of the grid, and those 2; smoke: ``SMOKE_LAUNCH`` at n = 64 (4 rows).
 
     Rows run nearest-first: priority ``LAUNCH_PRIORITY`` + the launch's distance from its
     group's default tiles (``launch_distance``), so the four defaults run first, then every
@@ -488,7 +496,9 @@ def launch_cases(mode: str) -> list[RbfLaunchCase]:
     the likeliest to spill) last. ``default_launch`` marks the row that runs what
     ``default_config`` picks on this device, backend included: on Hopper the fast backward's
     is a Mosaic GPU row, and the forwards' (the Mosaic GPU forwards, fast and exact) are none
-    of the sweep's Triton rows (the ``kernel_mv`` suite times them).
+    of the sweep's Triton rows (the ``kernel_mv`` suite times them); on a GPU the exact
+    backward's is none either (its dk launch differs from its dq launch; its distances count
+    from the dq launch).
     """
     from tilax import _pallas
 
@@ -501,6 +511,9 @@ def launch_cases(mode: str) -> list[RbfLaunchCase]:
         precision, op, programs, loops, warps, stages = spec
         chosen = group_default(path, kernel, backend, n, dim, out)
         default = (chosen.block_p, chosen.block_l, chosen.num_warps, chosen.num_stages)
+        # A row sets dq and dk to the same tiles: it is the default only where they agree.
+        in_grid = chosen.backend is None and (kernel == "fwd" or _sweeps_agree(
+            path, backend, n, dim, out))
         block_o = chosen.block_o
         if mode == "full":
             launches = list(itertools.product(programs, loops, warps, stages))
@@ -508,7 +521,7 @@ def launch_cases(mode: str) -> list[RbfLaunchCase]:
             launches = []
         else:
             launches = [SMOKE_LAUNCH]
-        if default not in launches and chosen.backend is None and mode != "smoke":
+        if default not in launches and in_grid and mode != "smoke":
             launches.insert(0, default)
         for launch in launches:
             distance = launch_distance(launch, default)
@@ -517,7 +530,7 @@ def launch_cases(mode: str) -> list[RbfLaunchCase]:
                 LAUNCH_SUITE, "pallas", op, n, dim, out, block_o=block_o, precision=precision,
                 priority=LAUNCH_PRIORITY + distance, path=path, kernel=kernel, block_p=bp,
                 block_l=bl, num_warps=w, num_stages=s,
-                default_launch=launch == default and chosen.backend is None)))
+                default_launch=launch == default and in_grid)))
         if (path, kernel) == ("fast", "bwd") and mode != "smoke":
             for bl in MOSAIC_GRAD_LOOPS:  # right after the defaults (Hopper's default)
                 cases.append((0.5, order, RbfLaunchCase(

@@ -146,6 +146,10 @@ GPU_PREFERRED = {
     ("fast", "bwd"): Launch(128, 64, 64, num_warps=4, num_stages=3),
     ("exact", "fwd"): Launch(64, 32, 64, num_warps=4, num_stages=2),
     ("exact", "bwd"): Launch(64, 32, 64, num_warps=4, num_stages=2),
+    # The exact key-gradient sweep (dk and dv) alone: with loop tiles of 32 it spilled
+    # registers (ncu), with 16 rbf_kernel_mv's "highest" fwd_bwd took 50.7 ms against 58.3 ms
+    # (H200, N = M = 65536, D = 8, O = 16, diagnostic script; the query sweep at 16 was slower).
+    ("exact", "dk"): Launch(64, 16, 64, num_warps=4, num_stages=2),
 }
 #: Per-block shared memory (bytes, opt-in maximum) by compute capability, where the device does
 #: not report ``shared_memory_per_block_optin``.
@@ -449,6 +453,7 @@ def _gpu_path_config(
     """GPU launches of one path (cached: they depend on ``O`` only through the value tile and
     the padded column count)."""
     pf, pb = GPU_PREFERRED[(path, "fwd")], GPU_PREFERRED[(path, "bwd")]
+    pk = GPU_PREFERRED.get((path, "dk"), pb)
     o_tiles = cols // value_tile
     fwd = dataclasses.replace(
         pf,
@@ -463,9 +468,9 @@ def _gpu_path_config(
         block_o=value_tile,
     )
     dk = dataclasses.replace(
-        pb,
-        block_p=block_k or _occupancy_tile(pb.block_p, m, batch, 64),
-        block_l=block_q or _fit_tile(pb.block_l, n),
+        pk,
+        block_p=block_k or _occupancy_tile(pk.block_p, m, batch, 64),
+        block_l=block_q or _fit_tile(pk.block_l, n),
         block_o=value_tile,
     )
     calls = path_calls(modes, dim, cols)
