@@ -43,6 +43,10 @@ OUTCOMES = {
     ("exact_bwd", (32, 32, 4, 2)): 80.0,
     ("exact_bwd", (32, 128, 8, 2)): 2200.0,  # a spilling launch: one timed round
 }
+#: Rows flagged as their family's default as the runs stored before commit 12feb05 flag them
+#: (since then the exact backward's dq and dk launches differ, and no row of that family is
+#: its default): the report reads stored files, old ones included.
+STORED_DEFAULTS = {("exact_bwd", (64, 32, 4, 2))}
 SPREAD = (-0.01, -0.006, -0.003, -0.001, 0.0, 0.0, 0.001, 0.003, 0.006, 0.01)
 
 
@@ -93,6 +97,9 @@ def launch_document(outcomes: dict = OUTCOMES, commit: str = "1b2c3d4",
     cases = {(case.group, case.launch, case.grad_backend): case
              for case in bench_rbf.launch_cases("full")}
     rows = [_row(cases[(*key, None)[:3]], outcome) for key, outcome in outcomes.items()]
+    for key, row in zip(outcomes, rows, strict=True):
+        if key in STORED_DEFAULTS:
+            row["extra_info"]["default_launch"] = True
     doc = {"machine_info": machine, "commit_info": fixture["commit_info"], "benchmarks": rows,
            "datetime": started, "version": "5.1.0"}
     problems = check_document(doc)
