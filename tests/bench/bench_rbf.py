@@ -296,10 +296,11 @@ LAUNCH_GROUPS = {
     ("exact", "bwd"): ("highest", "fwd_bwd", (32, 64, 128), (32, 64, 128), (4, 8), (2,)),
 }
 LAUNCH_SHAPE = (65536, 8, 16)  # n = m, dim, out
-#: Loop tiles of the Mosaic GPU gradient sweeps (``grad_backend="mosaic"`` rows of the fast
-#: backward family; program tile 128), beside the Triton launches (on Hopper the default is
-#: the Mosaic GPU sweep with ``pallas_mosaic_grad.BLOCK_L``).
-MOSAIC_GRAD_LOOPS = (64, 128)
+#: Loop tiles of the Mosaic GPU gradient sweeps (``grad_backend="mosaic"`` rows of each
+#: backward family; program tile 128), beside the Triton launches: the fast path's
+#: (``pallas_mosaic_grad``; on Hopper the default, with its ``BLOCK_L``) and the exact path's
+#: (``pallas_mosaic_exact_grad``, a candidate: not the default before it is measured).
+MOSAIC_GRAD_LOOPS = {("fast", "bwd"): (64, 128), ("exact", "bwd"): (64,)}
 #: Smoke (CPU, interpret mode: warps and stages are ignored): one launch per group at n = 64,
 #: off the default (64 x 64 there), so that every path and kernel runs a replaced launch.
 SMOKE_LAUNCH = (32, 32, 4, 2)
@@ -485,10 +486,10 @@ def launch_distance(launch: tuple, default: tuple) -> int:
 
 
 def launch_cases(mode: str) -> list[RbfLaunchCase]:
-    """The launch sweep. Full: ``LAUNCH_GROUPS`` (90 launches; the default launch is added
+    """The launch sweep. Full: ``LAUNCH_GROUPS`` (88 launches; the default launch is added
     where a device's default is off the grid) and the Mosaic GPU gradient sweeps at
-    ``MOSAIC_GRAD_LOOPS`` in the fast backward family (2 rows); quick: each group's default that
-    is a row of the grid, and those 2; smoke: ``SMOKE_LAUNCH`` at n = 64 (4 rows).
+    ``MOSAIC_GRAD_LOOPS`` in the backward families (3 rows); quick: each group's default that
+    is a row of the grid, and those 3; smoke: ``SMOKE_LAUNCH`` at n = 64 (4 rows).
 
     Rows run nearest-first: priority ``LAUNCH_PRIORITY`` + the launch's distance from its
     group's default tiles (``launch_distance``), so the four defaults run first, then every
@@ -531,8 +532,8 @@ def launch_cases(mode: str) -> list[RbfLaunchCase]:
                 priority=LAUNCH_PRIORITY + distance, path=path, kernel=kernel, block_p=bp,
                 block_l=bl, num_warps=w, num_stages=s,
                 default_launch=launch == default and in_grid)))
-        if (path, kernel) == ("fast", "bwd") and mode != "smoke":
-            for bl in MOSAIC_GRAD_LOOPS:  # right after the defaults (Hopper's default)
+        if mode != "smoke":
+            for bl in MOSAIC_GRAD_LOOPS.get((path, kernel), ()):  # right after the defaults
                 cases.append((0.5, order, RbfLaunchCase(
                     LAUNCH_SUITE, "pallas", op, n, dim, out, block_o=block_o,
                     precision=precision, priority=LAUNCH_PRIORITY, path=path, kernel=kernel,

@@ -100,11 +100,12 @@ kernel_mv        5 impls x n 1k..1M x (dim, out) x fwd/fwd_bwd; (8, 16) at  212 
                  precisions (high/highest at d8 o16, all at d20 o100)
 kde_density      3 impls x 1k/16k/64k x dim 2/8 x fwd/fwd_bwd               36    ~0.7
 kernel_mv_tiles  6 tiles x 64k x out 1/16 x fwd/fwd_bwd                     24    ~0.5
-kernel_mv_       Pallas launches (block_p x block_l x warps x stages) at    90    ~5
+kernel_mv_       Pallas launches (block_p x block_l x warps x stages) at    91    ~5
 launches         64k d8 o16, each kernel family apart: fast fwd 36, fast
                  bwd 16 + 2 Mosaic GPU sweeps (fwd_bwd), exact
-                 (``"highest"``) fwd 18, exact bwd 18; each family's
-                 default launch first, then its neighbours by distance
+                 (``"highest"``) fwd 18, exact bwd 18 + 1 Mosaic GPU
+                 sweep; each family's default launch first, then its
+                 neighbours by distance
 rbf              all six (``--bench-suite rbf``)                            ~370  ~13
 quick            every suite at one or two sizes (``--bench-quick``)        ~64   ~3
 ep               expert parallelism on n local GPUs (``bench_ep``): E8 top2   44    ~5

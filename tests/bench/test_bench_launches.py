@@ -25,9 +25,9 @@ def full():
 
 def test_full_grid_counts_and_unique_ids(full):
     counts = collections.Counter(case.group for case in full)
-    assert counts == {"fast_fwd": 36, "fast_bwd": 18, "exact_fwd": 18, "exact_bwd": 18}
+    assert counts == {"fast_fwd": 36, "fast_bwd": 18, "exact_fwd": 18, "exact_bwd": 19}
     ids = [case.id for case in full]
-    assert len(set(ids)) == len(ids) == 90
+    assert len(set(ids)) == len(ids) == 91
     assert all(case.suite == "kernel_mv_launches" and case.n == case.keys == 65536
                and (case.dim, case.out) == (8, 16) for case in full)
 
@@ -84,14 +84,15 @@ def test_defaults_then_neighbours_run_first(full):
     # each group's default (the exact backward's dq launch for both sweeps) first
     assert all(case.priority == bench_rbf.LAUNCH_PRIORITY for case in full[:4])
     assert [case.default_launch for case in full[:4]].count(True) == 3
-    # then the Mosaic GPU gradient sweeps, the candidate for the fast backward's default
+    # then the Mosaic GPU gradient sweeps, the candidates for the backwards' defaults
     mosaic = [case for case in full if case.grad_backend]
-    assert full[4:6] == mosaic
-    assert [(c.group, c.block_p, c.block_l) for c in mosaic] == [("fast_bwd", 128, 64),
-                                                                 ("fast_bwd", 128, 128)]
+    assert full[4:7] == mosaic
+    assert [(c.group, c.block_p, c.block_l) for c in mosaic] == [
+        ("fast_bwd", 128, 64), ("fast_bwd", 128, 128), ("exact_bwd", 128, 64)]
     assert [c.id for c in mosaic] == [
-        f"kernel_mv_launches-fast_bwd-mosaic-bp128-bl{bl}-n65536-d8-o16-fwd_bwd"
-        for bl in (64, 128)]
+        *(f"kernel_mv_launches-fast_bwd-mosaic-bp128-bl{bl}-n65536-d8-o16-fwd_bwd"
+          for bl in (64, 128)),
+        "kernel_mv_launches-exact_bwd-mosaic-bp128-bl64-n65536-d8-o16-highest-fwd_bwd"]
     priorities = [case.priority for case in full]
     assert priorities == sorted(priorities)
     defaults = {case.group: case.launch for case in full[:4]}
@@ -161,6 +162,9 @@ def test_mosaic_rows_set_both_sweeps_and_need_hopper(full, monkeypatch):
     sweep = pallas_config.Launch(128, case.block_l, 16, case.num_warps, case.num_stages,
                                  backend="mosaic")
     assert cfg.fast.dq == cfg.fast.dk == sweep
+    exact_case = next(c for c in full if c.grad_backend and c.path == "exact")
+    exact = exact_case.config("triton").exact
+    assert exact.dq == exact.dk == pallas_config.Launch(128, 64, 16, 4, 2, backend="mosaic")
     monkeypatch.setattr(_pallas, "mosaic_unavailable_reason", lambda: "no Hopper here")
     assert case.unavailable_reason().startswith("unavailable: the Mosaic GPU gradient sweeps")
     monkeypatch.setattr(_pallas, "mosaic_unavailable_reason", lambda: None)
@@ -171,7 +175,7 @@ def test_quick_and_smoke_are_small():
     quick = bench_rbf.launch_cases("quick")
     # (the exact backward's default is no row of the grid: the kernel_mv suite times it)
     assert [case.group for case in quick] == ["fast_fwd", "fast_bwd", "exact_fwd", "fast_bwd",
-                                              "fast_bwd"]
+                                              "fast_bwd", "exact_bwd"]
     assert all((case.default_launch or case.grad_backend) and case.n == 65536
                for case in quick)
     smoke = bench_rbf.launch_cases("smoke")

@@ -2,8 +2,9 @@
 sizes (skipped off GPU).
 
 Run on the GPU host: ``PYTHONPATH=src python -m pytest tests/rbf/test_rbf_gpu.py -m gpu -q``
-(48 tests: at commit 9e2d1ac 46 passed in 235 s on the H200 and the Mosaic exact forward's
-two failed on its accumulation, fixed in d98132e; the five Mosaic GPU tests passed at 80aa7bd).
+(50 tests: at commit 9e2d1ac 46 passed in 235 s on the H200 and the Mosaic exact forward's
+two failed on its accumulation, fixed in d98132e; the five Mosaic GPU tests passed at 80aa7bd;
+the two of the Mosaic exact gradient sweeps are not run on a GPU yet).
 The float64 oracle runs on the GPU with x64 enabled only inside the oracle.
 tests/rbf/test_rbf_numerics.py runs on the GPU too (the extreme-scale cases).
 """
@@ -323,6 +324,46 @@ def test_mosaic_exact_forward_at_a_size_that_chooses_it(isotropic):
         worst = np.max(np.abs(result[rows] - want) / magnitude)
         assert worst <= 2.0**-16, (name, worst, rel_err(result[rows], want))
     assert rel_err(got, baseline) < 10 * TOLERANCE["highest"], rel_err(got, baseline)
+
+
+@pytest.mark.parametrize("isotropic", [False, True])
+def test_mosaic_exact_gradient_sweeps(isotropic):
+    """``"highest"``'s backward on the Mosaic GPU exact sweeps
+    (tilax.rbf.pallas_mosaic_exact_grad; the launch sweep's candidate row, not yet the
+    default) matches the Triton difference kernels' on data far from the origin at a small
+    lengthscale, with coincident points and point counts not multiples of a tile."""
+    import dataclasses
+
+    from tilax import _pallas
+    from tilax.rbf import pallas_mosaic_exact_grad, pallas_vjp
+
+    if _pallas.mosaic_unavailable_reason() is not None:
+        pytest.skip(_pallas.mosaic_unavailable_reason())
+    n, m, dim = 20000, 20011, 8
+    rng = np.random.default_rng(9)
+    lengthscale = np.float32(1e-3) if isotropic else rng.uniform(5e-4, 2e-3, dim).astype(
+        np.float32)
+    q = (100.0 + 3e-3 * rng.normal(size=(n, dim))).astype(np.float32)
+    k = (100.0 + 3e-3 * rng.normal(size=(m, dim))).astype(np.float32)
+    k[:500] = q[:500]
+    v = rng.normal(size=(m, 16)).astype(np.float32)
+    cot = rng.normal(size=(n, 16)).astype(np.float32)
+    triton = pallas_config.default_config("triton", "highest", batch=1, n=n, m=m, out=16,
+                                          dim=dim)
+    sweep = dataclasses.replace(triton.exact.dq, block_p=pallas_mosaic_exact_grad.BLOCK_P,
+                                block_l=pallas_mosaic_exact_grad.BLOCK_L, backend="mosaic")
+    mosaic = dataclasses.replace(triton, exact=dataclasses.replace(triton.exact, dq=sweep,
+                                                                   dk=sweep))
+
+    def grads(config):
+        def loss(q, k, v, lengthscale):
+            return jnp.sum(pallas_vjp.kernel_mv_with_config(q, k, v, lengthscale, config) * cot)
+
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(q, k, v, lengthscale)
+
+    got, want = grads(mosaic), grads(triton)
+    for name, a, b in zip(("dq", "dk", "dv", "dlengthscale"), got, want, strict=True):
+        assert rel_err(a, b) < 10 * TOLERANCE["highest"], (name, rel_err(a, b))
 
 
 @pytest.mark.parametrize("block_l", [64, 128])

@@ -83,7 +83,9 @@ class Launch:
     GPU kernel, always runs Triton with these tiles). On the
     ``dq`` and ``dk`` launches of the fast path, ``"mosaic"`` runs ``rbf_kernel_mv``'s
     gradient sweeps on ``tilax.rbf.pallas_mosaic_grad`` (program tile 128; set both; the
-    KDE, which has no Mosaic GPU sweeps, is never given such launches).
+    KDE, which has no Mosaic GPU sweeps, is never given such launches); on those of the exact
+    path, on ``tilax.rbf.pallas_mosaic_exact_grad`` (``"highest"``; program tile 128, loop
+    tile 64; not chosen by ``default_config`` before it is measured).
     """
 
     block_p: int

@@ -97,6 +97,15 @@ def split3(a: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     return _bfloat16_bits(bits0), _bfloat16_bits(bits1), _bfloat16_bits(bits2)
 
 
+def scale_rows(scale: jax.Array, per_dimension: bool, num_p: int, batch: int) -> jax.Array:
+    """The residual scales as rows to go below the program's coordinates (then row vectors in
+    registers, as the coordinates): ``r_d`` for each dimension, or ``r^2`` once;
+    ``[B, S, P]``."""
+    scale = scale.astype(jnp.float32)
+    rows = scale if per_dimension else scale[:1] * scale[:1]
+    return jnp.broadcast_to(rows[None, :, None], (batch, rows.size, num_p))
+
+
 def kernel_matmul(
     x: jax.Array,
     y: jax.Array,
@@ -130,12 +139,8 @@ def kernel_matmul(
     if reason is not None:
         raise ValueError(f"the Mosaic GPU exact RBF forward cannot run this: {reason}")
     per_dimension = distance.per_dimension
-    # Below the program's coordinates, the scales as rows (row vectors in registers, as the
-    # coordinates): r_d for each dimension, or r^2 once.
-    scale = scale.astype(jnp.float32)
-    scale_rows = scale if per_dimension else scale[:1] * scale[:1]
-    scale_rows = jnp.broadcast_to(scale_rows[None, :, None], (batch, scale_rows.size, num_p))
-    x = jnp.concatenate([x.astype(jnp.float32), scale_rows], axis=1)
+    x = jnp.concatenate([x.astype(jnp.float32), scale_rows(scale, per_dimension, num_p,
+                                                            batch)], axis=1)
     v_parts = split3(v.astype(jnp.float32))
     steps = pl.cdiv(valid_l, block_l)
     full_steps = valid_l // block_l

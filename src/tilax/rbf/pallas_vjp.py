@@ -47,6 +47,7 @@ from tilax.rbf import (
     numerics,
     pallas_mosaic,
     pallas_mosaic_exact,
+    pallas_mosaic_exact_grad,
     pallas_mosaic_grad,
     pallas_triton,
 )
@@ -148,14 +149,19 @@ def _mv_grad_sweeps(path: PathConfig, distance, x, y, g_pad, v_pad, n, m, dim, s
     path's query sums carry the lengthscale's pair-by-pair squares too)."""
     modes = path.modes
     dots = dict(distance=distance, values=modes.values, coords=modes.coords)
+
+    def sweep_kernel(launch):  # (the fast path's Mosaic GPU sweeps run _mosaic_grad_sweeps)
+        return pallas_mosaic_exact_grad.kernel_matmul_grad if launch.backend == "mosaic" else (
+            pallas_triton.kernel_matmul_grad)
+
     r = _run(
-        "rbf_kernel_mv", pallas_triton.kernel_matmul_grad, path, path.dq,
+        "rbf_kernel_mv", sweep_kernel(path.dq), path, path.dq,
         dict(x=x, y=y, u=g_pad, w=v_pad, scale=scale), valid_l=m, with_squares=scale is not None,
         block_o=path.dq.block_o, **dots,
     )  # fmt: skip
     fuse_dv = fuses_dv(modes, dim, path.cols)
     c = _run(
-        "rbf_kernel_mv", pallas_triton.kernel_matmul_grad, path, path.dk,
+        "rbf_kernel_mv", sweep_kernel(path.dk), path, path.dk,
         dict(x=y, y=x, u=v_pad, w=g_pad, scale=scale), valid_l=n, with_pw=fuse_dv,
         block_o=path.dk.block_o, **dots,
     )  # fmt: skip

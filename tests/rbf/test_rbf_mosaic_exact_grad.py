@@ -1,0 +1,112 @@
+"""The Mosaic GPU exact gradient sweeps (tilax.rbf.pallas_mosaic_exact_grad) on a CPU: the whole
+``"highest"`` backward through them in JAX's GPU interpret mode (tests/mosaic_interpret.py)
+against the Triton kernels' (interpreted), lowering for CUDA, and the settings they refuse.
+Registers, layouts and timing are the GPU's (not chosen by default until measured there)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import export
+
+from tilax.rbf import pallas_config, pallas_mosaic_exact, pallas_mosaic_exact_grad, pallas_vjp
+from tilax.rbf.pallas_triton import Difference
+
+_JAX_VERSION = tuple(int(part) for part in jax.__version__.split(".")[:2])
+SWEEP = dict(block_p=pallas_mosaic_exact_grad.BLOCK_P, block_l=pallas_mosaic_exact_grad.BLOCK_L)
+
+
+def _mosaic_config(config):
+    """``config`` with the exact path's forward and both sweeps on Mosaic GPU."""
+    exact = config.exact
+    fwd = dataclasses.replace(exact.fwd, block_p=pallas_mosaic_exact.BLOCK_P,
+                              block_l=pallas_mosaic_exact.BLOCK_L, backend="mosaic")
+    sweep = dataclasses.replace(exact.dq, **SWEEP, backend="mosaic")
+    return dataclasses.replace(config, exact=dataclasses.replace(exact, fwd=fwd, dq=sweep,
+                                                                 dk=sweep))
+
+
+@pytest.mark.parametrize("isotropic", [False, True])
+def test_highest_gradients_match_the_triton_kernels_in_interpret_mode(isotropic):
+    from mosaic_interpret import available, gpu_interpreter
+
+    reason = available()
+    if reason:
+        pytest.skip(reason)
+    if _JAX_VERSION < (0, 11):
+        pytest.skip("jax 0.10's GPU interpreter cannot run plgpu.load (jax 0.11's can: the "
+                    "tests_jax011 session runs this)")
+    from jax._src.interpreters import mlir
+    from jax._src.pallas.mosaic_gpu.core import layout_cast_p
+
+    mlir.register_lowering(layout_cast_p, lambda ctx, x, **_: [x], platform="cpu")
+    n, m, dim, out = 200, 150, 3, 16
+    rng = np.random.default_rng(3)
+    q = (100.0 + 2e-3 * rng.standard_normal((n, dim))).astype(np.float32)
+    k = (100.0 + 2e-3 * rng.standard_normal((m, dim))).astype(np.float32)
+    k[:20] = q[:20]
+    v = rng.standard_normal((m, out)).astype(np.float32)
+    g = rng.standard_normal((n, out)).astype(np.float32)
+    lengthscale = (np.float32(1e-3) if isotropic
+                   else rng.uniform(5e-4, 2e-3, dim).astype(np.float32))
+    triton = pallas_config.default_config("interpret", "highest", batch=1, n=n, m=m, out=out,
+                                          dim=dim)
+    mosaic = _mosaic_config(triton)
+
+    def value_and_grads(config):
+        def loss(q, k, v, lengthscale):
+            return jnp.sum(pallas_vjp.kernel_mv_with_config(q, k, v, lengthscale, config) * g)
+
+        return jax.value_and_grad(loss, argnums=(0, 1, 2, 3))(q, k, v, lengthscale)
+
+    want_value, want = value_and_grads(triton)
+    with gpu_interpreter():
+        got_value, got = value_and_grads(mosaic)
+    assert np.isclose(got_value, want_value, rtol=1e-5)
+    for name, a, b in zip(("dq", "dk", "dv", "dlengthscale"), got, want, strict=True):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        assert np.linalg.norm(a - b) <= 1e-5 * np.linalg.norm(b), name
+
+
+@pytest.mark.parametrize("per_dimension, with_squares, with_pw",
+                         [(True, True, False), (True, False, True), (False, True, False)])
+def test_lowers_for_cuda(per_dimension, with_squares, with_pw):
+    f32 = jnp.float32
+    args = [jax.ShapeDtypeStruct(s, f32) for s in ((2, 8, 256), (2, 8, 320), (2, 256, 32),
+                                                   (2, 320, 32), (8 if per_dimension else 1,))]
+
+    def sweep(x, y, u, w, scale):
+        return pallas_mosaic_exact_grad.kernel_matmul_grad(
+            x, y, u=u, w=w, scale=scale, distance=Difference(8, per_dimension), valid_l=300,
+            values="tf32x3", with_squares=with_squares, with_pw=with_pw, **SWEEP,
+        )  # fmt: skip
+
+    module = export.export(jax.jit(sweep), platforms=["cuda"])(*args).mlir_module()
+    assert module.count("mosaic_gpu") >= 1
+
+
+@pytest.mark.parametrize(
+    "settings, match",
+    [
+        (dict(distance=Difference(8, True, rounded=True)), "unrounded"),
+        (dict(distance=Difference(32, True)), "32 dimensions"),
+        (dict(values="bf16"), "float32 accuracy"),
+        (dict(block_l=128), "must be 64"),
+    ],
+)
+def test_unsupported_settings_say_why(settings, match):
+    x = jnp.zeros((1, 8, 128), jnp.float32)
+    u = jnp.zeros((1, 128, 16), jnp.float32)
+    kwargs = dict(distance=Difference(8, True), valid_l=128, values="tf32x3", scale=jnp.ones(8),
+                  u=u, w=u, **SWEEP) | settings
+    with pytest.raises(ValueError, match=match):
+        pallas_mosaic_exact_grad.kernel_matmul_grad(x, x, **kwargs)
+    with pytest.raises(ValueError, match="value columns 80"):
+        wide = jnp.zeros((1, 128, 80), jnp.float32)
+        pallas_mosaic_exact_grad.kernel_matmul_grad(
+            x, x, **(kwargs | dict(u=wide, w=wide, distance=Difference(8, True),
+                                   values="tf32x3", block_l=64)))
