@@ -89,3 +89,24 @@ def gpu_interpreter():
             yield
     finally:
         gpu_callbacks.wgmma, gpu_callbacks.np = original_wgmma, original_np
+
+
+def interpreter_for_loads():
+    """:func:`gpu_interpreter`, for kernels that read vectors with ``plgpu.load`` and cast
+    layouts: skips the test where the interpreter cannot run them (jax 0.10's has no
+    ``plgpu.load``; the tests_jax011 session runs them) and makes layout casts identities
+    (they only choose registers; the interpreter has no rule for them)."""
+    import jax
+    import pytest
+
+    reason = available()
+    if reason:
+        pytest.skip(reason)
+    if tuple(int(part) for part in jax.__version__.split(".")[:2]) < (0, 11):
+        pytest.skip("jax 0.10's GPU interpreter cannot run plgpu.load (jax 0.11's can: the "
+                    "tests_jax011 session runs this)")
+    from jax._src.interpreters import mlir
+    from jax._src.pallas.mosaic_gpu.core import layout_cast_p
+
+    mlir.register_lowering(layout_cast_p, lambda ctx, x, **_: [x], platform="cpu")
+    return gpu_interpreter()

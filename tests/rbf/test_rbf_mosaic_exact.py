@@ -15,7 +15,6 @@ from tilax import _pallas
 from tilax.rbf import numerics, pallas_config, pallas_layout, pallas_mosaic_exact
 from tilax.rbf.pallas_triton import Difference
 
-_JAX_VERSION = tuple(int(part) for part in jax.__version__.split(".")[:2])
 BLOCK = dict(block_p=pallas_mosaic_exact.BLOCK_P, block_l=pallas_mosaic_exact.BLOCK_L)
 
 
@@ -59,18 +58,9 @@ def _reference(q, k, v, lengthscale):
 
 @pytest.mark.parametrize("per_dimension", [True, False])
 def test_forward_matches_float64_in_interpret_mode(per_dimension):
-    from mosaic_interpret import available, gpu_interpreter
+    from mosaic_interpret import interpreter_for_loads
 
-    reason = available()
-    if reason:
-        pytest.skip(reason)
-    if _JAX_VERSION < (0, 11):
-        pytest.skip("jax 0.10's GPU interpreter cannot run plgpu.load (jax 0.11's can: the "
-                    "tests_jax011 session runs this)")
-    from jax._src.interpreters import mlir
-    from jax._src.pallas.mosaic_gpu.core import layout_cast_p
-
-    mlir.register_lowering(layout_cast_p, lambda ctx, x, **_: [x], platform="cpu")
+    interpreter = interpreter_for_loads()
     n, m, dim = 128, 200, 3
     # Far from the origin at a small lengthscale: the expansion would be useless here.
     lengthscale = np.array([1e-3, 2e-3, 1.5e-3]) if per_dimension else 1e-3
@@ -79,7 +69,7 @@ def test_forward_matches_float64_in_interpret_mode(per_dimension):
     x, y, values, scale = _kernel_operands(q, k, v, lengthscale, per_dimension)
     # Padded keys hold garbage: only the index mask in the last tile keeps them out.
     y, values = y.at[:, :, m:].set(0.0), values.at[:, m:].set(1e3)
-    with gpu_interpreter():
+    with interpreter:
         out = pallas_mosaic_exact.kernel_matmul(
             x, y, values, distance=Difference(dim, per_dimension), valid_l=m, block_o=16,
             values="tf32x3", scale=scale, **BLOCK,

@@ -16,7 +16,6 @@ from jax import export
 from tilax.rbf import pallas_config, pallas_mosaic_exact, pallas_mosaic_exact_grad, pallas_vjp
 from tilax.rbf.pallas_triton import Difference
 
-_JAX_VERSION = tuple(int(part) for part in jax.__version__.split(".")[:2])
 SWEEP = dict(block_p=pallas_mosaic_exact_grad.BLOCK_P, block_l=pallas_mosaic_exact_grad.BLOCK_L)
 
 
@@ -32,18 +31,9 @@ def _mosaic_config(config):
 
 @pytest.mark.parametrize("isotropic", [False, True])
 def test_highest_gradients_match_the_triton_kernels_in_interpret_mode(isotropic):
-    from mosaic_interpret import available, gpu_interpreter
+    from mosaic_interpret import interpreter_for_loads
 
-    reason = available()
-    if reason:
-        pytest.skip(reason)
-    if _JAX_VERSION < (0, 11):
-        pytest.skip("jax 0.10's GPU interpreter cannot run plgpu.load (jax 0.11's can: the "
-                    "tests_jax011 session runs this)")
-    from jax._src.interpreters import mlir
-    from jax._src.pallas.mosaic_gpu.core import layout_cast_p
-
-    mlir.register_lowering(layout_cast_p, lambda ctx, x, **_: [x], platform="cpu")
+    interpreter = interpreter_for_loads()
     n, m, dim, out = 200, 150, 3, 16
     rng = np.random.default_rng(3)
     q = (100.0 + 2e-3 * rng.standard_normal((n, dim))).astype(np.float32)
@@ -64,7 +54,7 @@ def test_highest_gradients_match_the_triton_kernels_in_interpret_mode(isotropic)
         return jax.value_and_grad(loss, argnums=(0, 1, 2, 3))(q, k, v, lengthscale)
 
     want_value, want = value_and_grads(triton)
-    with gpu_interpreter():
+    with interpreter:
         got_value, got = value_and_grads(mosaic)
     assert np.isclose(got_value, want_value, rtol=1e-5)
     for name, a, b in zip(("dq", "dk", "dv", "dlengthscale"), got, want, strict=True):

@@ -64,14 +64,22 @@ def _load(ref, layout):
         ref, layout=layout)
 
 
-def unsupported_reason(distance: Distance, values: str, block_o: int) -> str | None:
-    """Why this kernel cannot run a forward of these settings, or ``None``."""
+def distance_reason(distance: Distance, values: str) -> str | None:
+    """Why the exact Mosaic GPU kernels (forward and sweeps) cannot take this distance and
+    values mode, or ``None``."""
     if not isinstance(distance, Difference) or distance.rounded:
         return f"it forms exponents from unrounded differences, not {distance}"
     if distance.dim > MAX_DIMS:
         return f"{distance.dim} dimensions (at most {MAX_DIMS})"
     if values != "tf32x3":
         return f"it multiplies values at float32 accuracy (the 'tf32x3' mode), not {values!r}"
+    return None
+
+
+def unsupported_reason(distance: Distance, values: str, block_o: int) -> str | None:
+    """Why this kernel cannot run a forward of these settings, or ``None``."""
+    if reason := distance_reason(distance, values):
+        return reason
     if block_o % 16 or block_o > 256:
         return f"value tile {block_o} is not a multiple of 16 up to 256"
     return None

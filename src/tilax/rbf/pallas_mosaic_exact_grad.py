@@ -35,8 +35,14 @@ from tilax.rbf.pallas_mosaic import (
     plgpu,
     stream_tiles,
 )
-from tilax.rbf.pallas_mosaic_exact import MAX_DIMS, PRODUCTS, _load, scale_rows, split3
-from tilax.rbf.pallas_triton import FLOAT32_MAX, Difference, Distance
+from tilax.rbf.pallas_mosaic_exact import (
+    PRODUCTS,
+    _load,
+    distance_reason,
+    scale_rows,
+    split3,
+)
+from tilax.rbf.pallas_triton import FLOAT32_MAX, Distance
 
 #: Loop tiles in flight.
 STAGES = 2
@@ -49,12 +55,8 @@ MAX_COLUMNS = 64
 
 def unsupported_reason(distance: Distance, values: str, columns: int) -> str | None:
     """Why this kernel cannot run a sweep of these settings, or ``None``."""
-    if not isinstance(distance, Difference) or distance.rounded:
-        return f"it forms exponents from unrounded differences, not {distance}"
-    if distance.dim > MAX_DIMS:
-        return f"{distance.dim} dimensions (at most {MAX_DIMS})"
-    if values != "tf32x3":
-        return f"it multiplies values at float32 accuracy (the 'tf32x3' mode), not {values!r}"
+    if reason := distance_reason(distance, values):
+        return reason
     if columns % 16 or columns > MAX_COLUMNS:
         return f"value columns {columns} are not a multiple of 16 up to {MAX_COLUMNS}"
     return None
