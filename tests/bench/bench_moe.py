@@ -4,11 +4,9 @@ Suites (``extra_info["suite"]``) mirror the stored seed files:
 
 - ``layer``: the E8 top-2 d512 h1024 layer at 4k/32k/131k tokens, E64 top-4 h256 at 32k, and
   skewed routing (skew 0.9) at 32k; every impl x dispatch x routing; float32 and bfloat16;
-  ``forward`` and ``train_step``. The peers (``tokamax``, ``tokamax_autotuned``,
-  ``torch_grouped_mm``, ``torch_grouped_mm_compile``: see ``bench_tokamax`` and
-  ``bench_torch_moe``) run bfloat16 only, the one dtype their grouped matmuls take;
-  ``tokamax_autotuned`` (tokamax's configs searched on the device first: ``autotuned_ops`` in
-  ``extra_info``) at the headline sizes only (32k and 131k; the decoder's 16k and 131k).
+  ``forward`` and ``train_step``. The peers (``tokamax``, ``torch_grouped_mm``,
+  ``torch_grouped_mm_compile``: see ``bench_tokamax`` and ``bench_torch_moe``) run bfloat16
+  only, the one dtype their grouped matmuls take.
 - ``decoder``: the decoder layer of the H100 seed (E64 top-8, expert width 128, shared expert
   1024, d512) at 16k/131k/1M tokens, bfloat16.
 - ``pieces``: the train-step cost split of the sorted Pallas path (route, sort_permute,
@@ -47,7 +45,7 @@ from bench_harness import JaxWorkload, Unavailable
 
 MOE_IMPLS_WITH_DISPATCH = ("pallas", "triton", "mosaic", "blocked", "ragged_dot")
 TORCH_IMPLS = ("torch_grouped_mm", "torch_grouped_mm_compile")
-TOKAMAX_IMPLS = ("tokamax", "tokamax_autotuned")
+TOKAMAX_IMPLS = ("tokamax",)
 # peers whose grouped matmuls take bfloat16/float16 only: no float32 rows are made for them
 BF16_ONLY_IMPLS = TOKAMAX_IMPLS + TORCH_IMPLS
 PIECES = ("route", "sort_permute", "experts_grouped_swiglu", "unpermute_combine")
@@ -258,11 +256,6 @@ MOSAIC = tuple(("mosaic", d, "dropless") for d in ("sorted", "gather", "fused", 
 BLOCKED = ("blocked", "sorted", "dropless")
 RAGGED = ("ragged_dot", "sorted", "dropless")
 TOKAMAX = ("tokamax", None, "dropless")
-TOKAMAX_AUTOTUNED = ("tokamax_autotuned", None, "dropless")
-# Last in its suite: each row first searches tokamax's config space (hundreds of configs per
-# ragged dot, minutes), which no earlier row predicts; run them in a call of their own
-# (-k tokamax_autotuned).
-AUTOTUNED_PRIORITY = 60
 TORCH = ("torch_grouped_mm", None, "dropless")
 TORCH_COMPILE = ("torch_grouped_mm_compile", None, "dropless")
 DENSE = ("dense", None, "dense")
@@ -294,8 +287,6 @@ def layer_cases(mode: str) -> list[MoECase]:
         _layer_cases("layer", LAYER_ALL, [32768, 131072], BOTH_DTYPES, BOTH_OPS, SEED_LAYER, 10)
         + _layer_cases("layer", (TRITON, *MOSAIC), [32768, 131072], ["bfloat16"], BOTH_OPS,
                        SEED_LAYER, 11)
-        + _layer_cases("layer", (TOKAMAX_AUTOTUNED,), [32768, 131072], ["bfloat16"], BOTH_OPS,
-                       SEED_LAYER, AUTOTUNED_PRIORITY)
         + _layer_cases("layer", LAYER_CORE, [4096], BOTH_DTYPES, BOTH_OPS, SEED_LAYER, 30)
         + _layer_cases("layer", (P_SORTED, P_GSUM, BLOCKED, RAGGED, TOKAMAX, DENSE), [32768],
                        BOTH_DTYPES, BOTH_OPS, SEED_WIDE, 31)
@@ -323,8 +314,6 @@ def decoder_cases(mode: str) -> list[MoECase]:
                          SEED_DECODER, 20)
             + _layer_cases("decoder", DECODER_IMPLS, [1048576], ["bfloat16"], BOTH_OPS,
                            SEED_DECODER, 25)
-            + _layer_cases("decoder", (TOKAMAX_AUTOTUNED,), [16384, 131072], ["bfloat16"],
-                           BOTH_OPS, SEED_DECODER, AUTOTUNED_PRIORITY)
             + _layer_cases("decoder", DECODER_MORE, [16384, 131072, 1048576], ["bfloat16"],
                            BOTH_OPS, SEED_DECODER, 26))
 
@@ -566,11 +555,6 @@ def build_layer(case: MoECase, state):
         # y rides along as an output (it is computed anyway) so numerics need no extra forward
         fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
         args = (inputs.params, inputs.x, inputs.dy)
-    if case.impl == "tokamax_autotuned":
-        import bench_tokamax
-
-        fn, tuned = bench_tokamax.autotuned(fn, args)
-        return JaxWorkload(fn, args, lambda out: {**numerics(out), "autotuned_ops": tuned})
     return JaxWorkload(fn, args, numerics)
 
 

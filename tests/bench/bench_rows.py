@@ -31,6 +31,7 @@ RBF_SUITES = {
     "kernel_mv", "kde_density", "kernel_mv_tiles", "kernel_mv_launches", "kernel_mv_crossover",
     "kernel_mv_peak", "kernel_mv_max_n", "guide_gp",
 }
+# (tokamax_autotuned: a peer of stored rows, removed from the grids)
 MOE_IMPLS = {"pallas", "triton", "mosaic", "blocked", "ragged_dot", "tokamax",
              "tokamax_autotuned", "torch_grouped_mm",
              "torch_grouped_mm_compile", "dense", "all_to_all", "all_gather"}

@@ -7,10 +7,6 @@ default, ``implementation="mosaic"``), gate and up as one ragged matmul against 
 side by side, then gather each token's copies back and sum them weighted (XLA, float32), the
 way tilax's own XLA glue combines. Gradients come from tokamax's own ``ragged_dot`` VJP.
 
-``tokamax_autotuned`` is the same layer with the configs ``tokamax.autotune`` picks for every
-ragged dot of the jitted call (forward and VJP), timed on the device (CUPTI), instead of
-tokamax's heuristics: tokamax at its best, at the cost of the search.
-
 tokamax 0.0.17 is the first release that runs on jax 0.11.2 (0.0.12 fails there); its import
 needs xprof, which the GPU host lacks, hence ``_stub_xprof``. Only the benchmark uses this; it
 is not part of the package.
@@ -54,16 +50,6 @@ from absl import flags  # noqa: E402
 # under pytest that argv is pytest's, so use the flags' defaults instead.
 if not flags.FLAGS.is_parsed():
     flags.FLAGS.mark_as_parsed()
-
-
-def autotuned(fn, args, *, timeout_s: float = 60.0):
-    """``fn`` (jitted) compiled with the configs ``tokamax.autotune`` finds for its ragged
-    dots at ``args``, and the number of op calls tuned. ``timeout_s``: the most one config may
-    take to compile (slower ones are left out of the search)."""
-    result = tokamax.autotune(fn, *args, progress_bar=False, timeout=timeout_s)
-    with result:  # the configs apply where the ops are traced: lower and compile inside
-        compiled = fn.lower(*args).compile()
-    return compiled, len(result.data)
 
 
 def make_apply(case, implementation: str = "mosaic"):

@@ -83,12 +83,10 @@ suite            full grid (rows)                                           rows
 maxtok           8 ladders (7 impls, and pallas with recompute=True), bf16     ~45   ~11
                  train step, 131k..32M tokens (powers of two); jumps to the
                  largest size predicted to fit, then bisects
-layer            11 impls x 32k/131k x fp32/bf16 x fwd/train (first; peers   152   ~11
-                 bf16 only), then triton, mosaic (4 dispatches) and
-                 autotuned tokamax bf16, 5 impls at 4k, E64 top4
-                 h256, skew 0.9
-decoder          14 impl x dispatch x 16k/131k/1M x fwd/train, bf16, and    88    ~8
-                 autotuned tokamax at 16k/131k
+layer            11 impls x 32k/131k x fp32/bf16 x fwd/train (first; peers   148   ~11
+                 bf16 only), then triton and mosaic (4 dispatches)
+                 bf16, 5 impls at 4k, E64 top4 h256, skew 0.9
+decoder          14 impl x dispatch x 16k/131k/1M x fwd/train, bf16         84    ~8
 pieces           4 pieces x 4k/32k x fp32/bf16 (32k bf16 first)             16    ~0.3
 blockm           block_m 32/64/128 x 32k x fp32/bf16 x fwd/train            12    ~0.4
 moe              all five (``--bench-suite moe``)                           ~263  ~20

@@ -62,22 +62,24 @@ def test_each_group_has_its_default_launch_once(full):
 
 
 def test_on_hopper_the_defaults_name_their_backend(full, monkeypatch):
-    """Where Mosaic GPU runs, the fast backward's default is the Mosaic GPU sweep with
-    ``pallas_mosaic_grad.BLOCK_L`` and the forwards' (the Mosaic GPU forwards, fast and exact)
-    are no rows of the Triton grid; the rows and their ids are the same as on any other
+    """Where Mosaic GPU runs, the backwards' defaults are the Mosaic GPU sweeps (the fast
+    path's with ``pallas_mosaic_grad.BLOCK_L``, the exact path's with
+    ``pallas_mosaic_exact_grad.BLOCK_L``) and the forwards' (the Mosaic GPU forwards, fast and
+    exact) are no rows of the Triton grid; the rows and their ids are the same as on any other
     device."""
     from tilax import _pallas
-    from tilax.rbf import pallas_mosaic_grad
+    from tilax.rbf import pallas_mosaic_exact_grad, pallas_mosaic_grad
 
     monkeypatch.setattr(_pallas, "mosaic_unavailable_reason", lambda: None)
     hopper = bench_rbf.launch_cases("full")
     assert sorted(case.id for case in hopper) == sorted(case.id for case in full)
     defaults = {case.group: case for case in hopper if case.default_launch}
-    assert sorted(defaults) == ["fast_bwd"]
-    chosen = defaults["fast_bwd"]
-    assert (chosen.grad_backend, chosen.block_p, chosen.block_l) == (
-        "mosaic", 128, pallas_mosaic_grad.BLOCK_L)
-    assert chosen.extra_info()["bwd_backend"] == "mosaic"
+    assert sorted(defaults) == ["exact_bwd", "fast_bwd"]
+    for group, block_l in (("fast_bwd", pallas_mosaic_grad.BLOCK_L),
+                           ("exact_bwd", pallas_mosaic_exact_grad.BLOCK_L)):
+        chosen = defaults[group]
+        assert (chosen.grad_backend, chosen.block_p, chosen.block_l) == ("mosaic", 128, block_l)
+        assert chosen.extra_info()["bwd_backend"] == "mosaic"
 
 
 def test_defaults_then_neighbours_run_first(full):

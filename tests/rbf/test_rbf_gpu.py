@@ -328,18 +328,16 @@ def test_mosaic_exact_forward_at_a_size_that_chooses_it(isotropic):
 
 @pytest.mark.parametrize("isotropic", [False, True])
 def test_mosaic_exact_gradient_sweeps(isotropic):
-    """``"highest"``'s backward on the Mosaic GPU exact sweeps
-    (tilax.rbf.pallas_mosaic_exact_grad; the launch sweep's candidate row, not yet the
-    default) matches the Triton difference kernels' on data far from the origin at a small
-    lengthscale, with coincident points and point counts not multiples of a tile."""
-    import dataclasses
-
+    """``"highest"``'s backward runs the Mosaic GPU exact sweeps
+    (tilax.rbf.pallas_mosaic_exact_grad) by default on Hopper at a size that fills the GPU,
+    and matches the Triton difference kernels' (explicit tiles) on data far from the origin at
+    a small lengthscale, with coincident points and point counts not multiples of a tile."""
     from tilax import _pallas
-    from tilax.rbf import pallas_mosaic_exact_grad, pallas_vjp
+    from tilax.rbf import pallas_vjp
 
     if _pallas.mosaic_unavailable_reason() is not None:
         pytest.skip(_pallas.mosaic_unavailable_reason())
-    n, m, dim = 20000, 20011, 8
+    n, m, dim = 40000, 40011, 8
     rng = np.random.default_rng(9)
     lengthscale = np.float32(1e-3) if isotropic else rng.uniform(5e-4, 2e-3, dim).astype(
         np.float32)
@@ -348,12 +346,12 @@ def test_mosaic_exact_gradient_sweeps(isotropic):
     k[:500] = q[:500]
     v = rng.normal(size=(m, 16)).astype(np.float32)
     cot = rng.normal(size=(n, 16)).astype(np.float32)
-    triton = pallas_config.default_config("triton", "highest", batch=1, n=n, m=m, out=16,
+    mosaic = pallas_config.default_config("triton", "highest", batch=1, n=n, m=m, out=16,
                                           dim=dim)
-    sweep = dataclasses.replace(triton.exact.dq, block_p=pallas_mosaic_exact_grad.BLOCK_P,
-                                block_l=pallas_mosaic_exact_grad.BLOCK_L, backend="mosaic")
-    mosaic = dataclasses.replace(triton, exact=dataclasses.replace(triton.exact, dq=sweep,
-                                                                   dk=sweep))
+    assert mosaic.exact.dq.backend == mosaic.exact.dk.backend == "mosaic"
+    triton = pallas_config.default_config("triton", "highest", batch=1, n=n, m=m, out=16,
+                                          dim=dim, block_q=64, block_k=32)
+    assert triton.exact.dq.backend is None and triton.exact.dk.backend is None
 
     def grads(config):
         def loss(q, k, v, lengthscale):

@@ -12,7 +12,13 @@ import pytest
 from jax import export
 
 from tilax import _pallas
-from tilax.rbf import numerics, pallas_config, pallas_layout, pallas_mosaic_exact
+from tilax.rbf import (
+    numerics,
+    pallas_config,
+    pallas_layout,
+    pallas_mosaic_exact,
+    pallas_mosaic_exact_grad,
+)
 from tilax.rbf.pallas_triton import Difference
 
 BLOCK = dict(block_p=pallas_mosaic_exact.BLOCK_P, block_l=pallas_mosaic_exact.BLOCK_L)
@@ -112,10 +118,13 @@ def test_unsupported_settings_say_why(settings, match):
         pallas_mosaic_exact.kernel_matmul(x, x, v, **kwargs)
 
 
-def _exact_forward(precision="highest", n=65536, dim=8, out=16, op="kernel_mv"):
-    config = pallas_config.default_config("triton", precision, batch=1, n=n, m=n, out=out,
-                                          dim=dim, shared_memory=232448, op=op)
-    return config.exact.fwd
+def _exact_path(precision="highest", n=65536, dim=8, out=16, op="kernel_mv", m=None, **tiles):
+    return pallas_config.default_config("triton", precision, batch=1, n=n, m=m or n, out=out,
+                                        dim=dim, shared_memory=232448, op=op, **tiles).exact
+
+
+def _exact_forward(*args, **kwargs):
+    return _exact_path(*args, **kwargs).fwd
 
 
 def test_chosen_for_the_highest_forward_on_hopper(monkeypatch):
@@ -129,3 +138,21 @@ def test_chosen_for_the_highest_forward_on_hopper(monkeypatch):
     assert _exact_forward(op="kde").backend is None  # the KDE has no Mosaic GPU kernel
     monkeypatch.setattr(_pallas, "mosaic_unavailable_reason", lambda: "no Hopper here")
     assert _exact_forward().backend is None
+
+
+def test_sweeps_chosen_for_the_highest_backward_on_hopper(monkeypatch):
+    """The exact gradient sweeps (tilax.rbf.pallas_mosaic_exact_grad) replace both Triton
+    sweeps together, with their own tiles, where both run and fill the GPU."""
+    monkeypatch.setattr(_pallas, "mosaic_unavailable_reason", lambda: None)
+    path = _exact_path()
+    for launch in (path.dq, path.dk):
+        assert (launch.backend, launch.block_p, launch.block_l) == (
+            "mosaic", pallas_mosaic_exact_grad.BLOCK_P, pallas_mosaic_exact_grad.BLOCK_L)
+    assert _exact_path(out=100).dq.backend is None  # more value columns than the sweeps take
+    assert _exact_path(dim=20).dq.backend is None
+    assert _exact_path(m=4096).dk.backend is None  # too few key programs: neither sweep
+    assert _exact_path(m=4096).dq.backend is None
+    assert _exact_path(block_q=64, block_k=32).dq.backend is None  # explicit tiles: Triton
+    assert _exact_path(op="kde").dq.backend is None
+    monkeypatch.setattr(_pallas, "mosaic_unavailable_reason", lambda: "no Hopper here")
+    assert _exact_path().dq.backend is None

@@ -1,7 +1,7 @@
 """The Mosaic GPU exact gradient sweeps (tilax.rbf.pallas_mosaic_exact_grad) on a CPU: the whole
 ``"highest"`` backward through them in JAX's GPU interpret mode (tests/mosaic_interpret.py)
 against the Triton kernels' (interpreted), lowering for CUDA, and the settings they refuse.
-Registers, layouts and timing are the GPU's (not chosen by default until measured there)."""
+Registers, layouts and timing are the GPU's."""
 
 from __future__ import annotations
 

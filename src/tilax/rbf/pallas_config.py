@@ -31,7 +31,12 @@ import functools
 import jax
 
 from tilax import _pallas
-from tilax.rbf import pallas_mosaic, pallas_mosaic_exact, pallas_mosaic_grad
+from tilax.rbf import (
+    pallas_mosaic,
+    pallas_mosaic_exact,
+    pallas_mosaic_exact_grad,
+    pallas_mosaic_grad,
+)
 from tilax.rbf.pallas_triton import Difference, Distance, Expansion, difference_dims
 
 PRECISIONS = ("highest", "high", "default")
@@ -85,7 +90,7 @@ class Launch:
     gradient sweeps on ``tilax.rbf.pallas_mosaic_grad`` (program tile 128; set both; the
     KDE, which has no Mosaic GPU sweeps, is never given such launches); on those of the exact
     path, on ``tilax.rbf.pallas_mosaic_exact_grad`` (``"highest"``; program tile 128, loop
-    tile 64; not chosen by ``default_config`` before it is measured).
+    tile 64).
     """
 
     block_p: int
@@ -410,25 +415,36 @@ def _path_config(
     if path == "fast" and op == "kernel_mv":
         config = _mosaic_gradients(config, dim, block_q, block_k)
     if path == "exact" and op == "kernel_mv" and block_q is None and block_k is None:
-        config = _mosaic_exact_forward(config, batch, n, dim)
+        config = _mosaic_exact(config, batch, n, m, dim)
     return config
 
 
-def _mosaic_exact_forward(config: PathConfig, batch: int, n: int, dim: int) -> PathConfig:
+def _mosaic_exact(config: PathConfig, batch: int, n: int, m: int, dim: int) -> PathConfig:
     """``config`` with ``rbf_kernel_mv``'s exact forward on ``tilax.rbf.pallas_mosaic_exact``
-    where it runs (``pallas_mosaic_exact.runs``: Hopper, ``"highest"``'s float32 values, at
-    most ``MAX_DIMS`` dimensions) and its 128-row program tiles still give two programs per SM
-    (the rule of the Triton launches), with its own tiles; explicit tiles keep the Triton
-    kernel. On the H200 at N = M = 65536, D = 8, O = 16 the forward took 7.56 ms on it against
-    11.0 ms on the Triton difference kernel (the ``kernel_mv`` bench suite's ``"highest"``
-    rows; see the methodology page)."""
+    and its gradient sweeps on ``tilax.rbf.pallas_mosaic_exact_grad``, each where it runs
+    (``runs``: Hopper, ``"highest"``'s float32 values, at most ``MAX_DIMS`` dimensions, value
+    columns the sweeps take) and its 128-row program tiles still give two programs per SM (the
+    rule of the Triton launches), with its own tiles; explicit tiles keep the Triton kernels. On
+    the H200 at N = M = 65536, D = 8, O = 16 the forward took 7.56 ms on it against 11.0 ms on
+    the Triton difference kernel, and forward + backward 35.1 ms against 50.7 ms with the Triton
+    sweeps (the ``kernel_mv`` and ``kernel_mv_launches`` bench suites' ``"highest"`` rows; see
+    the methodology page)."""
+    distance = Difference(difference_dims(dim), per_dimension=True)
+
+    def fits(launch, size, programs):
+        return _occupancy_tile(launch.block_p, size, programs, 32) == launch.block_p
+
     fwd = dataclasses.replace(config.fwd, block_p=pallas_mosaic_exact.BLOCK_P,
                               block_l=pallas_mosaic_exact.BLOCK_L, backend="mosaic")
-    programs = batch * (config.cols // fwd.block_o)
-    distance = Difference(difference_dims(dim), per_dimension=True)
     if (pallas_mosaic_exact.runs(fwd, distance, config.modes.values)
-            and _occupancy_tile(fwd.block_p, n, programs, 32) == fwd.block_p):
-        return dataclasses.replace(config, fwd=fwd)
+            and fits(fwd, n, batch * (config.cols // fwd.block_o))):
+        config = dataclasses.replace(config, fwd=fwd)
+    sweep = dict(block_p=pallas_mosaic_exact_grad.BLOCK_P, block_l=pallas_mosaic_exact_grad.BLOCK_L,
+                 backend="mosaic")
+    dq, dk = (dataclasses.replace(launch, **sweep) for launch in (config.dq, config.dk))
+    if all(pallas_mosaic_exact_grad.runs(launch, distance, config.modes.values, config.cols)
+           and fits(launch, size, batch) for launch, size in ((dq, n), (dk, m))):
+        config = dataclasses.replace(config, dq=dq, dk=dk)
     return config
 
 

