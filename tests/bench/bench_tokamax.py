@@ -5,7 +5,10 @@ experts, optional shared expert): route in float32, sort the token copies by exp
 them (XLA), run the expert projections with ``tokamax.ragged_dot`` (its Mosaic GPU kernel by
 default, ``implementation="mosaic"``), gate and up as one ragged matmul against the two weights
 side by side, then gather each token's copies back and sum them weighted (XLA, float32), the
-way tilax's own XLA glue combines. Gradients come from tokamax's own ``ragged_dot`` VJP.
+way tilax's own XLA glue combines. Gradients come from tokamax's own ``ragged_dot`` VJP; the
+two row permutations take gathers backward too (``bench_gather.gather_rows``), as tilax's glue
+does, not the scatter-adds that differentiating ``jnp.take`` gives (on the H200 those made the
+peer's E64 train step at 131k tokens about 43 ms).
 
 tokamax 0.0.17 is the first release that runs on jax 0.11.2 (0.0.12 fails there); its import
 needs xprof, which the GPU host lacks, hence ``_stub_xprof``. Only the benchmark uses this; it
@@ -45,6 +48,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import tokamax  # noqa: E402
 from absl import flags  # noqa: E402
+from bench_gather import gather_rows  # noqa: E402
 
 # tokamax reads its options from absl flags and parses sys.argv the first time one is read;
 # under pytest that argv is pytest's, so use the flags' defaults instead.
@@ -74,14 +78,15 @@ def make_apply(case, implementation: str = "mosaic"):
         bounds = jnp.searchsorted(flat_expert[order], jnp.arange(num_experts + 1))
         group_sizes = jnp.diff(bounds).astype(jnp.int32)
 
-        rows = jnp.take(x, token_of_row, axis=0)
+        # x -> rows: each token to its top_k rows; rows -> copies: a permutation
+        rows = gather_rows(x, token_of_row, row_of_copy.reshape(num_tokens, top_k))
         gate_up = ragged(rows, jnp.concatenate([params["w_gate"], params["w_up"]], axis=2),
                          group_sizes).astype(jnp.float32)
         gate, up = jnp.split(gate_up, 2, axis=1)
         hidden = (jax.nn.silu(gate) * up).astype(x.dtype)
         out = ragged(hidden, params["w_down"], group_sizes)
 
-        copies = jnp.take(out, row_of_copy, axis=0).reshape(num_tokens, top_k, -1)
+        copies = gather_rows(out, row_of_copy, order[:, None]).reshape(num_tokens, top_k, -1)
         y = jnp.sum(copies.astype(jnp.float32) * weights[:, :, None], axis=1)
         if "shared" in params:
             shared = params["shared"]
