@@ -12,7 +12,8 @@ row and column vectors of the ``wgmma`` register layout, differences on the FMA 
 query sweep (squares or rows on) gives dq and the lengthscale's gradient, the key sweep (``pw``
 on) dk and dv. ``u . w`` and ``exp2(t) w`` run on the tensor cores from operands split exactly
 into three bfloat16 parts (six products, a fresh accumulator a tile, added in float32); the
-sums over ``l`` are row reductions of float32 products.
+sums over ``l`` are float32 multiply-adds, each thread folding a tile's columns onto 8 that it
+keeps until the loop ends (no adds across threads per tile).
 
 Runs where an exact path's ``dq`` and ``dk`` launches name ``backend="mosaic"`` (program tile
 ``BLOCK_P``, loop tile ``BLOCK_L``), as ``pallas_config`` chooses for ``rbf_kernel_mv`` on
@@ -53,6 +54,9 @@ STAGES = 2
 BLOCK_L = 64
 #: Widest value/cotangent operand (columns).
 MAX_COLUMNS = 64
+#: Columns the row sums keep until the loop ends (a thread's registers of a ``wgmma`` tile
+#: span 8 columns): the adds across a row's threads run once, not every tile.
+FOLD = 8
 
 
 def unsupported_reason(distance: Distance, values: str, columns: int) -> str | None:
@@ -157,6 +161,18 @@ def kernel_matmul_grad(
             def by_rows(vector):
                 return lax.broadcast_in_dim(vector, shape, (0,))
 
+            def folded(x, y=None):
+                """The tile's sums of ``x`` (times ``y``) over each row's columns, folded to
+                ``FOLD`` columns: each thread adds its own registers (multiply-adds), and the
+                adds across threads wait for the end of the loop."""
+                total = None
+                for start in range(0, block_l, FOLD):
+                    part = x[:, start:start + FOLD]
+                    if y is not None:
+                        part = part * y[:, start:start + FOLD]
+                    total = part if total is None else total + part
+                return total
+
             def step(index, carry, masked):
                 sums, squares, stat, pw = carry
                 slot = slot_of(index)
@@ -197,25 +213,29 @@ def kernel_matmul_grad(
                 new_sums, new_squares = [], []
                 for d in range(dims):  # unscaled: the residual scale multiplies the sums last
                     e = differences(slot, d)
-                    ae = a * e
-                    new_sums.append(sums[d] + jnp.sum(ae, axis=1))
                     if squares_out:
-                        new_squares.append(squares[d] + jnp.sum(ae * e, axis=1))
+                        ae = a * e
+                        new_sums.append(sums[d] + folded(ae))
+                        new_squares.append(squares[d] + folded(ae, e))
+                    else:
+                        new_sums.append(sums[d] + folded(a, e))
                 if rows_out:  # (t = -inf beyond float32 would give 0 * inf)
-                    stat = stat + jnp.sum(a * jnp.maximum(t, -FLOAT32_MAX), axis=1)
+                    stat = stat + folded(a, jnp.maximum(t, -FLOAT32_MAX))
                 plgpu.barrier_arrive(slot_free.at[slot])  # every read of the slot is done
                 return tuple(new_sums), tuple(new_squares), stat, pw
 
-            def zeros(layout, shape_=(rows,)):
-                return plgpu.layout_cast(jnp.zeros(shape_, jnp.float32), layout)
+            def zeros(shape_):
+                return plgpu.layout_cast(jnp.zeros(shape_, jnp.float32), plgpu.Layout.WGMMA)
 
-            carry = (tuple(zeros(row_layout) for _ in range(dims)),
-                     tuple(zeros(row_layout) for _ in range(dims if squares_out else 0)),
-                     zeros(row_layout), zeros(plgpu.Layout.WGMMA, (rows, columns)))
+            partial = (rows, FOLD)
+            carry = (tuple(zeros(partial) for _ in range(dims)),
+                     tuple(zeros(partial) for _ in range(dims if squares_out else 0)),
+                     zeros(partial), zeros((rows, columns)))
             carry = lax.fori_loop(0, full_steps, lambda j, c: step(j, c, False), carry)
             if steps > full_steps:
                 carry = step(jnp.int32(full_steps), carry, True)
-            sums, squares, stat, pw = carry
+            sums, squares, stat = jax.tree.map(lambda acc: jnp.sum(acc, axis=1), carry[:3])
+            pw = carry[3]
             for d in range(dims):
                 residual = scales[d] if per_dimension else None
                 sums_smem2.at[wg, d][...] = sums[d] * residual if per_dimension else sums[d]
