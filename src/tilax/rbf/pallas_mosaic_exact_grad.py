@@ -18,7 +18,7 @@ keeps until the loop ends (no adds across threads per tile).
 Runs where an exact path's ``dq`` and ``dk`` launches name ``backend="mosaic"`` (program tile
 ``BLOCK_P``, loop tile ``BLOCK_L``), as ``pallas_config`` chooses for ``rbf_kernel_mv`` on
 Hopper: forward + backward 35.1 ms against 50.7 ms with the Triton sweeps on the H200 (N = M =
-65536, D = 8, O = 16).
+65536, D = 8, O = 16), 33.3 ms with the row sums folded per thread.
 """
 
 from __future__ import annotations
