@@ -215,10 +215,11 @@ def gmm_swiglu(
             gate, up = parts.accumulate(2, block_m, block_n, run)
 
             def write(a_smem, *preactivation_smems):
-                a_smem[...] = _swiglu_parts(gate, up)[2].astype(a_smem.dtype)
-                for smem, value in zip(preactivation_smems, (gate, up)[: len(outs) - 1],
-                                       strict=True):
-                    smem[...] = value.astype(smem.dtype)
+                for rows, gate_h, up_h in parts.row_blocks(gate, up):
+                    a_smem.at[rows][...] = _swiglu_parts(gate_h, up_h)[2].astype(a_smem.dtype)
+                    for smem, value in zip(preactivation_smems, (gate_h, up_h)[: len(outs) - 1],
+                                           strict=True):
+                        smem.at[rows][...] = value.astype(smem.dtype)
 
             parts.stage_and_store(outs, item, block_m, block_n, write)
 
@@ -296,19 +297,24 @@ def gmm_swiglu_bwd(
             def compute(wait):
                 (dz,) = parts.accumulate(1, block_m, block_n, run)
                 g_smem, u_smem, scale_smem = wait()
-                weight = parts.rows_to_tile(scale_smem[...], dz.shape)
-                gate_t = g_smem[...].astype(jnp.float32)
-                up_t = u_smem[...].astype(jnp.float32)
-                sig, silu, act = _swiglu_parts(gate_t, up_t)
-                parts.store_vector(jnp.sum(dz * act, axis=1), dw_items_g.at[item.n, item_index])
 
-                # Each output is written as soon as it exists (registers).
+                # Each output is written as soon as it exists, and the sigmoid is recomputed
+                # rather than kept: fewer float32 tiles live at once.
                 def write(dg_smem, du_smem, aw_smem):
-                    aw_smem[...] = (act * weight).astype(aw_smem.dtype)
-                    d_act = dz * weight
-                    du_smem[...] = (d_act * silu).astype(du_smem.dtype)
-                    d_gate = d_act * up_t * (sig * (1.0 + gate_t * (1.0 - sig)))
-                    dg_smem[...] = d_gate.astype(dg_smem.dtype)
+                    row_sums = []
+                    for rows, dz_h in parts.row_blocks(dz):
+                        weight = parts.rows_to_tile(scale_smem[rows], dz_h.shape)
+                        gate_t = g_smem.at[rows][...].astype(jnp.float32)
+                        up_t = u_smem.at[rows][...].astype(jnp.float32)
+                        silu, act = _swiglu_parts(gate_t, up_t)[1:]
+                        row_sums.append((rows, jnp.sum(dz_h * act, axis=1)))
+                        aw_smem.at[rows][...] = (act * weight).astype(aw_smem.dtype)
+                        d_act = dz_h * weight
+                        du_smem.at[rows][...] = (d_act * silu).astype(du_smem.dtype)
+                        sig = jax.nn.sigmoid(gate_t)
+                        d_gate = d_act * up_t * (sig * (1.0 + gate_t * (1.0 - sig)))
+                        dg_smem.at[rows][...] = d_gate.astype(dg_smem.dtype)
+                    parts.store_vector(row_sums, block_m, dw_items_g.at[item.n, item_index])
 
                 parts.stage_and_store([dg_g, du_g, aw_g], item, block_m, block_n, write)
 

@@ -30,6 +30,7 @@ except ImportError:  # tilax imports anyway; _pallas.mosaic_unavailable_reason s
 
 # Tile sides are powers of two >= 16; wgmma takes M in multiples of 64 per warpgroup.
 MIN_BLOCK = _pallas.MIN_BLOCK
+WGMMA_ROWS = 64
 fit_block = _pallas.fit_block
 # Feature dimensions are multiples of this (the layer pads them): 64 16-bit values are the
 # 128-byte rows a TMA store of a row slice needs (shared-memory addresses 128-byte aligned at
@@ -343,13 +344,26 @@ def stage_and_store(outs, item: Item, block_m: int, block_n: int, write) -> None
     )
 
 
-def store_vector(value: jax.Array, out_g) -> None:
-    """TMA-store a 1-D float32 vector (e.g. per-row sums) through SMEM."""
+def row_blocks(*tiles: jax.Array):
+    """``(rows, *tile_blocks)`` per ``WGMMA_ROWS``-row block of float32 register tiles.
+
+    An epilogue that works a block at a time holds half the registers per intermediate
+    tile: on a [128, 64] tile, the SwiGLU backward's seven float32 intermediates would need
+    448 registers per thread, and ptxas spilled them to local memory (ncu on the H200)."""
+    for start in range(0, tiles[0].shape[0], WGMMA_ROWS):
+        yield (pl.ds(start, WGMMA_ROWS),
+               *(tile[start : start + WGMMA_ROWS] for tile in tiles))
+
+
+def store_vector(pieces, length: int, out_g) -> None:
+    """TMA-store a 1-D float32 vector of ``length`` (e.g. per-row sums) through SMEM, given as
+    ``(rows, values)`` pieces that cover it."""
 
     def scope(smem):
-        smem[...] = value
+        for rows, value in pieces:
+            smem[rows] = value
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(smem, out_g)
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    pl.run_scoped(scope, plgpu.SMEM(value.shape, jnp.float32))
+    pl.run_scoped(scope, plgpu.SMEM((length,), jnp.float32))
