@@ -422,31 +422,12 @@ def moe_apply(
     copies = RoutedCopies(routed.expert_ids, routed.weights, capacity)
     y, kept = experts(config, xc, w_gate, w_up, w_down, copies)
     if config.shared_hidden:
-        y = y + shared_expert(params, xc, config, experts)
+        y = y + shared_expert(params, xc, config)
     aux = router.router_aux(routed, config.num_experts, kept)
     return y.reshape(jnp.shape(x)[:-1] + (config.d_model,)).astype(dtype), aux
 
 
-def shared_expert(params: dict, x: jax.Array, config: MoEConfig, experts) -> jax.Array:
-    """The shared expert on tokens ``x`` (already in ``config.dtype``), ``[T, d_model]``.
-
-    Where the routed ``experts`` are the Pallas path, the shared expert runs on the same kernels
-    and custom VJP as one expert whose group holds every token (with ``fused`` for
-    ``fused_gsum``: one copy per token has nothing to sum), whose backward beats XLA's dense
-    matmuls (``docs/methodology.md``); elsewhere as XLA's dense matmuls.
-    """
+def shared_expert(params: dict, x: jax.Array, config: MoEConfig) -> jax.Array:
+    """The shared expert on tokens ``x`` (already in ``config.dtype``)."""
     shared = {n: params["shared"][n].astype(config.dtype) for n in ("w_gate", "w_up", "w_down")}
-    if not isinstance(experts, pallas.PallasExperts):
-        return reference.shared_expert(x, shared)
-    one_dispatch = "fused" if config.dispatch == "fused_gsum" else config.dispatch
-    one_group = dataclasses.replace(
-        config, d_hidden=config.shared_hidden, num_experts=1, top_k=1, shared_hidden=0,
-        routing="dropless", dispatch=one_dispatch,
-    )
-    num_tokens = x.shape[0]
-    every_token = RoutedCopies(
-        jnp.zeros((num_tokens, 1), jnp.int32), jnp.ones((num_tokens, 1), jnp.float32)
-    )
-    y, _ = experts(one_group, x, *(shared[n][None] for n in ("w_gate", "w_up", "w_down")),
-                   every_token)
-    return y
+    return reference.shared_expert(x, shared)
