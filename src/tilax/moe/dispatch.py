@@ -226,20 +226,27 @@ def gmm_schedule(
     )
 
 
+def take_rows(x: jax.Array, index: jax.Array) -> jax.Array:
+    """``x[index]`` along the first axis, for the layout's indices, which are in bounds by
+    construction: ``mode="clip"`` is XLA's plain gather, where jnp's default ``"fill"`` masks
+    every row (7% slower for 1M rows of 512 bf16 on the H200)."""
+    return jnp.take(x, index, axis=0, mode="clip")
+
+
 def permute(x: jax.Array, layout: RowLayout) -> jax.Array:
     """Token space to row space: ``x[row_token]``, ``[R_pad, d]`` (a gather)."""
-    return jnp.take(x, layout.row_token, axis=0)
+    return take_rows(x, layout.row_token)
 
 
 def row_weights(weights: jax.Array, layout: RowLayout) -> jax.Array:
     """``[R_pad]`` float32 combine weight of each row (0 on padding and dropped rows)."""
     flat = weights.reshape(-1).astype(jnp.float32)
-    return jnp.where(layout.row_valid, jnp.take(flat, layout.row_copy), 0.0)
+    return jnp.where(layout.row_valid, take_rows(flat, layout.row_copy), 0.0)
 
 
 def copy_values(row_values: jax.Array, layout: RowLayout) -> jax.Array:
     """Row space to copies: ``[T, k, ...]`` values of each copy's row, zero for dropped copies."""
-    values = jnp.take(row_values, layout.copy_row, axis=0)
+    values = take_rows(row_values, layout.copy_row)
     kept = layout.copy_kept.reshape(layout.copy_kept.shape + (1,) * (values.ndim - 2))
     return jnp.where(kept, values, jnp.zeros((), values.dtype))
 

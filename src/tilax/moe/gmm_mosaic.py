@@ -66,9 +66,18 @@ __all__ = ["Config", "default_config", "tiles_for", "gmm", "gmm_swiglu", "gmm_sw
            "gmm_combine", "tgmm"]
 
 
+def _sigmoid(x):
+    """float32 ``sigmoid(x)`` as ``rsqrt(1 + exp(-x))**2`` (``1 + exp(-x)`` is positive): with
+    ``approx_math`` (``parts.compiler_params``) two MUFU instructions, ``ex2.approx`` and
+    ``rsqrt.approx`` (relative errors near 2**-22), where ``jax.nn.sigmoid`` lowers to a
+    precise ``exp`` and an IEEE division, which made the SwiGLU epilogues instruction-bound."""
+    root = lax.rsqrt(1.0 + jnp.exp(-x))
+    return root * root
+
+
 def _swiglu_parts(gate, up):
     """float32 ``sigmoid(gate)``, ``silu(gate)`` and ``silu(gate) * up``."""
-    sig = jax.nn.sigmoid(gate)
+    sig = _sigmoid(gate)
     silu = gate * sig
     return sig, silu, silu * up
 
@@ -298,20 +307,18 @@ def gmm_swiglu_bwd(
                 (dz,) = parts.accumulate(1, block_m, block_n, run)
                 g_smem, u_smem, scale_smem = wait()
 
-                # Each output is written as soon as it exists, and the sigmoid is recomputed
-                # rather than kept: fewer float32 tiles live at once.
+                # Each output is written as soon as it exists: fewer float32 tiles live.
                 def write(dg_smem, du_smem, aw_smem):
                     row_sums = []
                     for rows, dz_h in parts.row_blocks(dz):
                         weight = parts.rows_to_tile(scale_smem[rows], dz_h.shape)
                         gate_t = g_smem.at[rows][...].astype(jnp.float32)
                         up_t = u_smem.at[rows][...].astype(jnp.float32)
-                        silu, act = _swiglu_parts(gate_t, up_t)[1:]
+                        sig, silu, act = _swiglu_parts(gate_t, up_t)
                         row_sums.append((rows, jnp.sum(dz_h * act, axis=1)))
                         aw_smem.at[rows][...] = (act * weight).astype(aw_smem.dtype)
                         d_act = dz_h * weight
                         du_smem.at[rows][...] = (d_act * silu).astype(du_smem.dtype)
-                        sig = jax.nn.sigmoid(gate_t)
                         d_gate = d_act * up_t * (sig * (1.0 + gate_t * (1.0 - sig)))
                         dg_smem.at[rows][...] = d_gate.astype(dg_smem.dtype)
                     parts.store_vector(row_sums, block_m, dw_items_g.at[item.n, item_index])

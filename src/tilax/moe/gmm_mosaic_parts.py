@@ -22,6 +22,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from tilax import _pallas
+from tilax.moe.dispatch import take_rows
 
 try:
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -172,7 +173,7 @@ def check_dtypes(*arrays) -> None:
 
 def gathered(x: jax.Array | None, index: jax.Array | None) -> jax.Array | None:
     """``x[index]`` in XLA: Hopper's TMA copies tiles, not gathered rows."""
-    return x if x is None or index is None else jnp.take(x, index, axis=0)
+    return x if x is None or index is None else take_rows(x, index)
 
 
 def num_programs(tiles: Config) -> int:
@@ -181,8 +182,10 @@ def num_programs(tiles: Config) -> int:
 
 
 def compiler_params():
-    """Warpgroup lowering: the default from jax 0.11, asked for explicitly on 0.10."""
-    return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
+    """Warpgroup lowering (the default from jax 0.11, asked for explicitly on 0.10), and
+    approximate transcendentals (``exp``, ``rsqrt``: the SwiGLU epilogues' sigmoid)."""
+    return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup,
+                                approx_math=True)
 
 
 def launch(body, out_type, name: str, tiles: Config):

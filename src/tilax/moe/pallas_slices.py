@@ -35,7 +35,7 @@ def _sources(plan, x, index):
     """The left operand and row index the kernels read a slice's rows of ``x`` through:
     a permuted copy for ``sorted``, the sort index for the gathering dispatches."""
     if plan.dispatch == "sorted":
-        return jnp.take(x, index, axis=0), None
+        return dispatch.take_rows(x, index), None
     return x, index
 
 
