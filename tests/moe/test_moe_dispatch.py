@@ -1,5 +1,6 @@
 """Row layout, capacity selection and the XLA gathers of dispatch.py, checked by hand."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -80,3 +81,26 @@ def test_combine_and_sum_copies_skip_dropped_copies():
     np.testing.assert_allclose(
         dispatch.row_weights(weights, layout), [0.5, 2.0, 0.25, 1.0]
     )
+
+
+@pytest.mark.parametrize(("dtype", "width"), [
+    (jnp.bfloat16, 6),  # moved as uint32 pairs
+    (jnp.float16, 4),
+    (jnp.bfloat16, 5),  # odd width: a plain gather
+    (jnp.float32, 4),
+])  # fmt: skip
+def test_take_rows_is_a_row_gather_with_its_gradient(dtype, width):
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((7, width)), dtype)
+    index = jnp.asarray([6, 0, 3, 3, 1], jnp.int32)
+    rows = dispatch.take_rows(x, index)
+    assert rows.dtype == x.dtype
+    np.testing.assert_array_equal(np.asarray(rows, np.float32), np.asarray(x, np.float32)[index])
+    weights = jnp.arange(5 * width, dtype=jnp.float32).reshape(5, width)
+    def loss(x):
+        return jnp.sum(dispatch.take_rows(x, index).astype(jnp.float32) * weights)
+
+    grad = jax.grad(loss)(x)
+    expected = np.zeros((7, width), np.float32)
+    np.add.at(expected, np.asarray(index), np.asarray(weights))
+    assert grad.dtype == x.dtype
+    np.testing.assert_array_equal(np.asarray(grad, np.float32), expected)
