@@ -109,6 +109,14 @@ def test_float32_operands_are_rejected():
                        backend="mosaic")
 
 
+
+def test_epilogue_sigmoid_is_exact_in_float32_and_saturates():
+    # rsqrt(1 + exp(-x))**2: exp overflows to inf for x < -88, and rsqrt(inf) is 0.
+    x = jnp.asarray([-1e4, -100.0, -20.0, -1.5, 0.0, 0.7, 20.0, 100.0, 1e4], jnp.float32)
+    got = np.asarray(gmm_mosaic._sigmoid(x))
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, np.asarray(jax.nn.sigmoid(x)), rtol=1e-6, atol=0)
+
 # ----------------------------------------------------------------------------------------------
 # Kernels in the interpreter
 
