@@ -101,10 +101,11 @@ def test_skew_tokens_shifts_logits_by_a_ramp_and_empties_experts():
     x = jax.random.normal(key_x, (512, 32))
     assert router.skew_tokens(x, w, 0.0) is x
     skewed = router.skew_tokens(x, w, 0.9)
-    shift = np.asarray(skewed @ w - x @ w)
+    # float32 products on every device (a GPU's default TF32 would blur the 1e-3 check).
+    shift = np.asarray(router.router_logits(skewed, w) - router.router_logits(x, w))
     # Every token's logits move by the same ramp: 0, -s, -2s, ... with s = 9 sigma.
     np.testing.assert_allclose(shift - shift[:1], 0, atol=1e-3)
-    sigma = float(jnp.std(x @ w))
+    sigma = float(jnp.std(router.router_logits(x, w)))
     np.testing.assert_allclose(np.diff(shift[0]), -9 * sigma, rtol=1e-3)
     aux_plain = router.router_aux(router.route(x, w, 2, True), 8)
     aux_skewed = router.router_aux(router.route(skewed, w, 2, True), 8)
@@ -120,3 +121,52 @@ def test_skew_tokens_shifts_logits_by_a_ramp_and_empties_experts():
 def test_skew_tokens_rejects_out_of_range(skew):
     with pytest.raises(ValueError, match="skew"):
         router.skew_tokens(jnp.ones((2, 4)), jnp.ones((4, 2)), skew)
+
+
+def test_bf16_pieces_add_up_to_the_float32_exactly():
+    a = jax.random.normal(jax.random.key(0), (257, 9)) * jnp.logspace(-20, 20, 9)
+    pieces = router._bf16_pieces(a)
+    assert all(p.dtype == jnp.bfloat16 for p in pieces)
+    total = (pieces[2].astype(jnp.float32) + pieces[1]) + pieces[0]
+    np.testing.assert_array_equal(total, a)
+
+
+@pytest.mark.parametrize("num_experts", [8, 64])
+def test_bf16_router_logits_and_grads_match_a_float32_matmul(num_experts):
+    x = jax.random.normal(jax.random.key(1), (300, 96), jnp.bfloat16)
+    w = jax.random.normal(jax.random.key(2), (96, num_experts)) * 0.1
+    cot = jax.random.normal(jax.random.key(3), (300, num_experts))
+
+    def float32_logits(x, w):
+        return jnp.dot(x.astype(jnp.float32), w, precision=jax.lax.Precision.HIGHEST)
+
+    logits = router.router_logits(x, w)
+    want = float32_logits(x, w)
+    assert logits.dtype == jnp.float32
+    np.testing.assert_allclose(logits, want, rtol=0, atol=1e-6 * float(jnp.max(jnp.abs(want))))
+    dx, dw = jax.grad(lambda x, w: jnp.sum(router.router_logits(x, w) * cot), (0, 1))(x, w)
+    x32 = x.astype(jnp.float32)
+    want_dx, want_dw = jax.grad(lambda x, w: jnp.sum(float32_logits(x, w) * cot), (0, 1))(x32, w)
+    assert dx.dtype == jnp.bfloat16 and dw.dtype == jnp.float32
+    np.testing.assert_allclose(dw, want_dw, rtol=0, atol=1e-6 * float(jnp.max(jnp.abs(want_dw))))
+    # d_x is bfloat16: the float32 gradient rounded once (half a unit in the last place), plus
+    # the three-piece products' error (~2**-16 of the terms) where the terms cancel.
+    np.testing.assert_allclose(
+        np.float32(dx), want_dx, rtol=2**-8, atol=2**-14 * float(jnp.max(jnp.abs(want_dx)))
+    )
+
+
+@pytest.mark.parametrize("top_k", [1, 2, 3, 8, router.ARGMAX_TOP_K_MAX + 1])
+def test_top_k_experts_matches_lax_top_k_with_ties(top_k):
+    probs = jax.nn.softmax(jax.random.normal(jax.random.key(4), (200, 16)), axis=-1)
+    probs = probs.at[:20].set(1.0 / 16).at[20:30, 3:9].set(0.0)  # ties: lower index first
+    got_probs, got_ids = router.top_k_experts(probs, top_k)
+    want_probs, want_ids = jax.lax.top_k(probs, top_k)
+    assert got_ids.dtype == jnp.int32
+    np.testing.assert_array_equal(got_ids, want_ids)
+    np.testing.assert_array_equal(got_probs, want_probs)
+    cot = jax.random.normal(jax.random.key(5), (200, top_k))
+    np.testing.assert_array_equal(
+        jax.grad(lambda p: jnp.sum(router.top_k_experts(p, top_k)[0] * cot))(probs),
+        jax.grad(lambda p: jnp.sum(jax.lax.top_k(p, top_k)[0] * cot))(probs),
+    )

@@ -1,7 +1,11 @@
 """Top-k softmax router: float32 logits, expert choice, combine weights and the router's aux.
 
 The router always runs in float32 whatever the layer's dtype: a bfloat16 logit is too coarse to
-rank experts reliably, and the matmul is tiny (``[T, d_model] x [d_model, E]``).
+rank experts reliably. The matmul is small (``[T, d_model] x [d_model, E]``) but reads every
+token, so its speed matters: for bfloat16 tokens :func:`router_logits` computes the float32
+products exactly on the tensor cores (the router split into three bfloat16 pieces) instead of
+a float32 matmul, and :func:`top_k_experts` picks a few experts by repeated ``argmax`` rather
+than a sort.
 
 :func:`skew_tokens` is the benchmark/test knob that makes routing skewed. It moves the *inputs*
 along a direction the router maps onto a fixed per-expert bias, so the layer itself and its
@@ -45,14 +49,104 @@ def route(x: jax.Array, router: jax.Array, top_k: int, renormalize: bool) -> Rou
     Ties between equal probabilities go to the lower expert index (``jax.lax.top_k``).
     Differentiable with respect to ``x`` and ``router`` through the weights.
     """
-    logits = jnp.dot(
-        x.astype(jnp.float32), router.astype(jnp.float32), precision=ROUTER_PRECISION
-    )
+    logits = router_logits(x, router)
     probs = jax.nn.softmax(logits, axis=-1)
-    top_probs, expert_ids = jax.lax.top_k(probs, top_k)
+    top_probs, expert_ids = top_k_experts(probs, top_k)
     if renormalize:
         top_probs = top_probs / jnp.sum(top_probs, axis=-1, keepdims=True)
-    return RouterOutput(logits, probs, expert_ids.astype(jnp.int32), top_probs)
+    return RouterOutput(logits, probs, expert_ids, top_probs)
+
+
+def router_logits(x: jax.Array, router: jax.Array) -> jax.Array:
+    """float32 ``x @ router`` for ``x: [T, d_model]`` and ``router: [d_model, E]``.
+
+    bfloat16 ``x`` takes :func:`_bf16_logits`: the same float32 products, on the tensor cores
+    (on the H200, 0.4 ms -> see the changelog for the E8 layer's router forward and backward).
+    Other dtypes take a float32 matmul at :data:`ROUTER_PRECISION`.
+    """
+    router32 = router.astype(jnp.float32)
+    if x.dtype == jnp.bfloat16:
+        return _bf16_logits(x, router32)
+    return jnp.dot(x.astype(jnp.float32), router32, precision=ROUTER_PRECISION)
+
+
+def _bf16_pieces(a: jax.Array) -> list[jax.Array]:
+    """Three bfloat16 arrays that add up to float32 ``a`` exactly (8 significant bits each,
+    and each rounding's remainder is exact in float32)."""
+    pieces = []
+    for _ in range(3):
+        piece = a.astype(jnp.bfloat16)
+        pieces.append(piece)
+        a = a - piece.astype(jnp.float32)
+    return pieces
+
+
+def _sum_thirds(parts: jax.Array) -> jax.Array:
+    """``[..., 3n] -> [..., n]``: the three pieces' partial results, smallest first."""
+    n = parts.shape[-1] // 3
+    return (parts[..., 2 * n :] + parts[..., n : 2 * n]) + parts[..., :n]
+
+
+@jax.custom_vjp
+def _bf16_logits(x: jax.Array, router32: jax.Array) -> jax.Array:
+    """``x @ router32`` for bfloat16 ``x``: a product of a bfloat16 and a bfloat16 piece of the
+    router is exact in float32, so one bfloat16 matmul against the three pieces side by side
+    (float32 accumulation) gives float32 logits; only the sums round, as in a float32 matmul."""
+    pieces = jnp.concatenate(_bf16_pieces(router32), axis=1)
+    return _sum_thirds(jnp.dot(x, pieces, preferred_element_type=jnp.float32))
+
+
+def _bf16_logits_fwd(x, router32):
+    return _bf16_logits(x, router32), (x, router32)
+
+
+def _bf16_logits_bwd(residuals, d_logits):
+    x, router32 = residuals
+    d_pieces = _bf16_pieces(d_logits)
+    # d_router = x^T @ d_logits: exact products again (x is bfloat16).
+    d_router = _sum_thirds(
+        jax.lax.dot_general(
+            x, jnp.concatenate(d_pieces, axis=1), (((0,), (0,)), ((), ())),
+            preferred_element_type=jnp.float32,
+        )
+    )
+    # d_x = d_logits @ router^T, rounded to bfloat16: the three largest of the nine piece
+    # products (relative error ~2**-16) are far more than its 8 bits need.
+    r_pieces = _bf16_pieces(router32.T)
+    d_x = jnp.dot(
+        jnp.concatenate([d_pieces[0], d_pieces[0], d_pieces[1]], axis=1),
+        jnp.concatenate([r_pieces[0], r_pieces[1], r_pieces[0]], axis=0),
+        preferred_element_type=jnp.float32,
+    )
+    return d_x.astype(x.dtype), d_router
+
+
+_bf16_logits.defvjp(_bf16_logits_fwd, _bf16_logits_bwd)
+
+# Up to this many experts per token, top_k_experts takes that many argmax passes over the
+# probabilities instead of XLA's sort (on the H200, [131072, 8] top-2: see the changelog).
+ARGMAX_TOP_K_MAX = 8
+
+
+def top_k_experts(probs: jax.Array, top_k: int) -> tuple[jax.Array, jax.Array]:
+    """``jax.lax.top_k(probs, top_k)`` with int32 ids, for router probabilities (>= 0).
+
+    The same result, ties to the lower expert index: for ``top_k <= ARGMAX_TOP_K_MAX`` each
+    pass takes the first maximum and masks it out (cheap elementwise work where the sort of
+    a ``[T, E]`` array is not).
+    """
+    if top_k > ARGMAX_TOP_K_MAX:
+        top_probs, expert_ids = jax.lax.top_k(probs, top_k)
+        return top_probs, expert_ids.astype(jnp.int32)
+    experts = jnp.arange(probs.shape[-1], dtype=jnp.int32)
+    remaining, chosen = probs, []
+    for _ in range(top_k):
+        best = jnp.argmax(remaining, axis=-1).astype(jnp.int32)
+        chosen.append(best)
+        # Probabilities are >= 0: -1 ranks a chosen expert below every other one.
+        remaining = jnp.where(experts == best[..., None], -1.0, remaining)
+    expert_ids = jnp.stack(chosen, axis=-1)
+    return jnp.take_along_axis(probs, expert_ids, axis=-1), expert_ids
 
 
 def router_aux(
