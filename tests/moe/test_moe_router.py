@@ -125,7 +125,7 @@ def test_skew_tokens_rejects_out_of_range(skew):
 
 def test_bf16_pieces_add_up_to_the_float32_exactly():
     a = jax.random.normal(jax.random.key(0), (257, 9)) * jnp.logspace(-20, 20, 9)
-    pieces = router._bf16_pieces(a)
+    pieces = jax.jit(router._bf16_pieces)(a)  # compiled: XLA must keep every rounding
     assert all(p.dtype == jnp.bfloat16 for p in pieces)
     total = (pieces[2].astype(jnp.float32) + pieces[1]) + pieces[0]
     np.testing.assert_array_equal(total, a)
@@ -140,11 +140,14 @@ def test_bf16_router_logits_and_grads_match_a_float32_matmul(num_experts):
     def float32_logits(x, w):
         return jnp.dot(x.astype(jnp.float32), w, precision=jax.lax.Precision.HIGHEST)
 
-    logits = router.router_logits(x, w)
+    # Compiled as in the layer (XLA's GPU passes once erased two of the three pieces).
+    logits = jax.jit(router.router_logits)(x, w)
     want = float32_logits(x, w)
     assert logits.dtype == jnp.float32
     np.testing.assert_allclose(logits, want, rtol=0, atol=1e-6 * float(jnp.max(jnp.abs(want))))
-    dx, dw = jax.grad(lambda x, w: jnp.sum(router.router_logits(x, w) * cot), (0, 1))(x, w)
+    dx, dw = jax.jit(jax.grad(lambda x, w: jnp.sum(router.router_logits(x, w) * cot), (0, 1)))(
+        x, w
+    )
     x32 = x.astype(jnp.float32)
     want_dx, want_dw = jax.grad(lambda x, w: jnp.sum(float32_logits(x, w) * cot), (0, 1))(x32, w)
     assert dx.dtype == jnp.bfloat16 and dw.dtype == jnp.float32

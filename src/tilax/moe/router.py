@@ -75,9 +75,11 @@ def _bf16_pieces(a: jax.Array) -> list[jax.Array]:
     and each rounding's remainder is exact in float32)."""
     pieces = []
     for _ in range(3):
-        piece = a.astype(jnp.bfloat16)
-        pieces.append(piece)
-        a = a - piece.astype(jnp.float32)
+        # Round with reduce_precision, not a float32 -> bfloat16 -> float32 round trip: XLA's
+        # GPU compiler may drop such a pair (excess precision allowed), making the remainder 0.
+        piece = jax.lax.reduce_precision(a, exponent_bits=8, mantissa_bits=7)
+        pieces.append(piece.astype(jnp.bfloat16))
+        a = a - piece
     return pieces
 
 
