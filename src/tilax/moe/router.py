@@ -61,8 +61,9 @@ def router_logits(x: jax.Array, router: jax.Array) -> jax.Array:
     """float32 ``x @ router`` for ``x: [T, d_model]`` and ``router: [d_model, E]``.
 
     bfloat16 ``x`` takes :func:`_bf16_logits`: the same float32 products, on the tensor cores
-    (on the H200, 0.4 ms -> see the changelog for the E8 layer's router forward and backward).
-    Other dtypes take a float32 matmul at :data:`ROUTER_PRECISION`.
+    (the float32 matmuls of the E8 layer's router, forward and backward, took 0.42 ms of a
+    6.5 ms train step on the H200). Other dtypes take a float32 matmul at
+    :data:`ROUTER_PRECISION`.
     """
     router32 = router.astype(jnp.float32)
     if x.dtype == jnp.bfloat16:
@@ -126,7 +127,8 @@ def _bf16_logits_bwd(residuals, d_logits):
 _bf16_logits.defvjp(_bf16_logits_fwd, _bf16_logits_bwd)
 
 # Up to this many experts per token, top_k_experts takes that many argmax passes over the
-# probabilities instead of XLA's sort (on the H200, [131072, 8] top-2: see the changelog).
+# probabilities instead of XLA's sort of every row (0.08 ms for [131072, 8] on the H200; at
+# E64 top-8 the decoder's train step took 12.15 against 12.35 ms with the passes).
 ARGMAX_TOP_K_MAX = 8
 
 
