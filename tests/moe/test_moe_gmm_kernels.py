@@ -105,9 +105,15 @@ def test_gmm_swiglu_and_backward(rng):
     assert rel_err(gate, gate_ref) < 1e-5 and rel_err(up, up_ref) < 1e-5
     assert rel_err(act, silu * up_ref) < 1e-5
 
-    dy = _normal(rng, tokens, d_dim)
     scale = _normal(rng, PADDED_ROWS)
-    d_gate, d_up, act_scaled, dw_partial = gmm_triton.gmm_swiglu_bwd(
+    (act_scaled,) = gmm_triton.gmm_swiglu(
+        jnp.asarray(x), jnp.asarray(w_gate), jnp.asarray(w_up), _schedule(), tiles=TILES,
+        backend="interpret", index=jnp.asarray(index), row_scale=jnp.asarray(scale),
+    )
+    assert rel_err(act_scaled, scale[:, None] * silu * up_ref) < 1e-5
+
+    dy = _normal(rng, tokens, d_dim)
+    d_gate, d_up, dw_partial = gmm_triton.gmm_swiglu_bwd(
         jnp.asarray(dy), jnp.asarray(w_down), gate, up, jnp.asarray(scale), _schedule(),
         tiles=TILES, backend="interpret", index=jnp.asarray(index),
     )
@@ -116,22 +122,23 @@ def test_gmm_swiglu_and_backward(rng):
     d_act = scale[:, None] * dz
     assert rel_err(d_up, d_act * silu) < 1e-5
     assert rel_err(d_gate, d_act * up_ref * sig * (1 + gate_ref * (1 - sig))) < 1e-5
-    assert rel_err(act_scaled, scale[:, None] * silu * up_ref) < 1e-5
     assert rel_err(dw_partial.sum(0), np.sum(dz * silu * up_ref, axis=1)) < 1e-5
 
 
-def test_gmm_combine_sums_into_tokens(rng):
+@pytest.mark.parametrize("scaled", [True, False])
+def test_gmm_combine_sums_into_tokens(rng, scaled):
     h_dim, d_dim, tokens = 32, 16, 41
     hidden = _normal(rng, PADDED_ROWS, h_dim)
     w_down = _normal(rng, 6, h_dim, d_dim)
-    scale = _normal(rng, PADDED_ROWS)
+    scale = _normal(rng, PADDED_ROWS) if scaled else np.ones(PADDED_ROWS, np.float32)
     # Each expert's rows hold distinct tokens; rows past the groups are skipped (target T).
     target = np.concatenate(
         [rng.permutation(tokens)[:size] for size in GROUP_SIZES]
         + [np.full(PADDED_ROWS - NUM_ROWS, tokens)]
     ).astype(np.int32)
     out = gmm_triton.gmm_combine(
-        jnp.asarray(hidden), jnp.asarray(w_down), jnp.asarray(scale), jnp.asarray(target),
+        jnp.asarray(hidden), jnp.asarray(w_down), jnp.asarray(scale) if scaled else None,
+        jnp.asarray(target),
         _schedule(), num_tokens=tokens, tiles=TILES, backend="interpret",
     )
     rows = scale[:, None] * _reference_gmm(hidden, w_down)

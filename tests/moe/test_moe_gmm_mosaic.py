@@ -209,10 +209,17 @@ def test_gmm_swiglu_and_backward(rng, few_sms):
     assert rel_err(gate, gate_ref) < tol and rel_err(up, up_ref) < tol
     assert rel_err(act, silu * up_ref) < tol
 
-    dy = _bf16(rng, tokens, d_dim)
     scale = rng.standard_normal(PADDED_ROWS).astype(np.float32)
     with gpu_interpreter():
-        d_gate, d_up, act_scaled, dw_partial = gmm_mosaic.gmm_swiglu_bwd(
+        (act_scaled,) = gmm_mosaic.gmm_swiglu(
+            x, w_gate, w_up, _schedule(), tiles=TILES, backend="mosaic",
+            index=jnp.asarray(index), row_scale=jnp.asarray(scale),
+        )
+    assert rel_err(act_scaled, scale[:, None] * silu * up_ref) < tol
+
+    dy = _bf16(rng, tokens, d_dim)
+    with gpu_interpreter():
+        d_gate, d_up, dw_partial = gmm_mosaic.gmm_swiglu_bwd(
             dy, w_down, gate, up, jnp.asarray(scale), _schedule(), tiles=TILES,
             backend="mosaic", index=jnp.asarray(index),
         )
@@ -223,7 +230,6 @@ def test_gmm_swiglu_and_backward(rng, few_sms):
     d_act = scale[:, None] * dz
     assert rel_err(d_up, d_act * silu_in) < tol
     assert rel_err(d_gate, d_act * up_in * sig * (1 + gate_in * (1 - sig))) < tol
-    assert rel_err(act_scaled, scale[:, None] * silu_in * up_in) < tol
     assert dw_partial.dtype == jnp.float32
     assert rel_err(dw_partial.sum(0), np.sum(dz * silu_in * up_in, axis=1)) < 1e-5
 

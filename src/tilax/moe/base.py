@@ -82,16 +82,17 @@ class GmmKernels(Protocol):
       lhs2=None, rhs2=None, row_scale=None, out_dtype=None)``:
       ``out[r] = scale[r] * (lhs[r] @ rhs[e(r)] + lhs2[r] @ rhs2[e(r)])``.
     - ``gmm_swiglu(x, w_gate, w_up, schedule, *, tiles, backend, index=None,
-      save_preactivations=False)``: ``a = silu(x_r @ w_gate[e]) * (x_r @ w_up[e])``, and the
-      two pre-activations when asked.
+      row_scale=None, save_preactivations=False)``: ``a = w_r * silu(x_r @ w_gate[e]) *
+      (x_r @ w_up[e])`` (``w_r = 1`` without ``row_scale``), and the two pre-activations when
+      asked.
     - ``gmm_swiglu_bwd(dy, w_down, gate, up, row_scale, schedule, *, tiles, backend,
-      index=None)``: ``d_gate, d_up, a * w_r`` and ``[P, R]`` float32 partial sums of
-      ``dz . a`` (``dz = dy_r @ w_down[e].T``), the combine weights' gradient once summed over
-      ``P`` (backend-defined: Triton gives one row per column tile, ``h / block_n``; Mosaic
-      GPU adds its per-item sums up itself and gives one).
+      index=None)``: ``d_gate, d_up`` and ``[P, R]`` float32 partial sums of ``dz . a``
+      (``dz = dy_r @ w_down[e].T``, ``a`` unscaled), the combine weights' gradient once summed
+      over ``P`` (backend-defined: Triton gives one row per column tile, ``h / block_n``;
+      Mosaic GPU adds its per-item sums up itself and gives one).
     - ``gmm_combine(hidden, w_down, row_scale, row_target, schedule, *, num_tokens, tiles,
       backend)``: ``y[t] = sum over rows r of token t of w_r * hidden[r] @ w_down[e(r)]``,
-      float32 ``[T, d]``.
+      float32 ``[T, d]`` (``row_scale=None``: ``w_r = 1``).
     - ``tgmm(lhs, rhs, group_offsets, *, tiles, backend, lhs_index=None, rhs_index=None,
       rhs2=None, out_dtype=None)``: ``out[e] = lhs[rows of e].T @ rhs[rows of e]`` (weight
       gradients; rows outside every group are never read).

@@ -21,7 +21,8 @@ Kernels (each wrapper launches one):
 
 - :func:`gmm`: ``out[r] = scale[r] * (lhs[r] @ rhs[e(r)] (+ lhs2[r] @ rhs2[e(r)]))``, the
   weights optionally transposed (``wgmma`` reads the transposed SMEM tile).
-- :func:`gmm_swiglu`: gate and up projections sharing the ``x`` tiles, SwiGLU in the epilogue.
+- :func:`gmm_swiglu`: gate and up projections sharing the ``x`` tiles, SwiGLU (optionally
+  scaled per row by the combine weights) in the epilogue.
 - :func:`gmm_swiglu_bwd`: the down projection's input gradient with the SwiGLU backward in the
   epilogue; the combine weights' gradient leaves as per-item row sums, added up in XLA.
 - :func:`gmm_combine`: the down projection with scaled float32 rows (:func:`gmm`), added into
@@ -188,11 +189,14 @@ def gmm_swiglu(
     tiles: Config,
     backend: str,
     index: jax.Array | None = None,
+    row_scale: jax.Array | None = None,
     save_preactivations: bool = False,
 ) -> tuple[jax.Array, ...]:
     """Gate and up projections sharing each ``x`` tile, SwiGLU in the epilogue
     (``gmm_triton.gmm_swiglu``'s contract): ``(a,)`` or ``(a, gate, up)``, each ``[R_pad, h]``
-    in ``x.dtype``. Two accumulators: ``block_n`` is capped to keep both in registers."""
+    in ``x.dtype``, ``a`` scaled by ``row_scale`` when given (its rows arrive by TMA while
+    the contraction runs). Two accumulators: ``block_n`` is capped to keep both in
+    registers."""
     del backend
     parts.check_dtypes(x, w_gate, w_up)
     x = parts.gathered(x, index)
@@ -204,8 +208,12 @@ def gmm_swiglu(
         tiles, parts.fit_block(tiles.block_k, d_dim), (block_m + 2 * block_n) * x.dtype.itemsize
     )
 
+    scaled = row_scale is not None
+    num_inputs = 4 + 3 + scaled
+
     def body(*refs):
-        schedule_refs, (x_g, wg_g, wu_g), outs = refs[:4], refs[4:7], refs[7:]
+        schedule_refs, (x_g, wg_g, wu_g) = refs[:4], refs[4:7]
+        scale_g, outs = refs[7] if scaled else None, refs[num_inputs:]
 
         def item_fn(item, _):
             tile = item.row_start // block_m
@@ -222,23 +230,31 @@ def gmm_swiglu(
 
                 parts.pipeline(step, d_dim // block_k, operands, stages)
 
-            gate, up = parts.accumulate(2, block_m, block_n, run)
+            def compute(wait):
+                gate, up = parts.accumulate(2, block_m, block_n, run)
+                (scale_smem,) = wait() if scaled else (None,)
 
-            def write(a_smem, *preactivation_smems):
-                for rows, gate_h, up_h in parts.row_blocks(gate, up):
-                    a_smem.at[rows][...] = _swiglu_parts(gate_h, up_h)[2].astype(a_smem.dtype)
-                    for smem, value in zip(preactivation_smems, (gate_h, up_h)[: len(outs) - 1],
-                                           strict=True):
-                        smem.at[rows][...] = value.astype(smem.dtype)
+                def write(a_smem, *preactivation_smems):
+                    for rows, gate_h, up_h in parts.row_blocks(gate, up):
+                        act = _swiglu_parts(gate_h, up_h)[2]
+                        if scaled:
+                            act = act * parts.rows_to_tile(scale_smem[rows], act.shape)
+                        a_smem.at[rows][...] = act.astype(a_smem.dtype)
+                        for smem, value in zip(preactivation_smems,
+                                               (gate_h, up_h)[: len(outs) - 1], strict=True):
+                            smem.at[rows][...] = value.astype(smem.dtype)
 
-            parts.stage_and_store(outs, item, block_m, block_n, write)
+                parts.stage_and_store(outs, item, block_m, block_n, write)
+
+            sources = [parts.row_slice(scale_g, item, block_m)] if scaled else []
+            parts.with_fetched(sources, compute)
 
         parts.for_each_item(schedule_refs, h_dim // block_n, block_m, item_fn)
 
     out = jax.ShapeDtypeStruct((num_rows, h_dim), x.dtype)
     outs = [out] * (3 if save_preactivations else 1)
     kernel = parts.launch(body, outs, "moe_gmm_swiglu_mosaic", tiles)
-    return tuple(kernel(*schedule, x, w_gate, w_up))
+    return tuple(kernel(*schedule, x, w_gate, w_up, *([row_scale] if scaled else [])))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -256,7 +272,7 @@ def gmm_swiglu_bwd(
     tiles: Config,
     backend: str,
     index: jax.Array | None = None,
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Backward of ``y_r = w_r * (silu(gate_r) * up_r) @ w_down[e]``
     (``gmm_triton.gmm_swiglu_bwd``'s contract).
 
@@ -266,8 +282,8 @@ def gmm_swiglu_bwd(
     and added up per row in XLA.
 
     Returns:
-        ``d_gate, d_up, a_scaled`` (``[R_pad, h]``, ``gate.dtype``) and the combine weights'
-        gradient as ``[1, R_pad]`` float32 partial sums.
+        ``d_gate, d_up`` (``[R_pad, h]``, ``gate.dtype``) and the combine weights' gradient
+        as ``[1, R_pad]`` float32 partial sums.
     """
     del backend
     parts.check_dtypes(dy, w_down, gate, up)
@@ -288,7 +304,7 @@ def gmm_swiglu_bwd(
 
     def body(*refs):
         schedule_refs, (dy_g, w_g, g_g, u_g, scale_g), outs = refs[:4], refs[4:9], refs[9:]
-        dg_g, du_g, aw_g, dw_items_g = outs
+        dg_g, du_g, dw_items_g = outs
 
         def item_fn(item, item_index):
             tile = item.row_start // block_m
@@ -309,7 +325,7 @@ def gmm_swiglu_bwd(
                 g_smem, u_smem, scale_smem = wait()
 
                 # Each output is written as soon as it exists: fewer float32 tiles live.
-                def write(dg_smem, du_smem, aw_smem):
+                def write(dg_smem, du_smem):
                     row_sums = []
                     for rows, dz_h in parts.row_blocks(dz):
                         weight = parts.rows_to_tile(scale_smem[rows], dz_h.shape)
@@ -317,14 +333,13 @@ def gmm_swiglu_bwd(
                         up_t = u_smem.at[rows][...].astype(jnp.float32)
                         sig, silu, act = _swiglu_parts(gate_t, up_t)
                         row_sums.append((rows, jnp.sum(dz_h * act, axis=1)))
-                        aw_smem.at[rows][...] = (act * weight).astype(aw_smem.dtype)
                         d_act = dz_h * weight
                         du_smem.at[rows][...] = (d_act * silu).astype(du_smem.dtype)
                         d_gate = d_act * up_t * (sig * (1.0 + gate_t * (1.0 - sig)))
                         dg_smem.at[rows][...] = d_gate.astype(dg_smem.dtype)
                     parts.store_vector(row_sums, block_m, dw_items_g.at[item.n, item_index])
 
-                parts.stage_and_store([dg_g, du_g, aw_g], item, block_m, block_n, write)
+                parts.stage_and_store([dg_g, du_g], item, block_m, block_n, write)
 
             sources = [(g_g.at[tile_view], tile_smem), (u_g.at[tile_view], tile_smem),
                        parts.row_slice(scale_g, item, block_m)]
@@ -334,10 +349,10 @@ def gmm_swiglu_bwd(
 
     rows = jax.ShapeDtypeStruct((num_rows, h_dim), gate.dtype)
     per_item = jax.ShapeDtypeStruct((n_tiles, num_items, block_m), jnp.float32)
-    d_gate, d_up, act_scaled, dw_items = parts.launch(
-        body, [rows, rows, rows, per_item], "moe_gmm_swiglu_bwd_mosaic", tiles
+    d_gate, d_up, dw_items = parts.launch(
+        body, [rows, rows, per_item], "moe_gmm_swiglu_bwd_mosaic", tiles
     )(*schedule, dy, w_down, gate, up, row_scale)
-    return d_gate, d_up, act_scaled, _owned_rows(dw_items.sum(0), schedule, num_rows)[None]
+    return d_gate, d_up, _owned_rows(dw_items.sum(0), schedule, num_rows)[None]
 
 
 def _owned_rows(values: jax.Array, schedule: GmmSchedule, num_rows: int) -> jax.Array:
@@ -357,7 +372,7 @@ def _owned_rows(values: jax.Array, schedule: GmmSchedule, num_rows: int) -> jax.
 def gmm_combine(
     hidden: jax.Array,
     w_down: jax.Array,
-    row_scale: jax.Array,
+    row_scale: jax.Array | None,
     row_target: jax.Array,
     schedule: GmmSchedule,
     *,

@@ -17,7 +17,8 @@ Kernels (each wrapper below builds one ``pallas_call``):
 - :func:`gmm`: ``out[r] = lhs[r] @ rhs[e(r)]`` with optional row gather through an index
   (``lhs[index[r]]``), transposed weights (``rhs[e].T``, for input gradients), a second summed
   product (``+ lhs2[r] @ rhs2[e(r)]``) and a per-row scale.
-- :func:`gmm_swiglu`: gate and up projections and the SwiGLU in one pass over the rows.
+- :func:`gmm_swiglu`: gate and up projections and the SwiGLU (optionally scaled per row) in
+  one pass over the rows.
 - :func:`gmm_swiglu_bwd`: the down projection's input gradient fused with the SwiGLU backward.
 - :func:`gmm_combine`: the down projection with the weighted combine in its epilogue, summed
   into the tokens' float32 outputs with atomic adds.
@@ -287,11 +288,13 @@ def gmm(
 
 def _swiglu_kernel(
     expert_ref, tile_ref, lo_ref, hi_ref, *refs,
-    block_m, block_n, block_k, num_k, gather, save_preactivations,
+    block_m, block_n, block_k, num_k, gather, scaled, save_preactivations,
 ):
     refs = list(refs)
     index_ref = refs.pop(0) if gather else None
-    x_ref, wg_ref, wu_ref, a_ref = refs[:4]
+    x_ref, wg_ref, wu_ref = refs[:3]
+    scale_ref = refs[3] if scaled else None
+    a_ref, *preactivation_refs = refs[3 + scaled :]
     n_tile, item = pl.program_id(0), pl.program_id(1)
     lo, hi = lo_ref[item], hi_ref[item]
 
@@ -314,9 +317,12 @@ def _swiglu_kernel(
         gate, up = lax.fori_loop(0, num_k, body, (zeros, zeros))
         mask = _item_rows_mask(lo, hi, block_m)
         tile = (pl.ds(row_start, block_m), pl.ds(n_start, block_n))
-        outputs = [(a_ref, _swiglu_parts(gate, up)[2])]
+        act = _swiglu_parts(gate, up)[2]
+        if scaled:
+            act = act * scale_ref[pl.ds(row_start, block_m)][:, None]
+        outputs = [(a_ref, act)]
         if save_preactivations:
-            outputs += [(refs[4], gate), (refs[5], up)]
+            outputs += list(zip(preactivation_refs, (gate, up), strict=True))
         for ref, value in outputs:
             plt.store(ref.at[tile], value.astype(ref.dtype), mask=mask)
 
@@ -330,6 +336,7 @@ def gmm_swiglu(
     tiles: Tiles,
     backend: str,
     index: jax.Array | None = None,
+    row_scale: jax.Array | None = None,
     save_preactivations: bool = False,
 ) -> tuple[jax.Array, ...]:
     """Fused gate/up projections and SwiGLU: ``a = silu(x_r @ w_gate[e]) * (x_r @ w_up[e])``.
@@ -338,6 +345,8 @@ def gmm_swiglu(
         x: ``[R_pad, d]`` rows, or ``[T, d]`` tokens gathered through ``index``.
         w_gate, w_up: ``[E, d, h]``.
         schedule, tiles, backend, index: as for :func:`gmm`.
+        row_scale: ``[R_pad]`` float32 factors applied to ``a`` (the combine weights: the
+            scaled activation is the left operand of the ``w_down`` gradient).
         save_preactivations: also return the gate and up pre-activations (for the backward).
 
     Returns:
@@ -354,9 +363,11 @@ def gmm_swiglu(
         block_k=block_k,
         num_k=d_dim // block_k,
         gather=index is not None,
+        scaled=row_scale is not None,
         save_preactivations=save_preactivations,
     )
     args = [*schedule] + ([index] if index is not None else []) + [x, w_gate, w_up]
+    args += [row_scale] if row_scale is not None else []
     out = jax.ShapeDtypeStruct((num_rows, h_dim), x.dtype)
     return tuple(
         _call(
@@ -380,7 +391,7 @@ def _swiglu_bwd_kernel(
 ):
     refs = list(refs)
     index_ref = refs.pop(0) if gather else None
-    dy_ref, w_ref, g_ref, u_ref, scale_ref, dg_ref, du_ref, aw_ref, dwp_ref = refs
+    dy_ref, w_ref, g_ref, u_ref, scale_ref, dg_ref, du_ref, dwp_ref = refs
     n_tile, item = pl.program_id(0), pl.program_id(1)
     lo, hi = lo_ref[item], hi_ref[item]
 
@@ -410,7 +421,6 @@ def _swiglu_bwd_kernel(
             jnp.sum(dz * act, axis=1),
             mask=mask[:, 0],
         )
-        plt.store(aw_ref.at[tile], (act * weight).astype(aw_ref.dtype), mask=mask)
         d_act = dz * weight
         plt.store(du_ref.at[tile], (d_act * silu).astype(du_ref.dtype), mask=mask)
         d_gate = d_act * up * (sig * (1.0 + gate * (1.0 - sig)))
@@ -428,13 +438,13 @@ def gmm_swiglu_bwd(
     tiles: Tiles,
     backend: str,
     index: jax.Array | None = None,
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Backward of ``y_r = w_r * (silu(gate_r) * up_r) @ w_down[e]`` for every row.
 
     With ``dz = dy_r @ w_down[e].T`` (float32) and ``a = silu(gate) * up``: ``d_gate``,
-    ``d_up`` (the SwiGLU backward of ``w_r * dz``), ``a * w_r`` (the left operand of the
-    ``w_down`` gradient) and the partial sums of ``dz . a`` per column tile (summed over tiles,
-    the gradient of the row's combine weight).
+    ``d_up`` (the SwiGLU backward of ``w_r * dz``) and the partial sums of ``dz . a`` per
+    column tile (summed over tiles, the gradient of the row's combine weight). The ``w_down``
+    gradient's left operand, ``a * w_r``, is the forward's (``gmm_swiglu(row_scale=)``).
 
     Args:
         dy: ``[R_pad, d]`` rows, or ``[T, d]`` output gradients gathered through ``index``.
@@ -444,7 +454,7 @@ def gmm_swiglu_bwd(
         schedule, tiles, backend, index: as for :func:`gmm`.
 
     Returns:
-        ``d_gate, d_up, a_scaled`` (``[R_pad, h]``, ``gate.dtype``) and ``dw_partial``
+        ``d_gate, d_up`` (``[R_pad, h]``, ``gate.dtype``) and ``dw_partial``
         (``[h / block_n, R_pad]`` float32).
     """
     num_rows, h_dim = gate.shape
@@ -468,7 +478,7 @@ def gmm_swiglu_bwd(
             tiles=tiles,
             backend=backend,
             grid=(n_tiles, schedule.expert.shape[0]),
-            out_shape=[rows, rows, rows, jax.ShapeDtypeStruct((n_tiles, num_rows), jnp.float32)],
+            out_shape=[rows, rows, jax.ShapeDtypeStruct((n_tiles, num_rows), jnp.float32)],
             name="moe_gmm_swiglu_bwd",
         )(*args, row_scale)
     )
@@ -479,9 +489,11 @@ def gmm_swiglu_bwd(
 
 
 def _combine_kernel(
-    expert_ref, tile_ref, lo_ref, hi_ref, a_ref, w_ref, scale_ref, target_ref, _init_ref, y_ref,
-    *, block_m, block_n, block_k, num_k, num_tokens, masked_atomics,
+    expert_ref, tile_ref, lo_ref, hi_ref, a_ref, w_ref, *refs,
+    block_m, block_n, block_k, num_k, num_tokens, masked_atomics, scaled,
 ):
+    scale_ref = refs[0] if scaled else None
+    target_ref, _init_ref, y_ref = refs[scaled:]
     n_tile, item = pl.program_id(0), pl.program_id(1)
     lo, hi = lo_ref[item], hi_ref[item]
 
@@ -498,7 +510,8 @@ def _combine_kernel(
             return acc + _dot(a, b)
 
         acc = lax.fori_loop(0, num_k, body, jnp.zeros((block_m, block_n), jnp.float32))
-        acc = acc * scale_ref[pl.ds(row_start, block_m)][:, None]
+        if scaled:
+            acc = acc * scale_ref[pl.ds(row_start, block_m)][:, None]
         target = target_ref[pl.ds(row_start, block_m)][:, None]
         keep = _item_rows_mask(lo, hi, block_m) & (target < num_tokens)
         cols = n_start + _iota((1, block_n), 1)
@@ -514,7 +527,7 @@ def _combine_kernel(
 def gmm_combine(
     hidden: jax.Array,
     w_down: jax.Array,
-    row_scale: jax.Array,
+    row_scale: jax.Array | None,
     row_target: jax.Array,
     schedule: GmmSchedule,
     *,
@@ -533,7 +546,8 @@ def gmm_combine(
     Args:
         hidden: ``[R_pad, h]`` SwiGLU activations in row space.
         w_down: ``[E, h, d]``.
-        row_scale: ``[R_pad]`` float32 combine weights.
+        row_scale: ``[R_pad]`` float32 combine weights, or ``None`` when ``hidden`` carries
+            them already.
         row_target: ``[R_pad]`` int32 token of each row; ``num_tokens`` for rows to skip.
         schedule, tiles, backend: as for :func:`gmm`.
         num_tokens: ``T``.
@@ -552,9 +566,11 @@ def gmm_combine(
         num_k=h_dim // block_k,
         num_tokens=num_tokens,
         masked_atomics=backend == "triton",
+        scaled=row_scale is not None,
     )
     init = jnp.zeros((num_tokens + 1, d_dim), jnp.float32)
-    args = [*schedule, hidden, w_down, row_scale, row_target, init]
+    scale = [row_scale] if row_scale is not None else []
+    args = [*schedule, hidden, w_down, *scale, row_target, init]
     out = _call(
         kernel,
         tiles=tiles,

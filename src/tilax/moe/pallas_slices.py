@@ -1,12 +1,13 @@
 """The Pallas expert path in row slices: the memory-saving variant (``MoEConfig.recompute``).
 
-The one-pass path keeps, per token copy, the gate and up pre-activations from the forward to
-the backward and, in the backward, their gradients and the scaled activation next to them:
-five ``[rows, d_hidden]`` arrays at once, most of a train step's memory. Here the forward and
-the backward loop (``lax.fori_loop``) over slices of ``plan.slice_rows`` rows of the row
-space; the hidden activations exist for one slice at a time, and the backward recomputes the
-gate and up projections of its slice (one more pair of grouped matmuls). What stays is of
-size ``[rows, d_model]``: the down projection's output rows and the input gradient's rows.
+The one-pass path keeps, per token copy, the gate and up pre-activations and the scaled
+activation from the forward to the backward and, in the backward, the pre-activations'
+gradients next to them: five ``[rows, d_hidden]`` arrays at once, most of a train step's
+memory. Here the forward and the backward loop (``lax.fori_loop``) over slices of
+``plan.slice_rows`` rows of the row space; the hidden activations exist for one slice at a
+time, and the backward recomputes the gate and up projections of its slice and the scaled
+activation (one more pair of grouped matmuls). What stays is of size ``[rows, d_model]``:
+the down projection's output rows and the input gradient's rows.
 
 Every slice runs the backend's kernels on its own schedule: the expert group offsets clipped
 to the slice. The weight gradients are summed over slices in float32. The forward combines in
@@ -39,34 +40,40 @@ def _sources(plan, x, index):
     return x, index
 
 
-def _hidden(plan, x_src, index, w_gate, w_up, schedule, *, preactivations: bool):
-    """The slice's SwiGLU activation, or its gate and up pre-activations."""
+def _hidden(plan, x_src, index, w_gate, w_up, w_slice, schedule, *, preactivations: bool):
+    """The slice's SwiGLU activation scaled by the combine weights ``w_slice``, and with
+    ``preactivations`` the gate and up pre-activations after it."""
     kernels, kw = plan.kernels, dict(tiles=plan.tiles, backend=plan.backend)
     if plan.dispatch in ("sorted", "gather"):
         gate = kernels.gmm(x_src, w_gate, schedule, index=index, **kw)
         up = kernels.gmm(x_src, w_up, schedule, index=index, **kw)
-        return (gate, up) if preactivations else reference.swiglu_activation(gate, up)
-    act, *pre = kernels.gmm_swiglu(
-        x_src, w_gate, w_up, schedule, index=index, save_preactivations=preactivations, **kw
+        act = reference.swiglu_activation(gate, up, w_slice)
+        return (act, gate, up) if preactivations else act
+    out = kernels.gmm_swiglu(
+        x_src, w_gate, w_up, schedule, index=index, row_scale=w_slice,
+        save_preactivations=preactivations, **kw,
     )
-    return tuple(pre) if preactivations else act
+    return out if preactivations else out[0]
 
 
 def forward(plan, x, w_gate, w_up, w_down, weights, layout):
     """``y[t] = sum_j weights[t, j] * SwiGLU_{e(t, j)}(x[t])``, slice by slice."""
     num_rows, rows = layout.row_token.shape[0], plan.slice_rows
     kernels, kw = plan.kernels, dict(tiles=plan.tiles, backend=plan.backend)
+    w_rows = dispatch.row_weights(weights, layout)
 
     def body(number, out_rows):
         start, index, _, schedule = _slice(plan, layout, number)
         x_src, src_index = _sources(plan, x, index)
-        act = _hidden(plan, x_src, src_index, w_gate, w_up, schedule, preactivations=False)
+        w_slice = lax.dynamic_slice_in_dim(w_rows, start, rows)
+        act = _hidden(plan, x_src, src_index, w_gate, w_up, w_slice, schedule,
+                      preactivations=False)
         out = kernels.gmm(act, w_down, schedule, **kw)
         return lax.dynamic_update_slice_in_dim(out_rows, out, start, axis=0)
 
     out_rows = jnp.zeros((num_rows, w_down.shape[2]), x.dtype)
     out_rows = lax.fori_loop(0, num_rows // rows, body, out_rows)
-    return dispatch.combine(out_rows, weights, layout)
+    return dispatch.sum_copies(out_rows, layout)
 
 
 def backward(plan, inputs, dy):
@@ -84,9 +91,10 @@ def backward(plan, inputs, dy):
         start, index, offsets, schedule = _slice(plan, layout, number)
         x_src, src_index = _sources(plan, x, index)
         dy_src, _ = _sources(plan, dy, index)
-        gate, up = _hidden(plan, x_src, src_index, w_gate, w_up, schedule, preactivations=True)
         w_slice = lax.dynamic_slice_in_dim(w_rows, start, rows)
-        d_gate, d_up, act_scaled, dw_partial = kernels.gmm_swiglu_bwd(
+        act_scaled, gate, up = _hidden(plan, x_src, src_index, w_gate, w_up, w_slice,
+                                       schedule, preactivations=True)
+        d_gate, d_up, dw_partial = kernels.gmm_swiglu_bwd(
             dy_src, w_down, gate, up, w_slice, schedule, index=src_index, **kw
         )
         dx_slice = kernels.gmm(

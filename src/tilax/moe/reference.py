@@ -37,10 +37,15 @@ def _mm(a: jax.Array, b: jax.Array, spec: str) -> jax.Array:
     return jnp.einsum(spec, a, b, preferred_element_type=F32)
 
 
-def swiglu_activation(gate: jax.Array, up: jax.Array) -> jax.Array:
-    """``silu(gate) * up`` computed in float32, returned in ``gate.dtype``."""
-    gate32 = gate.astype(F32)
-    return (jax.nn.silu(gate32) * up.astype(F32)).astype(gate.dtype)
+def swiglu_activation(
+    gate: jax.Array, up: jax.Array, row_scale: jax.Array | None = None
+) -> jax.Array:
+    """``silu(gate) * up`` (times ``row_scale[:, None]`` when given) computed in float32,
+    returned in ``gate.dtype``."""
+    act = jax.nn.silu(gate.astype(F32)) * up.astype(F32)
+    if row_scale is not None:
+        act = act * row_scale[:, None]
+    return act.astype(gate.dtype)
 
 
 def shared_expert(x: jax.Array, shared: dict) -> jax.Array:
