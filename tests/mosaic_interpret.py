@@ -5,7 +5,8 @@ simulates SMs, SMEM, TMA copies, barriers and ``wgmma`` on the CPU, on logical a
 what a kernel computes (indices, masks, the stored rows, the epilogues), not layouts, swizzles,
 register pressure or timing, which only the GPU tests do. Its ``wgmma`` reads operands through
 index transforms only; :func:`gpu_interpreter` teaches it transposed operands
-(``plgpu.transpose_ref``) by transposing what it reads, and an operand A held in registers.
+(``plgpu.transpose_ref``) by transposing what it reads, an operand A held in registers, and TMA
+stores that add into their destination (``reduction_op="add"``).
 Used by the MoE and RBF Mosaic GPU tests.
 """
 
@@ -18,6 +19,7 @@ import types
 import numpy as np
 
 _transposed = threading.local()
+_reduce_lock = threading.Lock()
 
 
 def available() -> str | None:
@@ -85,10 +87,48 @@ def gpu_interpreter():
     numpy_view.matmul = matmul
     gpu_callbacks.wgmma, gpu_callbacks.np = wgmma, numpy_view
     try:
-        with params.force_gpu_interpret_mode(params.InterpretGPUParams()):
+        with params.force_gpu_interpret_mode(params.InterpretGPUParams()), _adding_stores():
             yield
     finally:
         gpu_callbacks.wgmma, gpu_callbacks.np = original_wgmma, original_np
+
+
+@contextlib.contextmanager
+def _adding_stores():
+    """TMA stores with ``reduction_op="add"`` (which the interpreter refuses) as stores that add:
+    their destination buffers are remembered, and every store into one of them adds to what it
+    holds (read, add and write under one lock, so that programs' additions are not lost)."""
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+    from jax._src.pallas.mosaic_gpu.interpret.shared_memory import GPUSharedMemory
+
+    original_copy, original_store = gpu_callbacks.copy_smem_to_gmem, (
+        GPUSharedMemory.store_buffer_content)
+    targets = []
+
+    def copy_smem_to_gmem(*, reduction_op=None, dst_allocation_key_as_array, **kwargs):
+        if reduction_op is not None:
+            if str(reduction_op) != "add":
+                raise NotImplementedError(f"reduction_op {reduction_op!r}")
+            key = gpu_callbacks.HostAllocationKey.from_array(dst_allocation_key_as_array)
+            if key not in targets:
+                targets.append(key)
+        return original_copy(reduction_op=None,
+                             dst_allocation_key_as_array=dst_allocation_key_as_array, **kwargs)
+
+    def store_buffer_content(self, key, access, value, thread, *args, **kwargs):
+        if key not in targets:
+            return original_store(self, key, access, value, thread, *args, **kwargs)
+        with _reduce_lock:
+            held, _, _ = self.get_buffer_content(key, access, thread)
+            return original_store(self, key, access, held + value, thread, *args, **kwargs)
+
+    gpu_callbacks.copy_smem_to_gmem = copy_smem_to_gmem
+    GPUSharedMemory.store_buffer_content = store_buffer_content
+    try:
+        yield
+    finally:
+        gpu_callbacks.copy_smem_to_gmem = original_copy
+        GPUSharedMemory.store_buffer_content = original_store
 
 
 def interpreter_for_loads():

@@ -364,9 +364,39 @@ def test_mosaic_exact_gradient_sweeps(isotropic):
         assert rel_err(a, b) < 10 * TOLERANCE["highest"], (name, rel_err(a, b))
 
 
+def test_mosaic_gradient_sweep_under_vmap():
+    """vmap of the fast path's gradients on the Mosaic GPU sweep (a vmapped axis joins the
+    kernel's batch axis) matches one call per example."""
+    import dataclasses
+
+    from tilax import _pallas
+    from tilax.rbf import pallas_vjp
+
+    if _pallas.mosaic_unavailable_reason() is not None:
+        pytest.skip(_pallas.mosaic_unavailable_reason())
+    n, m = 8000, 9001
+    q, k, v, lengthscale, cot = make_inputs(13, (2,), n, m, 8, 16)
+    triton = pallas_config.default_config("triton", None, batch=1, n=n, m=m, out=16, dim=8)
+    sweep = dataclasses.replace(triton.fast.dq, block_p=128, block_l=128, backend="mosaic")
+    mosaic = dataclasses.replace(triton, fast=dataclasses.replace(triton.fast, dq=sweep,
+                                                                  dk=sweep))
+
+    def grads(q, k, v, cot):
+        def loss(q, k, v, lengthscale):
+            return jnp.sum(pallas_vjp.kernel_mv_with_config(q, k, v, lengthscale, mosaic) * cot)
+
+        return jax.grad(loss, argnums=(0, 1, 2, 3))(q, k, v, lengthscale)
+
+    mapped = jax.jit(jax.vmap(grads))(q, k, v, cot)
+    for example in range(2):
+        one = jax.jit(grads)(q[example], k[example], v[example], cot[example])
+        for name, a, b in zip(("dq", "dk", "dv", "dl"), mapped, one, strict=True):
+            assert rel_err(a[example], b) < 1e-5, name
+
+
 @pytest.mark.parametrize("block_l", [64, 128])
 def test_mosaic_gradient_sweeps(block_l):
-    """The fast path's backward on the Mosaic GPU sweeps (tilax.rbf.pallas_mosaic_grad; the
+    """The fast path's backward on the Mosaic GPU sweep (tilax.rbf.pallas_mosaic_grad; the
     launch sweep's candidate rows) is as accurate as on the Triton sweeps: both against
     ``"highest"``'s gradients on the same data, with point counts not multiples of a tile."""
     import dataclasses

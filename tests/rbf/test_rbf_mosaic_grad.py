@@ -1,6 +1,7 @@
 """The Mosaic GPU gradient sweep of the RBF fast path (tilax.rbf.pallas_mosaic_grad) on a CPU:
-its pair sums in JAX's GPU interpret mode against float64, its lowering for CUDA, the settings
-it refuses, and where the default config chooses it. tests/rbf/test_rbf_gpu.py runs it on
+its three pair sums in JAX's GPU interpret mode against float64 (the queries' sums added up
+across programs by TMA reductions), under vmap, its lowering for CUDA, the settings it refuses,
+and where the default config chooses it. tests/rbf/test_rbf_gpu.py runs it on
 Hopper."""
 
 from __future__ import annotations
@@ -31,67 +32,96 @@ def _interpreter():
     return gpu_interpreter()
 
 
-@pytest.mark.parametrize("with_pw", [False, True])
-def test_pair_sums_match_float64_in_interpret_mode(with_pw):
+@pytest.mark.parametrize("n, m, block_l", [(150, 200, 64), (130, 100, 128), (60, 100, 64)])
+def test_pair_sums_match_float64_in_interpret_mode(n, m, block_l):
+    """The three sums of one sweep (programs over keys): the keys' sums and dv-like sums, and
+    the queries' sums added up across programs (two programs of keys in the first case, loop
+    tiles started at different offsets, the last one partial; one partial tile in the last)."""
     rng = np.random.default_rng(3)
-    n, m, dim, out, block_l = 128, 150, 3, 5, 64
+    dim, out = 3, 5
     qs = rng.standard_normal((1, n, dim)).astype(np.float32)
     ks = rng.standard_normal((1, m, dim)).astype(np.float32)
     g = rng.standard_normal((1, n, out)).astype(np.float32)
     v = rng.standard_normal((1, m, out)).astype(np.float32)
-    rows_l = 192  # three loop tiles, the last one partial
-    x, y = pallas_layout.expansion_points(PARTS, jnp.asarray(qs), jnp.asarray(ks), n, rows_l)
-    coords = pallas_layout.augment_keys(jnp.asarray(ks), rows_l)
-    u = pallas_layout.value_operand(jnp.asarray(g), n, 16, "bf16")
-    w = pallas_layout.value_operand(jnp.asarray(v), rows_l, 16, "bf16")
+    rows_q, rows_k = -(-n // block_l) * block_l, -(-m // 128) * 128
+    x, y = pallas_layout.expansion_points(PARTS, jnp.asarray(qs), jnp.asarray(ks), rows_q, rows_k)
+    queries = pallas_layout.augment_queries(jnp.asarray(qs), rows_q)
+    keys = pallas_layout.augment_keys(jnp.asarray(ks), rows_k)
+    g_pad = pallas_layout.value_operand(jnp.asarray(g), rows_q, 16, "bf16")
+    v_pad = pallas_layout.value_operand(jnp.asarray(v), rows_k, 16, "bf16")
     # Padded loop rows hold garbage: only the index mask keeps them out.
-    w = w.at[:, m:].set(7.0)
-    coords = coords.at[:, m:].set(3.0)
+    g_pad = g_pad.at[:, n:].set(7.0)
+    queries = queries.at[:, n:].set(3.0)
     with _interpreter():
-        got = pallas_mosaic_grad.pair_sums(x, y, coords, u, w, valid_l=m, block_l=block_l,
-                                           with_pw=with_pw)
+        got = pallas_mosaic_grad.pair_sums(y, x, queries, keys, v_pad, g_pad, valid_l=n,
+                                           block_l=block_l)
     q64, k64 = qs[0].astype(np.float64), ks[0].astype(np.float64)
-    kernel = np.exp(-0.5 * ((q64[:, None] - k64[None]) ** 2).sum(-1))
-    g16 = np.asarray(u[0, :, :out].astype(jnp.float32), np.float64)
-    v16 = np.asarray(w[0, :m, :out].astype(jnp.float32), np.float64)
+    kernel = np.exp(-0.5 * ((q64[:, None] - k64[None]) ** 2).sum(-1))  # [n, m]
+    g16 = np.asarray(g_pad[0, :n, :out].astype(jnp.float32), np.float64)
+    v16 = np.asarray(v_pad[0, :m, :out].astype(jnp.float32), np.float64)
     a = kernel * (g16 @ v16.T)
-    want = a @ np.asarray(coords[0, :m], np.float64)
-    sums = np.asarray(got["sums"][0], np.float64)
-    assert sums.shape == (n, 16)
-    # bfloat16 x 3 coordinates: float32-like sums of the pair weights; TF32 parts exponents
-    assert np.linalg.norm(sums - want) / np.linalg.norm(want) < 1e-3
-    if with_pw:
-        pw = np.asarray(got["pw"][0, :, :out], np.float64)
-        want_pw = kernel @ v16
-        assert np.linalg.norm(pw - want_pw) / np.linalg.norm(want_pw) < 1e-2  # bfloat16 kernel
-    else:
-        assert "pw" not in got
+    wants = {"loop_sums": a @ np.asarray(keys[0, :m], np.float64),
+             "sums": a.T @ np.asarray(queries[0, :n], np.float64)}
+    for name, want in wants.items():
+        rows = want.shape[0]
+        sums = np.asarray(got[name][0], np.float64)
+        assert sums.shape[1] == 16, name
+        # bfloat16 x 3 coordinates: float32-like sums of the pair weights; TF32 parts exponents
+        assert np.linalg.norm(sums[:rows] - want) / np.linalg.norm(want) < 1e-3, name
+    assert np.all(np.asarray(got["loop_sums"][0, n:]) == 0.0)  # masked loop rows get nothing
+    pw = np.asarray(got["pw"][0, :m, :out], np.float64)
+    want_pw = kernel.T @ g16
+    assert np.linalg.norm(pw - want_pw) / np.linalg.norm(want_pw) < 1e-2  # bfloat16 kernel
+
+
+def test_pair_sums_under_vmap_in_interpret_mode():
+    """A vmapped axis joins the batch axis (the kernel itself has no batching rule)."""
+    rng = np.random.default_rng(4)
+    rows_q, rows_k = 64, 128
+    x = jnp.asarray(rng.standard_normal((2, 1, rows_q, 16)).astype(np.float32) * 0.1)
+    y = jnp.asarray(rng.standard_normal((2, 1, rows_k, 16)).astype(np.float32) * 0.1)
+    queries = jnp.asarray(rng.standard_normal((2, 1, rows_q, 16)).astype(np.float32))
+    keys = jnp.asarray(rng.standard_normal((2, 1, rows_k, 16)).astype(np.float32))
+    g = jnp.asarray(rng.standard_normal((2, 1, rows_q, 16))).astype(jnp.bfloat16)
+    v = jnp.asarray(rng.standard_normal((2, 1, rows_k, 16))).astype(jnp.bfloat16)
+
+    def sweep(x, y, queries, keys, v, g):
+        return pallas_mosaic_grad.pair_sums(y, x, queries, keys, v, g, valid_l=50, block_l=64)
+
+    with _interpreter():
+        mapped = jax.vmap(sweep)(x, y, queries, keys, v, g)
+        one = sweep(x[1], y[1], queries[1], keys[1], v[1], g[1])
+    for name in ("sums", "pw", "loop_sums"):
+        np.testing.assert_allclose(mapped[name][1], one[name], rtol=1e-6, atol=1e-6)
 
 
 def test_lowers_for_cuda():
     shapes = {"x": ((2, 256, 32), jnp.float32), "y": ((2, 384, 32), jnp.float32),
-              "coords": ((2, 384, 16), jnp.float32), "u": ((2, 256, 16), jnp.bfloat16),
-              "w": ((2, 384, 16), jnp.bfloat16)}
+              "coords": ((2, 384, 16), jnp.float32), "own": ((2, 256, 16), jnp.float32),
+              "u": ((2, 256, 16), jnp.bfloat16), "w": ((2, 384, 16), jnp.bfloat16)}
     args = [jax.ShapeDtypeStruct(s, t) for s, t in shapes.values()]
 
-    def sweep(x, y, coords, u, w):
-        return pallas_mosaic_grad.pair_sums(x, y, coords, u, w, valid_l=300, block_l=128,
-                                            with_pw=True)
+    def sweep(x, y, coords, own, u, w):
+        return pallas_mosaic_grad.pair_sums(x, y, coords, own, u, w, valid_l=300, block_l=128)
 
     module = export.export(jax.jit(sweep), platforms=["cuda"])(*args).mlir_module()
+    assert module.count("mosaic_gpu") >= 1
+    batched = [jax.ShapeDtypeStruct((3, *a.shape), a.dtype) for a in args]
+    module = export.export(jax.jit(jax.vmap(sweep)), platforms=["cuda"])(*batched).mlir_module()
     assert module.count("mosaic_gpu") >= 1
 
 
 @pytest.mark.parametrize("shapes, block_l, match", [
     (dict(x=(1, 128, 80)), 64, "parts width 80"),
-    (dict(coords=(1, 128, 24)), 64, "coordinates width 24"),
+    (dict(coords=(1, 128, 24), own=(1, 128, 24)), 64, "coordinates width 24"),
+    (dict(own=(1, 128, 32)), 64, "own coordinates width 32"),
     (dict(u=(1, 128, 128), w=(1, 128, 128)), 64, "value columns 128"),
-    (dict(x=(1, 64, 32), u=(1, 64, 16)), 64, "P=64"),
+    (dict(x=(1, 64, 32), u=(1, 64, 16), own=(1, 64, 16)), 64, "P=64"),
     ({}, 32, "loop tile 32"),
 ])
 def test_unsupported_settings_say_why(shapes, block_l, match):
-    sizes = dict(x=(1, 128, 32), y=(1, 128, 32), coords=(1, 128, 16), u=(1, 128, 16),
-                 w=(1, 128, 16)) | shapes
+    sizes = dict(x=(1, 128, 32), y=(1, 128, 32), coords=(1, 128, 16), own=(1, 128, 16),
+                 u=(1, 128, 16), w=(1, 128, 16)) | shapes
     arrays = {name: jnp.zeros(size, jnp.bfloat16 if name in "uw" else jnp.float32)
               for name, size in sizes.items()}
     with pytest.raises(ValueError, match=match):

@@ -1,26 +1,31 @@
-"""Pallas Mosaic GPU kernel (Hopper) for the gradient sweeps of ``rbf_kernel_mv``'s fast path.
+"""Pallas Mosaic GPU kernel (Hopper) for the backward pass of ``rbf_kernel_mv``'s fast path.
 
-One sweep (programs over the rows of one point set, a loop over tiles of the other) forms, for
-each program row ``i``, the pair sums of ``pallas_triton.kernel_matmul_grad``'s expansion case::
+One sweep over the pairs gives both gradients. Programs own rows ``i`` of one point set (the
+keys), a loop runs over tiles of rows ``l`` of the other (the queries), and for each pair::
 
     A_il = exp2(min(x_i . y_l, 0)) (u_i . w_l)
-    sums_i = sum_l A_il c_l            pw_i = sum_l exp2(min(x_i . y_l, 0)) w_l
+    sums_i = sum_l A_il c_l      pw_i = sum_l exp2(min(x_i . y_l, 0)) w_l      (dk, dv)
+    loop_sums_l = sum_i A_il o_i                                                (dq)
 
 with ``x``, ``y`` the augmented points as TF32 parts (one TF32 dot gives the base-2 exponent,
-as in the forward), ``u``, ``w`` the cotangents and values in bfloat16 (the ``"bf16"`` values
-mode) and ``c`` the loop's augmented points, multiplied in bfloat16 x 3 (``a_lo c_hi + a_hi c_lo
-+ a_hi c_hi``: the ``"bf16x3"`` coords mode). The query sweep (programs over queries) gives dq,
-the key sweep (programs over keys, ``pw`` on) dk and dv.
+as in the forward), ``u``, ``w`` the values and cotangents in bfloat16 (the ``"bf16"`` values
+mode), ``c`` the loop's and ``o`` the program's augmented points, multiplied in bfloat16 x 3
+(``a_lo c_hi + a_hi c_lo + a_hi c_hi``: the ``"bf16x3"`` coords mode). Each pair's exponential
+is computed once; the two sweeps this replaces (one over queries for dq, one over keys for dk
+and dv) computed it twice.
 
 The shape is the forward's (``tilax.rbf.pallas_mosaic``): a memory warpgroup streams the loop
 tiles through TMA into ``STAGES`` slots, two compute warpgroups own 64 rows each and take turns
-on the tensor cores, so that one's exps and pair weights run while the other's dots do.
+on the tensor cores, so that one's exps and pair weights run while the other's dots do. The
+program's sums stay in registers. For the loop rows' sums each warpgroup also writes its pair
+weights to shared memory and multiplies them, transposed, by its own rows' coordinates; the
+``[block_l, C]`` result is added into a zeroed buffer by a TMA reduction (``reduction_op="add"``),
+across all programs. Programs start their loops at different tiles so that their additions
+spread over the buffer.
 
-Runs where a path's ``dq`` and ``dk`` launches name ``backend="mosaic"`` (program tile 128).
+Runs where a path's ``dk`` launch names ``backend="mosaic"`` (program tile 128).
 ``pallas_config.default_config`` chooses it for ``rbf_kernel_mv`` wherever it runs (:func:`runs`)
-with loop tiles of ``BLOCK_L``: on the H200 at N = M = 65536, D = 8, O = 16 the fwd_bwd call
-took 8.38 ms with it against 10.74 ms on the Triton sweeps' default launch (the
-``kernel_mv_launches`` bench suite's ``fast_bwd-mosaic`` rows; see the methodology page).
+with loop tiles of ``BLOCK_L``; the methodology page has the measurements.
 """
 
 from __future__ import annotations
@@ -92,49 +97,90 @@ def runs(launch, values: str, coords: str, parts_width: int, coords_width: int,
             and launch.block_p == BLOCK_P)
 
 
+def _rotated(index, full_steps: int, offset):
+    """The loop tile of step ``index``: the full tiles from ``offset`` on, wrapping around, then
+    the partial tile, if any."""
+    if full_steps == 0:
+        return index
+    return jnp.where(index < full_steps, lax.rem(index + offset, full_steps), index)
+
+
 def pair_sums(
     x: jax.Array,
     y: jax.Array,
     coords: jax.Array,
+    own: jax.Array,
     u: jax.Array,
     w: jax.Array,
     *,
     valid_l: int,
-    block_l: int = 64,
-    with_pw: bool = False,
+    block_l: int = BLOCK_L,
     block_p: int = BLOCK_P,
     backend: str | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
 ) -> dict[str, jax.Array]:
-    """The sums above: ``{"sums": [B, P, C]}`` (and ``"pw": [B, P, O]`` with ``with_pw``),
-    float32, for ``x: [B, P, W]``, ``y: [B, L, W]`` (TF32 parts, float32), ``coords: [B, L, C]``
-    (float32), ``u: [B, P, O]`` and ``w: [B, L, O]`` (bfloat16). ``P`` is a multiple of
-    ``BLOCK_P`` (the program tile, ``block_p``), ``L`` of ``block_l``; loop rows at or beyond
-    ``valid_l`` are masked by index. ``backend``, ``num_warps`` and ``num_stages`` (a
-    ``pallas_config.Launch``'s) are not used: one backend, three warpgroups, ``STAGES``."""
+    """The sums above, float32: ``{"sums": [B, P, C], "pw": [B, P, O], "loop_sums": [B, L, C]}``
+    for ``x: [B, P, W]``, ``y: [B, L, W]`` (TF32 parts, float32), ``coords: [B, L, C]``,
+    ``own: [B, P, C]`` (float32), ``u: [B, P, O]`` and ``w: [B, L, O]`` (bfloat16). ``P`` is a
+    multiple of ``BLOCK_P`` (the program tile, ``block_p``), ``L`` of ``block_l``; loop rows at
+    or beyond ``valid_l`` are masked by index, and program rows whose ``u`` is zero add nothing
+    to the loop sums. ``backend``, ``num_warps`` and ``num_stages`` (a ``pallas_config.Launch``'s)
+    are not used: one backend, three warpgroups, ``STAGES``."""
     del backend, num_warps, num_stages
-    batch, num_p, width = x.shape
     num_l, coords_width, columns = y.shape[1], coords.shape[2], u.shape[2]
-    reason = unsupported_reason(width, coords_width, columns, block_l)
+    reason = unsupported_reason(x.shape[2], coords_width, columns, block_l)
     if reason is None and block_p != BLOCK_P:
         reason = f"program tile {block_p} (must be {BLOCK_P})"
-    if reason is None and (num_p % BLOCK_P or num_l % block_l):
-        reason = f"rows: P={num_p} by {BLOCK_P}, L={num_l} by {block_l}"
+    if reason is None and own.shape[2] != coords_width:
+        reason = f"own coordinates width {own.shape[2]} (must be the loop's, {coords_width})"
+    if reason is None and (x.shape[1] % BLOCK_P or num_l % block_l):
+        reason = f"rows: P={x.shape[1]} by {BLOCK_P}, L={num_l} by {block_l}"
     if reason is not None:
         raise ValueError(f"the Mosaic GPU RBF gradient sweep cannot run this: {reason}")
-    c_hi, c_lo = split(coords.astype(jnp.float32), "bf16x3")
-    u, w = u.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
+    operands = (x, y, *split(coords.astype(jnp.float32), "bf16x3"),
+                *split(own.astype(jnp.float32), "bf16x3"), u.astype(jnp.bfloat16),
+                w.astype(jnp.bfloat16))
+
+    # The kernel runs under run_state (below), which has no batching rule: a vmapped axis
+    # joins the batch axis.
+    @jax.custom_batching.custom_vmap
+    def sweep(*operands):
+        return _sweep(*operands, valid_l=valid_l, block_l=block_l)
+
+    @sweep.def_vmap
+    def _(axis_size, in_batched, *operands):
+        merged = [(a if batched else jnp.broadcast_to(a, (axis_size, *a.shape))).reshape(
+            axis_size * a.shape[-3], *a.shape[-2:])
+            for a, batched in zip(operands, in_batched, strict=True)]
+        outs = sweep(*merged)
+        return (tuple(out.reshape(axis_size, -1, *out.shape[1:]) for out in outs),
+                (True,) * len(outs))
+
+    loop_sums, sums, pw = sweep(*operands)
+    return {"sums": sums, "pw": pw, "loop_sums": loop_sums}
+
+
+def _sweep(x, y, c_hi, c_lo, o_hi, o_lo, u, w, *, valid_l: int, block_l: int):
+    """``pair_sums``'s kernel on its operands (coordinates split into bfloat16 hi and lo):
+    ``(loop_sums, sums, pw)``."""
+    batch, num_p, width = x.shape
+    num_l, coords_width, columns = y.shape[1], c_hi.shape[2], u.shape[2]
     steps = pl.cdiv(valid_l, block_l)
     full_steps = valid_l // block_l
     stages = max(1, min(STAGES, steps))
     rows = ROWS_PER_WARPGROUP
+    programs = num_p // BLOCK_P
 
-    def kernel(x_ref, y_ref, chi_ref, clo_ref, u_ref, w_ref, out_refs, scoped):
-        (x_smem2, u_smem2, y_smem, w_smem, chi_smem, clo_smem, sums_smem2, pw_smem2), \
-            barriers, slot_free, turn = scoped
+    def kernel(x_ref, y_ref, chi_ref, clo_ref, ohi_ref, olo_ref, u_ref, w_ref, loop_out, sums_out,
+               pw_out, scoped):
+        (x_smem2, u_smem2, ohi_smem2, olo_smem2, y_smem, w_smem, chi_smem, clo_smem, ahi_smem2,
+         alo_smem2, loop_smem2, sums_smem2, pw_smem2), barriers, slot_free, turn = scoped
         y_ready, w_ready, c_ready, own_ready = barriers
-        wg, b = lax.axis_index("wg"), lax.axis_index("b")
+        wg, b, p = lax.axis_index("wg"), lax.axis_index("b"), lax.axis_index("p")
+        # Each program starts its loop at another tile, so that the programs running at once
+        # add into different rows of the loop sums.
+        offset = (p * full_steps) // programs
 
         def take_turn():
             plgpu.barrier_arrive(turn)
@@ -147,17 +193,21 @@ def pair_sums(
         def _compute():
             plgpu.set_max_registers(232, action="increase")
             x_smem, u_smem = x_smem2.at[wg], u_smem2.at[wg]
-            own = pl.ds(lax.axis_index("p") * BLOCK_P + wg * rows, rows)
-            plgpu.copy_gmem_to_smem(x_ref.at[b, own], x_smem, own_ready.at[wg])
-            plgpu.copy_gmem_to_smem(u_ref.at[b, own], u_smem, own_ready.at[wg + 2])
-            plgpu.barrier_wait(own_ready.at[wg])
-            plgpu.barrier_wait(own_ready.at[wg + 2])
+            ohi_smem, olo_smem = ohi_smem2.at[wg], olo_smem2.at[wg]
+            ahi_smem, alo_smem, loop_smem = ahi_smem2.at[wg], alo_smem2.at[wg], loop_smem2.at[wg]
+            own = pl.ds(p * BLOCK_P + wg * rows, rows)
+            mine = ((x_ref, x_smem), (u_ref, u_smem), (ohi_ref, ohi_smem), (olo_ref, olo_smem))
+            for i, (src, dst) in enumerate(mine):
+                plgpu.copy_gmem_to_smem(src.at[b, own], dst, own_ready.at[len(mine) * wg + i])
+            for i in range(len(mine)):
+                plgpu.barrier_wait(own_ready.at[len(mine) * wg + i])
             plgpu.barrier_wait(y_ready.at[0])
             plgpu.barrier_wait(w_ready.at[0])
             pl.when(wg == 1)(take_turn)
 
             def step(index, sums_ref, pw_ref, masked):
                 slot = slot_of(index)
+                tile = _rotated(index, full_steps, offset)
 
                 def scores(t_ref, uw_ref):
                     plgpu.wgmma(t_ref, x_smem, _transposed(y_smem.at[slot]))
@@ -167,32 +217,53 @@ def pair_sums(
 
                 t, uw = pl.run_scoped(scores, plgpu.ACC((rows, block_l), jnp.float32),
                                       plgpu.ACC((rows, block_l), jnp.float32))
-                p = jnp.exp2(jnp.minimum(t, 0.0))
+                kernel_values = jnp.exp2(jnp.minimum(t, 0.0))
                 if masked:
                     column = plgpu.broadcasted_iota(jnp.int32, (rows, block_l), 1,
                                                     layout=plgpu.Layout.WGMMA)
-                    p = jnp.where(column + index * block_l < valid_l, p, 0.0)
-                a_hi, a_lo = lax.optimization_barrier(_truncated_split(p * uw))
-                p16 = lax.optimization_barrier(p.astype(jnp.bfloat16)) if with_pw else None
+                    kernel_values = jnp.where(column + tile * block_l < valid_l, kernel_values,
+                                              0.0)
+                a_hi, a_lo = lax.optimization_barrier(_truncated_split(kernel_values * uw))
+                p16 = lax.optimization_barrier(kernel_values.astype(jnp.bfloat16))
+                # This step's loop-sum dots of the last step are done (waited for below).
+                ahi_smem[...] = a_hi
+                alo_smem[...] = a_lo
+                plgpu.commit_smem()
                 plgpu.barrier_arrive(turn)  # done with the exps
                 plgpu.barrier_wait(c_ready.at[slot])
                 plgpu.barrier_wait(c_ready.at[slot + stages])
                 plgpu.barrier_wait(turn)  # the tensor cores are this warpgroup's again
-                # small terms first
-                plgpu.wgmma(sums_ref, a_lo, chi_smem.at[slot])
-                plgpu.wgmma(sums_ref, a_hi, clo_smem.at[slot])
-                plgpu.wgmma(sums_ref, a_hi, chi_smem.at[slot])
-                if with_pw:
+
+                def dots(*loop_accs):
+                    # small terms first
+                    plgpu.wgmma(sums_ref, a_lo, chi_smem.at[slot])
+                    plgpu.wgmma(sums_ref, a_hi, clo_smem.at[slot])
+                    plgpu.wgmma(sums_ref, a_hi, chi_smem.at[slot])
                     plgpu.wgmma(pw_ref, p16, w_smem.at[slot])
-                following = index + 1
+                    for half, acc in enumerate(loop_accs):  # A^T: loop rows by own rows
+                        cols = pl.ds(half * rows, rows)
+                        plgpu.wgmma(acc, _transposed(alo_smem.at[:, cols]), ohi_smem)
+                        plgpu.wgmma(acc, _transposed(ahi_smem.at[:, cols]), olo_smem)
+                        plgpu.wgmma(acc, _transposed(ahi_smem.at[:, cols]), ohi_smem)
+                    following = index + 1
 
-                @pl.when(following < steps)
-                def _():
-                    plgpu.barrier_wait(y_ready.at[slot_of(following)])
-                    plgpu.barrier_wait(w_ready.at[slot_of(following)])
+                    @pl.when(following < steps)
+                    def _():
+                        plgpu.barrier_wait(y_ready.at[slot_of(following)])
+                        plgpu.barrier_wait(w_ready.at[slot_of(following)])
 
-                plgpu.wgmma_wait(0)  # the slot is read: it may be refilled
-                plgpu.barrier_arrive(slot_free.at[slot])
+                    plgpu.wgmma_wait(0)  # the slot is read: it may be refilled
+                    plgpu.barrier_arrive(slot_free.at[slot])
+                    return [acc[...] for acc in loop_accs]
+
+                loop_sums = pl.run_scoped(
+                    dots, *[plgpu.ACC((rows, coords_width), jnp.float32)] * (block_l // rows))
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last step's sums are out
+                for half, value in enumerate(loop_sums):
+                    loop_smem.at[pl.ds(half * rows, rows)][...] = value
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(loop_smem, loop_out.at[b, pl.ds(tile * block_l, block_l)],
+                                        reduction_op="add")
 
             def loop(sums_ref, pw_ref):
                 @pl.loop(0, full_steps)
@@ -201,28 +272,24 @@ def pair_sums(
 
                 if steps > full_steps:
                     step(jnp.int32(full_steps), sums_ref, pw_ref, True)
-                return sums_ref[...], (pw_ref[...] if with_pw else None)
+                return sums_ref[...], pw_ref[...]
 
-            accs = [plgpu.ACC((rows, coords_width), jnp.float32)]
-            accs.append(plgpu.ACC((rows, columns), jnp.float32) if with_pw else None)
-            sums, pw = pl.run_scoped(loop, *accs) if with_pw else pl.run_scoped(
-                lambda sums_ref: loop(sums_ref, None), accs[0])
+            sums, pw = pl.run_scoped(loop, plgpu.ACC((rows, coords_width), jnp.float32),
+                                     plgpu.ACC((rows, columns), jnp.float32))
             pl.when(wg == 0)(take_turn)
             sums_smem2.at[wg][...] = sums
-            if with_pw:
-                pw_smem2.at[wg][...] = pw
+            pw_smem2.at[wg][...] = pw
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(sums_smem2.at[wg], out_refs[0].at[b, own])
-            if with_pw:
-                plgpu.copy_smem_to_gmem(pw_smem2.at[wg], out_refs[1].at[b, own])
+            plgpu.copy_smem_to_gmem(sums_smem2.at[wg], sums_out.at[b, own])
+            plgpu.copy_smem_to_gmem(pw_smem2.at[wg], pw_out.at[b, own])
             plgpu.wait_smem_to_gmem(0)
 
         @pl.when(wg == COMPUTE_WARPGROUPS)
         def _memory():
             plgpu.set_max_registers(40, action="decrease")
 
-            def fetch(tile, slot):
-                tile_rows = pl.ds(tile * block_l, block_l)
+            def fetch(index, slot):
+                tile_rows = pl.ds(_rotated(index, full_steps, offset) * block_l, block_l)
                 plgpu.copy_gmem_to_smem(y_ref.at[b, tile_rows], y_smem.at[slot],
                                         y_ready.at[slot])
                 plgpu.copy_gmem_to_smem(w_ref.at[b, tile_rows], w_smem.at[slot],
@@ -234,44 +301,48 @@ def pair_sums(
 
             stream_tiles(steps, stages, fetch, lambda slot: plgpu.barrier_wait(slot_free.at[slot]))
 
-    def entry(x_ref, y_ref, chi_ref, clo_ref, u_ref, w_ref, *out_refs):
+    def entry(*refs):
+        wgs = COMPUTE_WARPGROUPS
+        coords_tiles = _tiles(coords_width, 2)
         smem = [
-            plgpu.SMEM((COMPUTE_WARPGROUPS, rows, width), jnp.float32, transforms=_tiles(width, 4)),
-            plgpu.SMEM((COMPUTE_WARPGROUPS, rows, columns), jnp.bfloat16,
-                       transforms=_tiles(columns, 2)),
+            plgpu.SMEM((wgs, rows, width), jnp.float32, transforms=_tiles(width, 4)),
+            plgpu.SMEM((wgs, rows, columns), jnp.bfloat16, transforms=_tiles(columns, 2)),
+            plgpu.SMEM((wgs, rows, coords_width), jnp.bfloat16, transforms=coords_tiles),
+            plgpu.SMEM((wgs, rows, coords_width), jnp.bfloat16, transforms=coords_tiles),
             plgpu.SMEM((stages, block_l, width), jnp.float32, transforms=_tiles(width, 4)),
             plgpu.SMEM((stages, block_l, columns), jnp.bfloat16, transforms=_tiles(columns, 2)),
-            plgpu.SMEM((stages, block_l, coords_width), jnp.bfloat16,
-                       transforms=_tiles(coords_width, 2)),
-            plgpu.SMEM((stages, block_l, coords_width), jnp.bfloat16,
-                       transforms=_tiles(coords_width, 2)),
-            plgpu.SMEM((COMPUTE_WARPGROUPS, rows, coords_width), jnp.float32),
-            plgpu.SMEM((COMPUTE_WARPGROUPS, rows, columns if with_pw else 16), jnp.float32),
+            plgpu.SMEM((stages, block_l, coords_width), jnp.bfloat16, transforms=coords_tiles),
+            plgpu.SMEM((stages, block_l, coords_width), jnp.bfloat16, transforms=coords_tiles),
+            # The pair weights as the loop sums' operand A (read transposed): its swizzle must
+            # be the own coordinates' (``wgmma``). 128-byte swizzles with transposed own
+            # coordinates were slower on the H200 (methodology page).
+            plgpu.SMEM((wgs, rows, block_l), jnp.bfloat16, transforms=coords_tiles),
+            plgpu.SMEM((wgs, rows, block_l), jnp.bfloat16, transforms=coords_tiles),
+            plgpu.SMEM((wgs, block_l, coords_width), jnp.float32),
+            plgpu.SMEM((wgs, rows, coords_width), jnp.float32),
+            plgpu.SMEM((wgs, rows, columns), jnp.float32),
         ]
         barriers = (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
                     plgpu.Barrier(num_barriers=2 * stages),
-                    plgpu.Barrier(num_barriers=2 * COMPUTE_WARPGROUPS))
+                    plgpu.Barrier(num_barriers=4 * wgs))
         pl.run_scoped(
-            lambda *scoped: kernel(x_ref, y_ref, chi_ref, clo_ref, u_ref, w_ref, out_refs,
-                                   scoped),
+            lambda *scoped: kernel(*refs, scoped),
             smem,
             barriers,
-            plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=stages),
-            plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS),
+            plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=wgs),
             collective_axes="wg",
         )
 
-    out_types = [jax.ShapeDtypeStruct((batch, num_p, coords_width), jnp.float32)]
-    if with_pw:
-        out_types.append(jax.ShapeDtypeStruct((batch, num_p, columns), jnp.float32))
-    results = plgpu.kernel(
-        entry,
-        out_type=tuple(out_types),
-        grid=(num_p // BLOCK_P, batch),
-        grid_names=("p", "b"),
-        num_threads=COMPUTE_WARPGROUPS + 1,
-        thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
-        kernel_name="rbf_pair_sums_mosaic",
-    )(x, y, c_hi, c_lo, u, w)
-    return dict(zip(("sums", "pw"), results, strict=False))
+    # The loop sums are added into a zeroed buffer, which plgpu.kernel cannot take (it aliases
+    # no input to an output): every operand is a Ref of run_state, the kernel a core_map.
+    mesh = plgpu.Mesh(grid=(programs, batch), grid_names=("p", "b"),
+                      num_threads=COMPUTE_WARPGROUPS + 1, thread_name="wg")
+
+    def launch(refs):
+        pl.core_map(mesh, compiler_params=plgpu.CompilerParams(approx_math=True),
+                    name="rbf_pair_sums_mosaic")(lambda: entry(*refs))
+
+    zeros = [jnp.zeros((batch, rows_, cols), jnp.float32) for rows_, cols in
+             ((num_l, coords_width), (num_p, coords_width), (num_p, columns))]
+    return tuple(pl.run_state(launch)((x, y, c_hi, c_lo, o_hi, o_lo, u, w, *zeros))[-3:])

@@ -17,7 +17,9 @@ Backward of ``out = K @ v`` with cotangent ``g`` and ``A = K * (g @ v.T)``:
 ``dq_i = sum_j A_ij (k_j - q_i) / l^2``, ``dk_j = sum_i A_ij (q_i - k_j) / l^2``,
 ``dv = K.T @ g``: one kernel over query tiles (dq) and one over key tiles (dk and, while the
 padded value columns number at most 64 and the exact path has at most 16 dimensions, dv in the
-same sweep; otherwise dv is the forward kernel with queries and keys swapped). The fast path
+same sweep; otherwise dv is the forward kernel with queries and keys swapped). On Hopper the
+fast path of ``rbf_kernel_mv`` runs one sweep over key tiles for all three
+(``tilax.rbf.pallas_mosaic_grad``: dq's sums added up across programs). The fast path
 forms the pair sums as ``sum_j A_ij ks_j - qs_i sum_j A_ij`` (tensor-core dots of the augmented
 rows), the exact path from each pair's coordinate differences. Peak memory stays
 ``O((N + M) * (D + O))``.
@@ -150,7 +152,7 @@ def _mv_grad_sweeps(path: PathConfig, distance, x, y, g_pad, v_pad, n, m, dim, s
     modes = path.modes
     dots = dict(distance=distance, values=modes.values, coords=modes.coords)
 
-    def sweep_kernel(launch):  # (the fast path's Mosaic GPU sweeps run _mosaic_grad_sweeps)
+    def sweep_kernel(launch):  # (the fast path's Mosaic GPU sweep runs _mosaic_grad_sweep)
         return pallas_mosaic_exact_grad.kernel_matmul_grad if launch.backend == "mosaic" else (
             pallas_triton.kernel_matmul_grad)
 
@@ -175,30 +177,28 @@ def _mv_grad_sweeps(path: PathConfig, distance, x, y, g_pad, v_pad, n, m, dim, s
     return r, c, dv
 
 
-def _mosaic_grad_sweeps(path: PathConfig, qs, ks, g, v):
-    """(query sums, key sums, dv) of the fast path on ``tilax.rbf.pallas_mosaic_grad``: the
-    distance from TF32 parts, the pair sums against the augmented points."""
+def _mosaic_grad_sweep(path: PathConfig, qs, ks, g, v):
+    """(query sums, key sums, dv) of the fast path from one sweep over the pairs
+    (``tilax.rbf.pallas_mosaic_grad``: programs over keys with the ``dk`` launch's tiles, the
+    queries' sums added up across programs): the distance from TF32 parts, the pair sums
+    against the augmented points."""
     (_, n, _), m = qs.shape, ks.shape[1]
     rows_q = _pallas.round_up(n, max(pallas_mosaic_grad.BLOCK_P, path.dk.block_l))
-    rows_k = _pallas.round_up(m, max(pallas_mosaic_grad.BLOCK_P, path.dq.block_l))
-    parts = Expansion("tf32_parts")
-    x_parts, y_parts = layout.expansion_points(parts, qs, ks, rows_q, rows_k)
+    rows_k = _pallas.round_up(m, pallas_mosaic_grad.BLOCK_P)
+    x_parts, y_parts = layout.expansion_points(Expansion("tf32_parts"), qs, ks, rows_q, rows_k)
     x, y = layout.augment_queries(qs, rows_q), layout.augment_keys(ks, rows_k)
     g_pad = layout.value_operand(g, rows_q, path.cols, "bf16")
-    v_pad = layout.value_operand(v, rows_k, path.cols, "bf16")
-    r = _run("rbf_kernel_mv", pallas_mosaic_grad.pair_sums, path, path.dq,
-             dict(x=x_parts, y=y_parts, coords=y, u=g_pad, w=v_pad), valid_l=m)
-    c = _run("rbf_kernel_mv", pallas_mosaic_grad.pair_sums, path, path.dk,
-             dict(x=y_parts, y=x_parts, coords=x, u=v_pad, w=g_pad), valid_l=n, with_pw=True)
-    return r, c, c["pw"]
+    v_pad = layout.value_operand(v, rows_k, path.cols, "bf16")  # zero rows: padded keys add 0
+    sums = _run("rbf_kernel_mv", pallas_mosaic_grad.pair_sums, path, path.dk,
+                dict(x=y_parts, y=x_parts, coords=x, own=y, u=v_pad, w=g_pad), valid_l=n)
+    return sums["loop_sums"], sums["sums"], sums["pw"]
 
 
 def _kernel_mv_fast_bwd(path: PathConfig, residuals, g):
     qs, ks, v = residuals
     (_, n, dim), m, out_dim = qs.shape, ks.shape[1], v.shape[2]
     if path.dq.backend == "mosaic":
-        r, c, dv = _mosaic_grad_sweeps(path, qs, ks, g, v)
-        r, c = r["sums"], c["sums"]
+        r, c, dv = _mosaic_grad_sweep(path, qs, ks, g, v)
         dqs = r[:, :n, :dim] / LOG2E - qs * r[:, :n, dim : dim + 1]
         dks = c[:, :m, :dim] - ks * c[:, :m, dim + 1 : dim + 2]
         return dqs, dks, dv[:, :m, :out_dim]
