@@ -237,7 +237,9 @@ def test_bfloat16_inputs():
 
 
 def test_peak_memory_is_linear_in_n():
-    # 4x the points must not mean 16x the memory (no N x M buffer anywhere, fwd or bwd).
+    # 4x the points must not mean 16x the memory (no N x M buffer anywhere, fwd or bwd). Both
+    # sizes run the same kernels (on Hopper the Mosaic GPU ones, whose operands take more bytes
+    # a point than the Triton kernels' that smaller sizes run).
     def peak(n):
         q, k, v, lengthscale, cotangent = make_inputs(6, (), n, n, 8, 16)
         args = [jnp.asarray(x) for x in (q, k, v, lengthscale, cotangent)]
@@ -249,7 +251,7 @@ def test_peak_memory_is_linear_in_n():
         analysis = lowered.compile().memory_analysis()
         return analysis.temp_size_in_bytes + analysis.output_size_in_bytes
 
-    small, large = peak(16384), peak(65536)
+    small, large = peak(40000), peak(160000)
     assert large < 6 * small, (small, large)
 
 
