@@ -335,13 +335,19 @@ def _sweep(x, y, c_hi, c_lo, o_hi, o_lo, u, w, *, valid_l: int, block_l: int):
         )
 
     # The loop sums are added into a zeroed buffer, which plgpu.kernel cannot take (it aliases
-    # no input to an output): every operand is a Ref of run_state, the kernel a core_map.
+    # no input to an output): every operand is a Ref of run_state.
     mesh = plgpu.Mesh(grid=(programs, batch), grid_names=("p", "b"),
                       num_threads=COMPUTE_WARPGROUPS + 1, thread_name="wg")
 
     def launch(refs):
-        pl.core_map(mesh, compiler_params=plgpu.CompilerParams(approx_math=True),
-                    name="rbf_pair_sums_mosaic")(lambda: entry(*refs))
+        params = dict(compiler_params=plgpu.CompilerParams(approx_math=True),
+                      name="rbf_pair_sums_mosaic")
+        # jax 0.11 deprecates core_map for pl.kernel; jax 0.10's GPU interpreter cannot run
+        # pl.kernel with Ref operands (both lower for CUDA).
+        if jax.__version_info__ >= (0, 11):
+            pl.kernel(entry, out_type=(), mesh=mesh, **params)(*refs)
+        else:
+            pl.core_map(mesh, **params)(lambda: entry(*refs))
 
     zeros = [jnp.zeros((batch, rows_, cols), jnp.float32) for rows_, cols in
              ((num_l, coords_width), (num_p, coords_width), (num_p, columns))]
