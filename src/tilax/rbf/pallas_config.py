@@ -87,8 +87,9 @@ class Launch:
     (``"highest"``), else ``None``: the path's backend (the KDE's forward, which has no Mosaic
     GPU kernel, always runs Triton with these tiles). On the
     ``dq`` and ``dk`` launches of the fast path, ``"mosaic"`` runs ``rbf_kernel_mv``'s
-    gradient sweeps on ``tilax.rbf.pallas_mosaic_grad`` (program tile 128; set both; the
-    KDE, which has no Mosaic GPU sweeps, is never given such launches); on those of the exact
+    backward as one sweep on ``tilax.rbf.pallas_mosaic_grad`` with the ``dk`` launch's tiles
+    (program tile 128; set both; the KDE, which has no Mosaic GPU sweep, is never given such
+    launches); on those of the exact
     path, on ``tilax.rbf.pallas_mosaic_exact_grad`` (``"highest"``; program tile 128, loop
     tile 64).
     """
@@ -449,9 +450,10 @@ def _mosaic_exact(config: PathConfig, batch: int, n: int, m: int, dim: int) -> P
 
 
 def _mosaic_gradients(config: PathConfig, dim: int, block_q, block_k) -> PathConfig:
-    """``config`` with ``rbf_kernel_mv``'s gradient sweeps on ``tilax.rbf.pallas_mosaic_grad``
-    where both run (``pallas_mosaic_grad.runs``: Hopper, the default precision's modes, program
-    tiles of 128 rows as the Triton launches chose), with the caller's loop tiles or
+    """``config`` with ``rbf_kernel_mv``'s backward on ``tilax.rbf.pallas_mosaic_grad`` (one
+    sweep, with the ``dk`` launch's tiles) where both launches run
+    (``pallas_mosaic_grad.runs``: Hopper, the default precision's modes, program tiles of 128
+    rows as the Triton launches chose), with the caller's loop tiles or
     ``pallas_mosaic_grad.BLOCK_L``."""
     dq = dataclasses.replace(config.dq, block_l=block_k or pallas_mosaic_grad.BLOCK_L,
                              backend="mosaic")
@@ -526,7 +528,7 @@ def default_config(
     ``min(128, next_power_of_2(size))``. Explicit ``block_q``/``block_k`` set the query/key
     tiles of all kernels, ``block_o`` the value tile (shared memory may still shrink them).
     On Hopper, the fast path's forward (``tilax.rbf.pallas_mosaic``) and ``rbf_kernel_mv``'s
-    gradient sweeps (``tilax.rbf.pallas_mosaic_grad``, loop tiles of 128) run on Mosaic GPU
+    gradient sweep (``tilax.rbf.pallas_mosaic_grad``, loop tiles of 128) run on Mosaic GPU
     where those kernels support the settings and the Triton launch has program tiles of 128.
     """
     if op not in ("kernel_mv", "kde"):
