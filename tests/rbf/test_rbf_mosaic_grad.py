@@ -118,6 +118,7 @@ def test_lowers_for_cuda():
     (dict(u=(1, 128, 128), w=(1, 128, 128)), 64, "value columns 128"),
     (dict(x=(1, 64, 32), u=(1, 64, 16), own=(1, 64, 16)), 64, "P=64"),
     ({}, 32, "loop tile 32"),
+    (dict(x=(1, 128, 64), u=(1, 128, 64), w=(1, 128, 64)), 128, "exceed the .* shared memory"),
 ])
 def test_unsupported_settings_say_why(shapes, block_l, match):
     sizes = dict(x=(1, 128, 32), y=(1, 128, 32), coords=(1, 128, 16), own=(1, 128, 16),
@@ -179,6 +180,24 @@ def test_chosen_for_rbf_kernel_mv_on_hopper(monkeypatch):
     assert _gradient_launches(op="kde")[0].backend is None  # the KDE has no Mosaic sweeps
     monkeypatch.setattr(_pallas, "mosaic_unavailable_reason", lambda: "no Hopper here")
     assert _gradient_launches()[0].backend is None
+
+
+def test_loop_tiles_of_64_where_128_do_not_fit(monkeypatch):
+    """Wide operands (here D = 10: TF32 parts of 64 columns; or 64 value columns) take loop
+    tiles of 64, whose buffers fit in shared memory; at every width the kernel supports, one
+    of the two fits."""
+    from tilax.rbf.pallas_config import expansion_width, parts_width
+
+    monkeypatch.setattr(_pallas, "mosaic_unavailable_reason", lambda: None)
+    for dim, out, block_l in ((8, 16, 128), (8, 64, 64), (10, 16, 64), (19, 64, 64)):
+        dq, dk = _gradient_launches(dim=dim, out=out)
+        assert dq.backend == dk.backend == "mosaic", (dim, out)
+        assert dk.block_l == block_l, (dim, out)
+        need = pallas_mosaic_grad.shared_memory_bytes(
+            parts_width(dim), expansion_width(dim), -(-out // 16) * 16, block_l,
+            pallas_mosaic_grad.STAGES)
+        assert need <= pallas_mosaic_grad.SHARED_MEMORY, (dim, out)
+    assert _gradient_launches(dim=10, block_q=128)[1].backend is None  # the caller's 128: Triton
 
 
 def test_default_config_names_a_wrong_op():

@@ -453,16 +453,15 @@ def _mosaic_gradients(config: PathConfig, dim: int, block_q, block_k) -> PathCon
     """``config`` with ``rbf_kernel_mv``'s backward on ``tilax.rbf.pallas_mosaic_grad`` (one
     sweep, with the ``dk`` launch's tiles) where both launches run
     (``pallas_mosaic_grad.runs``: Hopper, the default precision's modes, program tiles of 128
-    rows as the Triton launches chose), with the caller's loop tiles or
-    ``pallas_mosaic_grad.BLOCK_L``."""
-    dq = dataclasses.replace(config.dq, block_l=block_k or pallas_mosaic_grad.BLOCK_L,
-                             backend="mosaic")
-    dk = dataclasses.replace(config.dk, block_l=block_q or pallas_mosaic_grad.BLOCK_L,
-                             backend="mosaic")
+    rows as the Triton launches chose, buffers that fit in shared memory), with the caller's
+    loop tiles, else ``pallas_mosaic_grad.BLOCK_L`` or, where its buffers do not fit, 64."""
     widths = (parts_width(dim), expansion_width(dim), config.cols)
-    if all(pallas_mosaic_grad.runs(launch, config.modes.values, config.modes.coords, *widths)
-           for launch in (dq, dk)):
-        return dataclasses.replace(config, dq=dq, dk=dk)
+    for loop_tile in (pallas_mosaic_grad.BLOCK_L, 64):
+        dq = dataclasses.replace(config.dq, block_l=block_k or loop_tile, backend="mosaic")
+        dk = dataclasses.replace(config.dk, block_l=block_q or loop_tile, backend="mosaic")
+        if all(pallas_mosaic_grad.runs(launch, config.modes.values, config.modes.coords,
+                                       *widths) for launch in (dq, dk)):
+            return dataclasses.replace(config, dq=dq, dk=dk)
     return config
 
 

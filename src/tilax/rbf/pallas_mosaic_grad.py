@@ -50,10 +50,23 @@ from tilax.rbf.pallas_mosaic import (
 
 #: Loop tiles in flight.
 STAGES = 2
+#: Shared memory a program may use: the H100/H200 limit less room for the barriers.
+SHARED_MEMORY = 232448 - 2048
 #: Widest value/cotangent operand (columns): every column is in one program's registers.
 MAX_COLUMNS = 64
-#: Default loop tile (the faster of 64 and 128 on the H200).
+#: Default loop tile (the faster of 64 and 128 on the H200; 64 where 128 does not fit).
 BLOCK_L = 128
+
+
+def shared_memory_bytes(parts_width: int, coords_width: int, columns: int, block_l: int,
+                        stages: int) -> int:
+    """Bytes of the kernel's shared-memory buffers (``_sweep``'s list, in its order)."""
+    rows, wgs = ROWS_PER_WARPGROUP, COMPUTE_WARPGROUPS
+    own = wgs * rows * (4 * parts_width + 2 * columns + 2 * 2 * coords_width)
+    loop = stages * block_l * (4 * parts_width + 2 * columns + 2 * 2 * coords_width)
+    weights = wgs * rows * block_l * 2 * 2
+    staging = wgs * (block_l * coords_width + rows * coords_width + rows * columns) * 4
+    return own + loop + weights + staging
 
 
 def unsupported_reason(parts_width: int, coords_width: int, columns: int, block_l: int) -> (
@@ -67,6 +80,10 @@ def unsupported_reason(parts_width: int, coords_width: int, columns: int, block_
         return f"value columns {columns} are not a multiple of 16 up to {MAX_COLUMNS}"
     if block_l not in (64, 128):
         return f"loop tile {block_l} is not 64 or 128"
+    need = shared_memory_bytes(parts_width, coords_width, columns, block_l, STAGES)
+    if need > SHARED_MEMORY:
+        return (f"its buffers ({need} bytes with loop tile {block_l}) exceed the "
+                f"{SHARED_MEMORY} bytes of shared memory")
     return None
 
 
