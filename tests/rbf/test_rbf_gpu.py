@@ -366,6 +366,26 @@ def test_mosaic_exact_gradient_sweeps(isotropic):
         assert rel_err(a, b) < 10 * TOLERANCE["highest"], (name, rel_err(a, b))
 
 
+@pytest.mark.parametrize("dim, out", [(8, 64), (14, 16), (19, 48)])
+def test_mosaic_gradient_sweep_with_wide_operands(dim, out):
+    """Where loop tiles of 128 would not fit in shared memory (TF32 parts of 64 columns, or 64
+    value columns) the default fast backward runs the Mosaic GPU sweep with loop tiles of 64:
+    against ``"highest"`` on the same data."""
+    from tilax import _pallas
+
+    if _pallas.mosaic_unavailable_reason() is not None:
+        pytest.skip(_pallas.mosaic_unavailable_reason())
+    n, m = 40000, 40037
+    q, k, v, lengthscale, cot = make_inputs(17, (), n, m, dim, out)
+    config = pallas_config.default_config("triton", None, batch=1, n=n, m=m, out=out, dim=dim)
+    assert (config.fast.dk.backend, config.fast.dk.block_l) == ("mosaic", 64)
+    fast, fast_grads = pallas_value_and_grads(q, k, v, lengthscale, cot)
+    exact, exact_grads = pallas_value_and_grads(q, k, v, lengthscale, cot, precision="highest")
+    assert rel_err(fast, exact) < TOLERANCE["default"]
+    for name, got, want in zip(("dq", "dk", "dv"), fast_grads, exact_grads, strict=False):
+        assert rel_err(got, want) < 5 * TOLERANCE["default"], name
+
+
 def test_mosaic_gradient_sweep_under_vmap():
     """vmap of the fast path's gradients on the Mosaic GPU sweep (a vmapped axis joins the
     kernel's batch axis) matches one call per example."""
