@@ -41,7 +41,8 @@ def _reference(q, k, v, lengthscale):
     return np.exp(-d2 / (2 * lengthscale**2)) @ v
 
 
-def test_forward_matches_float64_in_interpret_mode():
+@pytest.mark.parametrize("m", [200, 460])  # two key tiles (the ring's slots), four (refills)
+def test_forward_matches_float64_in_interpret_mode(m):
     from mosaic_interpret import available, gpu_interpreter
 
     reason = available()
@@ -52,7 +53,7 @@ def test_forward_matches_float64_in_interpret_mode():
     from jax._src.pallas.mosaic_gpu.core import layout_cast_p
 
     mlir.register_lowering(layout_cast_p, lambda ctx, x, **_: [x], platform="cpu")
-    n, m, lengthscale = 128, 200, 1.5
+    n, lengthscale = 128, 1.5
     (q, k, v), (x, y, values) = _operands(n, m, 8, 16, lengthscale)
     # Padded keys and values hold garbage (the ones make every padded kernel value 1): only
     # the index mask in the last tile keeps them out.
