@@ -281,6 +281,39 @@ def test_mosaic_kernels_at_a_size_that_chooses_them():
     assert np.all(error <= 5 * TOLERANCE["default"] * scale)
 
 
+def test_mosaic_forward_kernel_values_at_most_one_at_the_budget_edge():
+    """The Mosaic GPU forward does not clamp its exponents at 0: the default fast budget keeps
+    every bfloat16 kernel value at most 1 (``numerics.FAST_DISTANCE_BUDGET``). Points on a
+    sphere whose spread ratio is just inside the budget, each its own query and key; 1024 probe
+    keys carry a one-hot value (column ``i % 16``), so that ``out[i, i % 16]`` is ``K_ii`` plus
+    the kernel values of probes of the same column, at least 5.8 lengthscales away (under
+    1e-7 together): a bfloat16 ``K_ii`` above 1 would be at least ``1 + 2^-7``."""
+    from tilax import _pallas
+    from tilax.rbf import numerics
+
+    if _pallas.mosaic_unavailable_reason() is not None:
+        pytest.skip(_pallas.mosaic_unavailable_reason())
+    n, dim, out = 40000, 8, 16
+    budget = numerics.FAST_DISTANCE_BUDGET["default"]
+    radius = 0.499 * numerics.max_spread_ratio(dim, budget)
+    rng = np.random.default_rng(11)
+    half = rng.normal(size=(n // 2, dim))
+    half *= radius / np.linalg.norm(half, axis=1, keepdims=True)
+    points = jnp.asarray(np.concatenate([half, -half]).astype(np.float32))  # mean 0
+    qs, ks = numerics.centered_scaled(points, points, jnp.float32(1.0))
+    assert bool(numerics.fast_distance_ok(qs, ks, None))
+    assert float(numerics.expansion_error_bound(dim, numerics.spread_ratio(qs, ks))) > (
+        0.99 * budget)
+    config = pallas_config.default_config("triton", None, batch=1, n=n, m=n, out=out, dim=dim)
+    assert config.fast.fwd.backend == "mosaic"
+    probes = np.arange(1024)
+    values = jnp.zeros((n, out), jnp.float32).at[probes, probes % out].set(1.0)
+    got = tilax.rbf_kernel_mv(points, points, values, jnp.float32(1.0), impl="pallas")
+    diagonal = np.asarray(got)[probes, probes % out]
+    assert diagonal.max() < 1.0 + 2.0**-8
+    assert diagonal.min() > 0.99
+
+
 @pytest.mark.parametrize("isotropic", [False, True])
 def test_mosaic_exact_forward_at_a_size_that_chooses_it(isotropic):
     """At N = M = 40000 ``"highest"``'s forward runs the Mosaic GPU exact kernel

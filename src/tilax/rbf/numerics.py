@@ -13,7 +13,10 @@ Two ways to get the squared distance of a pair:
   bound is within their budget (``FAST_DISTANCE_BUDGET``) and switch to the exact path beyond it
   (a ``lax.cond`` on the data: under ``vmap`` with a batched ratio both paths run).
 
-Both clamp the exponent at 0, so every kernel value is in ``[0, 1]``.
+Both clamp the exponent at 0, so every kernel value is in ``[0, 1]``; the Mosaic GPU forward
+(``pallas_mosaic``) instead relies on the budget: within it a fast exponent exceeds 0 by less
+than ``ln(1 + 2^-8) / ln 2``, so its ``exp2`` rounds to at most 1 in bfloat16 (see
+``FAST_DISTANCE_BUDGET``).
 
 Derivation of the bound (``u = 2^-24``, ``lambda = log2(e)``, exponents in base 2,
 ``t = -lambda/2 |a - b|^2``): centring and scaling round ``a`` and ``b`` (``2u`` each, moving
@@ -46,9 +49,12 @@ COORD_MAX = 2.0**126
 
 #: Largest worst-case relative error of a kernel value (``expansion_error_bound``) at which a
 #: precision still uses the fast expansion; beyond it the exact path runs. ``"default"``'s budget
-#: matches the rounding of its single-bfloat16 value products (2^-9 per product), ``"high"``'s sits
-#: an order of magnitude above its typical error (~1e-5).
-FAST_DISTANCE_BUDGET = {"default": 2.0**-8, "high": 2.0**-12}
+#: matches the rounding of its single-bfloat16 value products (2^-9 per product), less 2^-16: a
+#: kernel value of an exponent ``t <= b / ln 2`` (``b`` the budget) is at most
+#: ``e^b < 1 + 2^-8``, which bfloat16 rounds to 1, so the bfloat16 kernel values of the default
+#: fast path stay in ``[0, 1]`` without a clamp. ``"high"``'s sits an order of magnitude above
+#: its typical error (~1e-5).
+FAST_DISTANCE_BUDGET = {"default": 2.0**-8 - 2.0**-16, "high": 2.0**-12}
 
 
 def compute_dtype(*arrays) -> jnp.dtype:

@@ -3,9 +3,9 @@
 One sweep over the pairs gives both gradients. Programs own rows ``i`` of one point set (the
 keys), a loop runs over tiles of rows ``l`` of the other (the queries), and for each pair::
 
-    A_il = exp2(min(x_i . y_l, 0)) (u_i . w_l)
-    sums_i = sum_l A_il c_l      pw_i = sum_l exp2(min(x_i . y_l, 0)) w_l      (dk, dv)
-    loop_sums_l = sum_i A_il o_i                                                (dq)
+    A_il = exp2(x_i . y_l) (u_i . w_l)
+    sums_i = sum_l A_il c_l      pw_i = sum_l exp2(x_i . y_l) w_l      (dk, dv)
+    loop_sums_l = sum_i A_il o_i                                  (dq)
 
 with ``x``, ``y`` the augmented points as TF32 parts (one TF32 dot gives the base-2 exponent,
 as in the forward), ``u``, ``w`` the values and cotangents in bfloat16 (the ``"bf16"`` values
@@ -15,13 +15,13 @@ is computed once; the two sweeps this replaces (one over queries for dq, one ove
 and dv) computed it twice.
 
 The shape is the forward's (``tilax.rbf.pallas_mosaic``): a memory warpgroup streams the loop
-tiles through TMA into ``STAGES`` slots, two compute warpgroups own 64 rows each and take turns
-on the tensor cores, so that one's exps and pair weights run while the other's dots do. The
-program's sums stay in registers. For the loop rows' sums each warpgroup also writes its pair
-weights to shared memory and multiplies them, transposed, by its own rows' coordinates; the
-``[block_l, C]`` result is added into a zeroed buffer by a TMA reduction (``reduction_op="add"``),
-across all programs. Programs start their loops at different tiles so that their additions
-spread over the buffer.
+tiles through TMA into ``STAGES`` slots, two compute warpgroups own 64 rows each and run freely:
+the forward's turns on the tensor cores (a shared barrier twice a tile) made this kernel 2%
+slower on the H200 (methodology page). The program's sums stay in registers. For the loop
+rows' sums each warpgroup also writes its pair weights to shared memory and multiplies them,
+transposed, by its own rows' coordinates; the ``[block_l, C]`` result is added into a zeroed
+buffer by a TMA reduction (``reduction_op="add"``), across all programs. Programs start their
+loops at different tiles so that their additions spread over the buffer.
 
 Runs where a path's ``dk`` launch names ``backend="mosaic"`` (program tile 128).
 ``pallas_config.default_config`` chooses it for ``rbf_kernel_mv`` wherever it runs (:func:`runs`)
@@ -192,16 +192,12 @@ def _sweep(x, y, c_hi, c_lo, o_hi, o_lo, u, w, *, valid_l: int, block_l: int):
     def kernel(x_ref, y_ref, chi_ref, clo_ref, ohi_ref, olo_ref, u_ref, w_ref, loop_out, sums_out,
                pw_out, scoped):
         (x_smem2, u_smem2, ohi_smem2, olo_smem2, y_smem, w_smem, chi_smem, clo_smem, ahi_smem2,
-         alo_smem2, loop_smem2, sums_smem2, pw_smem2), barriers, slot_free, turn = scoped
+         alo_smem2, loop_smem2, sums_smem2, pw_smem2), barriers, slot_free = scoped
         y_ready, w_ready, c_ready, own_ready = barriers
         wg, b, p = lax.axis_index("wg"), lax.axis_index("b"), lax.axis_index("p")
         # Each program starts its loop at another tile, so that the programs running at once
         # add into different rows of the loop sums.
         offset = (p * full_steps) // programs
-
-        def take_turn():
-            plgpu.barrier_arrive(turn)
-            plgpu.barrier_wait(turn)
 
         def slot_of(step):
             return lax.rem(step, jnp.array(stages, step.dtype))
@@ -220,7 +216,6 @@ def _sweep(x, y, c_hi, c_lo, o_hi, o_lo, u, w, *, valid_l: int, block_l: int):
                 plgpu.barrier_wait(own_ready.at[len(mine) * wg + i])
             plgpu.barrier_wait(y_ready.at[0])
             plgpu.barrier_wait(w_ready.at[0])
-            pl.when(wg == 1)(take_turn)
 
             def step(index, sums_ref, pw_ref, masked):
                 slot = slot_of(index)
@@ -229,12 +224,15 @@ def _sweep(x, y, c_hi, c_lo, o_hi, o_lo, u, w, *, valid_l: int, block_l: int):
                 def scores(t_ref, uw_ref):
                     plgpu.wgmma(t_ref, x_smem, _transposed(y_smem.at[slot]))
                     plgpu.wgmma(uw_ref, u_smem, _transposed(w_smem.at[slot]))
-                    take_turn()
                     return t_ref[...], uw_ref[...]
 
                 t, uw = pl.run_scoped(scores, plgpu.ACC((rows, block_l), jnp.float32),
                                       plgpu.ACC((rows, block_l), jnp.float32))
-                kernel_values = jnp.exp2(jnp.minimum(t, 0.0))
+                # No clamp at 0, as in the forward: within the default fast budget a float32
+                # kernel value exceeds 1 by less than its error bound (2^-8), and its bfloat16
+                # rounding (dv's) is at most 1 (numerics.FAST_DISTANCE_BUDGET); a min per pair
+                # cost 2% of the sweep.
+                kernel_values = jnp.exp2(t)
                 if masked:
                     column = plgpu.broadcasted_iota(jnp.int32, (rows, block_l), 1,
                                                     layout=plgpu.Layout.WGMMA)
@@ -246,10 +244,8 @@ def _sweep(x, y, c_hi, c_lo, o_hi, o_lo, u, w, *, valid_l: int, block_l: int):
                 ahi_smem[...] = a_hi
                 alo_smem[...] = a_lo
                 plgpu.commit_smem()
-                plgpu.barrier_arrive(turn)  # done with the exps
                 plgpu.barrier_wait(c_ready.at[slot])
                 plgpu.barrier_wait(c_ready.at[slot + stages])
-                plgpu.barrier_wait(turn)  # the tensor cores are this warpgroup's again
 
                 def dots(*loop_accs):
                     # small terms first
@@ -293,7 +289,6 @@ def _sweep(x, y, c_hi, c_lo, o_hi, o_lo, u, w, *, valid_l: int, block_l: int):
 
             sums, pw = pl.run_scoped(loop, plgpu.ACC((rows, coords_width), jnp.float32),
                                      plgpu.ACC((rows, columns), jnp.float32))
-            pl.when(wg == 0)(take_turn)
             sums_smem2.at[wg][...] = sums
             pw_smem2.at[wg][...] = pw
             plgpu.commit_smem()
@@ -347,7 +342,6 @@ def _sweep(x, y, c_hi, c_lo, o_hi, o_lo, u, w, *, valid_l: int, block_l: int):
             smem,
             barriers,
             plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
-            plgpu.Barrier(num_arrivals=wgs),
             collective_axes="wg",
         )
 
