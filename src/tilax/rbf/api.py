@@ -174,8 +174,9 @@ def rbf_kernel_mv(
         * ``"high"``: the same distances, value products from three bfloat16 passes (~1e-5).
 
         The fast precisions use the expansion only while its bound is within a budget
-        (``2^-8`` for the default, ``2^-12`` for ``"high"``: ``rho`` up to about 39 and 10 at
-        ``D = 8``); beyond it they compute distances from differences, as ``"highest"`` does.
+        (``2^-8 - 2^-16`` for the default, ``2^-12`` for ``"high"``: ``rho`` up to about 39
+        and 10 at ``D = 8``); beyond it they compute distances from differences, as
+        ``"highest"`` does.
         ``impl="xla"`` and ``"dense"`` follow the same rules for distances and multiply by
         ``v`` at ``HIGHEST`` precision with ``"highest"``, else at XLA's default (TF32 on
         recent GPUs).

@@ -5,8 +5,11 @@ the values ``wgmma``, another full wait), so the tensor cores and the exp unit o
 never overlap (see the methodology page). This kernel takes FlashAttention-3's shape
 (``jax.experimental.pallas.ops.gpu.attention_mgpu``): per program, one memory warpgroup streams
 key and value tiles through TMA into a ring of ``KEY_STAGES`` slots, and two compute
-warpgroups own 64 query rows each and take turns on the tensor cores (a schedule barrier), so
-that one's exps run while the other's ``wgmma`` do.
+warpgroups own 64 query rows each and take turns on the tensor cores (a schedule barrier).
+ptxas moves the "done with the exps" arrival above the exps (it depends on no register), so
+the turn passes as a warpgroup starts its exps and both warpgroups' exps overlap; that is the
+faster schedule on the H200: an arrival made to wait for every exp, one turn a step and no
+turns were all slower (methodology page).
 
 Operands are the Triton forward's (``tilax.rbf.pallas_layout``): the augmented points as TF32
 parts ``x: [B, P, W]`` (first) and ``y: [B, L, W]`` (second), so that one TF32 dot gives the
@@ -190,7 +193,7 @@ def kernel_matmul(
                 t = pl.run_scoped(exponents, plgpu.ACC((rows, block_l), jnp.float32))
                 plgpu.barrier_arrive(y_free.at[slot])
                 p16 = kernel_values(t, kv_step, masked)
-                plgpu.barrier_arrive(turn)  # done with the exps
+                plgpu.barrier_arrive(turn)  # "done with the exps" (ptxas issues it earlier)
                 plgpu.barrier_wait(v_ready.at[slot])
                 plgpu.barrier_wait(turn)  # the tensor cores are this warpgroup's again
                 plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
