@@ -13,10 +13,10 @@ Two ways to get the squared distance of a pair:
   bound is within their budget (``FAST_DISTANCE_BUDGET``) and switch to the exact path beyond it
   (a ``lax.cond`` on the data: under ``vmap`` with a batched ratio both paths run).
 
-Both clamp the exponent at 0, so every kernel value is in ``[0, 1]``; the Mosaic GPU forward
-(``pallas_mosaic``) instead relies on the budget: within it a fast exponent exceeds 0 by less
-than ``ln(1 + 2^-8) / ln 2``, so its ``exp2`` rounds to at most 1 in bfloat16 (see
-``FAST_DISTANCE_BUDGET``).
+Both clamp the exponent at 0, so every kernel value is in ``[0, 1]``; the default precision's
+Mosaic GPU kernels (``pallas_mosaic``, ``pallas_mosaic_grad``) instead rely on the budget:
+within it a fast exponent exceeds 0 by less than ``ln(1 + 2^-8) / ln 2``, so its ``exp2``
+rounds to at most 1 in bfloat16 (see ``FAST_DISTANCE_BUDGET``).
 
 Derivation of the bound (``u = 2^-24``, ``lambda = log2(e)``, exponents in base 2,
 ``t = -lambda/2 |a - b|^2``): centring and scaling round ``a`` and ``b`` (``2u`` each, moving
