@@ -69,8 +69,14 @@ def test_forward_matches_float64_in_interpret_mode(m):
 
 
 def test_lowers_for_cuda():
-    args = [jax.ShapeDtypeStruct(s, t) for s, t in (
-        ((2, 256, 32), jnp.float32), ((2, 384, 32), jnp.float32), ((2, 384, 32), jnp.bfloat16))]
+    args = [
+        jax.ShapeDtypeStruct(s, t)
+        for s, t in (
+            ((2, 256, 32), jnp.float32),
+            ((2, 384, 32), jnp.float32),
+            ((2, 384, 32), jnp.bfloat16),
+        )
+    ]
 
     def forward(x, y, v):
         return pallas_mosaic.kernel_matmul(
@@ -94,15 +100,18 @@ def test_lowers_for_cuda():
 def test_unsupported_settings_say_why(settings, match):
     x = jnp.zeros((1, 128, 32), jnp.float32)
     v = jnp.zeros((1, 128, 16), jnp.bfloat16)
-    kwargs = dict(distance=PARTS, valid_l=128, block_p=128, block_l=128, block_o=16,
-                  values="bf16") | settings
+    kwargs = (
+        dict(distance=PARTS, valid_l=128, block_p=128, block_l=128, block_o=16, values="bf16")
+        | settings
+    )
     with pytest.raises(ValueError, match=match):
         pallas_mosaic.kernel_matmul(x, x, v, **kwargs)
 
 
 def _fast_forward(precision=None, n=65536, dim=8, out=16):
-    config = pallas_config.default_config("triton", precision, batch=1, n=n, m=n, out=out,
-                                          dim=dim, shared_memory=232448)
+    config = pallas_config.default_config(
+        "triton", precision, batch=1, n=n, m=n, out=out, dim=dim, shared_memory=232448
+    )
     return config.fast.fwd
 
 
