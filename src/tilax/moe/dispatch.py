@@ -259,8 +259,30 @@ take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
 
 
 def permute(x: jax.Array, layout: RowLayout) -> jax.Array:
-    """Token space to row space: ``x[row_token]``, ``[R_pad, d]`` (a gather)."""
+    """Token space to row space: ``x[row_token]``, ``[R_pad, d]`` (a gather). Its gradient
+    gathers back: each token sums its kept copies' rows (``sum_copies``)."""
+    return _permute(x, layout)
+
+
+@jax.custom_vjp
+def _permute(x: jax.Array, layout: RowLayout) -> jax.Array:
     return take_rows(x, layout.row_token)
+
+
+def _permute_fwd(x, layout):
+    return _permute(x, layout), (jax.ShapeDtypeStruct(x.shape, x.dtype), layout)
+
+
+def _permute_bwd(residuals, d_rows):
+    # Not take_rows' scatter-add: on the H200 the E64 top-8 decoder's 1M rows of 512 bf16
+    # summed back by a gather in 0.30 ms against 1.89 ms for a float32 scatter-add. Padding
+    # rows belong to no copy, and their cotangents go nowhere.
+    x_type, layout = residuals
+    d_x = sum_copies(d_rows, layout).astype(x_type.dtype)
+    return d_x, None
+
+
+_permute.defvjp(_permute_fwd, _permute_bwd)
 
 
 def row_weights(weights: jax.Array, layout: RowLayout) -> jax.Array:
