@@ -58,18 +58,24 @@ def split(a: jax.Array, mode: str) -> tuple[jax.Array, ...]:
     raise ValueError(f"unknown dot mode {mode!r}; expected one of {DOT_MODES}")
 
 
-def tf32x3_parts(x: jax.Array, *, first: bool) -> jax.Array:
+def tf32x3_parts(x: jax.Array | list[jax.Array], *, first: bool) -> jax.Array:
     """``x: [..., K]`` float32 as TF32 parts, ``[hi | lo | hi]`` (``first``) or ``[hi | hi | lo]``.
 
     Zero-padded to ``max(16, next_power_of_2(3 K))`` columns. The dot of a ``first`` and a
     second operand is ``hi.hi + lo.hi + hi.lo``, the ``"tf32x3"`` product, in one TF32 dot.
+    ``x`` may be a list of column blocks, the columns of ``x`` in order: the parts are then split
+    block by block and written by one concatenation (one XLA fusion; a concatenated ``x`` would be
+    written out first).
     """
-    hi = _round_to_tf32(x)
-    lo = _round_to_tf32(x - hi)
-    width = max(16, 1 << (3 * x.shape[-1] - 1).bit_length())
+    blocks = x if isinstance(x, list) else [x]
+    his = [_round_to_tf32(b) for b in blocks]
+    los = [_round_to_tf32(b - hi) for b, hi in zip(blocks, his, strict=True)]
+    cols = sum(b.shape[-1] for b in blocks)
+    width = max(16, 1 << (3 * cols - 1).bit_length())
     # The zero columns join the concatenation (one XLA fusion; a separate pad was a second).
-    zeros = jnp.zeros((*x.shape[:-1], width - 3 * x.shape[-1]), x.dtype)
-    return jnp.concatenate([hi, lo, hi, zeros] if first else [hi, hi, lo, zeros], axis=-1)
+    zeros = jnp.zeros((*blocks[0].shape[:-1], width - 3 * cols), blocks[0].dtype)
+    return jnp.concatenate([*his, *los, *his, zeros] if first else [*his, *his, *los, zeros],
+                           axis=-1)
 
 
 def dot(a_parts, b_parts, mode: str, backend: Backend, *, b_transposed: bool = False):

@@ -20,6 +20,9 @@ Rows that pad a point count to a tile multiple are zeros; the kernels mask them 
 
 from __future__ import annotations
 
+import functools
+import operator
+
 import jax
 import jax.numpy as jnp
 
@@ -38,26 +41,36 @@ def pad_rows(x: jax.Array, rows: int, value: float = 0.0) -> jax.Array:
     return jnp.pad(x, [(0, 0), (0, rows - x.shape[1])], constant_values=value)
 
 
-def _expansion_layout(x: jax.Array, *, parts: bool, first: bool) -> jax.Array:
-    """Augmented ``[B, R, D + 2]`` points as a kernel operand: TF32 parts, or zero-padded."""
+def _augmented(blocks: list[jax.Array], rows: int, *, parts: bool, first: bool) -> jax.Array:
+    """Augmented points ``[B, R, D + 2]`` given as column ``blocks``, with zero rows up to
+    ``rows``, as a kernel operand: TF32 parts, or zero-padded to ``expansion_width``."""
+    blocks = [pad_rows_cols(b, rows, b.shape[2]) for b in blocks]
     if parts:
-        return pallas_dots.tf32x3_parts(x, first=first)
-    width = pallas_config.expansion_width(x.shape[-1] - 2)
-    return pad_rows_cols(x, x.shape[1], width)
+        return pallas_dots.tf32x3_parts(blocks, first=first)
+    x = jnp.concatenate(blocks, axis=-1)
+    return pad_rows_cols(x, rows, pallas_config.expansion_width(x.shape[-1] - 2))
+
+
+def _squared_norms(x: jax.Array) -> jax.Array:
+    """``sum(x * x, axis=-1, keepdims=True)``, for up to 16 columns as a sum of columns: XLA
+    then computes it inside the operand's one concatenation, where a reduce would be a kernel
+    of its own."""
+    if x.shape[-1] > 16:
+        return jnp.sum(x * x, axis=-1, keepdims=True)
+    columns = [x[..., d : d + 1] for d in range(x.shape[-1])]
+    return functools.reduce(operator.add, [c * c for c in columns])
 
 
 def augment_queries(qs: jax.Array, rows: int, *, parts: bool = False) -> jax.Array:
     """``[qs, -0.5 log2e |qs|^2, 1]`` with zero rows up to ``rows``."""
-    alpha = -0.5 * LOG2E * jnp.sum(qs * qs, axis=-1)
-    x = jnp.concatenate([qs, alpha[..., None], jnp.ones_like(alpha)[..., None]], axis=-1)
-    return _expansion_layout(pad_rows_cols(x, rows, x.shape[2]), parts=parts, first=True)
+    alpha = -0.5 * LOG2E * _squared_norms(qs)
+    return _augmented([qs, alpha, jnp.ones_like(alpha)], rows, parts=parts, first=True)
 
 
 def augment_keys(ks: jax.Array, rows: int, *, parts: bool = False) -> jax.Array:
     """``[log2e ks, 1, -0.5 log2e |ks|^2]`` with zero rows up to ``rows``."""
-    beta = -0.5 * LOG2E * jnp.sum(ks * ks, axis=-1)
-    y = jnp.concatenate([LOG2E * ks, jnp.ones_like(beta)[..., None], beta[..., None]], axis=-1)
-    return _expansion_layout(pad_rows_cols(y, rows, y.shape[2]), parts=parts, first=False)
+    beta = -0.5 * LOG2E * _squared_norms(ks)
+    return _augmented([LOG2E * ks, jnp.ones_like(beta), beta], rows, parts=parts, first=False)
 
 
 def expansion_points(distance, qs: jax.Array, ks: jax.Array, rows_q: int, rows_k: int):
