@@ -123,3 +123,24 @@ def test_traced_values_are_not_checked_but_shapes_are():
     assert fn(jnp.float32(-1.0)).shape == (2, 5, 6)
     with pytest.raises(ValueError, match="lengthscale must be a scalar or"):
         fn(jnp.ones(2))
+
+
+def test_a_python_number_and_a_float32_scalar_share_one_compilation():
+    """A lengthscale or bandwidth given as 0.5 and later as ``jnp.float32(0.7)`` runs the same
+    compiled program (a weakly typed scalar would be a second signature)."""
+    from tilax.rbf import reference
+
+    # Shapes no other test uses, so that no earlier call has compiled them.
+    data = jax.random.normal(jax.random.key(0), (37, 3))
+    query = jax.random.normal(jax.random.key(1), (21, 3))
+    values = jnp.ones((37, 2))
+    for jitted, call in (
+        (reference.kde_density_xla,
+         lambda h: tilax.rbf_kde_density(query, data, h, log=True, impl="xla")),
+        (reference.kernel_mv_xla,
+         lambda h: tilax.rbf_kernel_mv(query, data, values, h, impl="xla")),
+    ):
+        before = jitted._cache_size()
+        for scale in (0.5, jnp.float32(0.7), 2):
+            call(scale).block_until_ready()
+        assert jitted._cache_size() - before == 1

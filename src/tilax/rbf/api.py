@@ -59,7 +59,9 @@ def _concrete_value(x: jax.Array) -> np.ndarray | None:
 
 def _check_scale(name: str, scale: Any, dim: int, *, per_dimension: bool) -> jax.Array:
     if isinstance(scale, (int, float)) and not isinstance(scale, bool):
-        scale = float(scale)
+        # Strongly typed: a weakly typed scalar is another signature to the jitted paths, so
+        # calls with 0.5 and with jnp.float32(0.5) would each compile them.
+        scale = jnp.asarray(float(scale), dtype=jnp.result_type(float))
     scale = _as_float_array(name, scale)
     allowed = [()] + ([(dim,)] if per_dimension else [])
     if scale.shape not in allowed:
