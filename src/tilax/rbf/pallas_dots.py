@@ -58,16 +58,15 @@ def split(a: jax.Array, mode: str) -> tuple[jax.Array, ...]:
     raise ValueError(f"unknown dot mode {mode!r}; expected one of {DOT_MODES}")
 
 
-def tf32x3_parts(x: jax.Array | list[jax.Array], *, first: bool) -> jax.Array:
-    """``x: [..., K]`` float32 as TF32 parts, ``[hi | lo | hi]`` (``first``) or ``[hi | hi | lo]``.
+def tf32x3_parts(blocks: list[jax.Array], *, first: bool) -> jax.Array:
+    """``x: [..., K]``, given as its column ``blocks`` in order, as TF32 parts: ``[hi | lo | hi]``
+    (``first``) or ``[hi | hi | lo]``.
 
     Zero-padded to ``max(16, next_power_of_2(3 K))`` columns. The dot of a ``first`` and a
-    second operand is ``hi.hi + lo.hi + hi.lo``, the ``"tf32x3"`` product, in one TF32 dot.
-    ``x`` may be a list of column blocks, the columns of ``x`` in order: the parts are then split
-    block by block and written by one concatenation (one XLA fusion; a concatenated ``x`` would be
-    written out first).
+    second operand is ``hi.hi + lo.hi + hi.lo``, the ``"tf32x3"`` product, in one TF32 dot. The
+    blocks are split one by one and written by one concatenation (one XLA fusion; a
+    concatenated ``x`` would be written out first).
     """
-    blocks = x if isinstance(x, list) else [x]
     his = [_round_to_tf32(b) for b in blocks]
     los = [_round_to_tf32(b - hi) for b, hi in zip(blocks, his, strict=True)]
     cols = sum(b.shape[-1] for b in blocks)
