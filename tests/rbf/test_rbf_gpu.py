@@ -399,11 +399,12 @@ def test_mosaic_exact_gradient_sweeps(isotropic):
         assert rel_err(a, b) < 10 * TOLERANCE["highest"], (name, rel_err(a, b))
 
 
-@pytest.mark.parametrize("dim, out", [(8, 64), (14, 16), (19, 48)])
-def test_mosaic_gradient_sweep_with_wide_operands(dim, out):
-    """Where loop tiles of 128 would not fit in shared memory (TF32 parts of 64 columns, or 64
-    value columns) the default fast backward runs the Mosaic GPU sweep with loop tiles of 64:
-    against ``"highest"`` on the same data."""
+@pytest.mark.parametrize("dim, out, block_l", [(8, 64, 128), (14, 48, 64), (19, 48, 64)])
+def test_mosaic_gradient_sweep_with_wide_operands(dim, out, block_l):
+    """The widest operands that loop tiles of 128 fit in shared memory with (64 value columns),
+    and wider ones (TF32 parts of 64 columns with 48 value columns), where the default fast
+    backward runs the Mosaic GPU sweep with loop tiles of 64: against ``"highest"`` on the
+    same data."""
     from tilax import _pallas
 
     if _pallas.mosaic_unavailable_reason() is not None:
@@ -411,7 +412,7 @@ def test_mosaic_gradient_sweep_with_wide_operands(dim, out):
     n, m = 40000, 40037
     q, k, v, lengthscale, cot = make_inputs(17, (), n, m, dim, out)
     config = pallas_config.default_config("triton", None, batch=1, n=n, m=m, out=out, dim=dim)
-    assert (config.fast.dk.backend, config.fast.dk.block_l) == ("mosaic", 64)
+    assert (config.fast.dk.backend, config.fast.dk.block_l) == ("mosaic", block_l)
     fast, fast_grads = pallas_value_and_grads(q, k, v, lengthscale, cot)
     exact, exact_grads = pallas_value_and_grads(q, k, v, lengthscale, cot, precision="highest")
     assert rel_err(fast, exact) < TOLERANCE["default"]

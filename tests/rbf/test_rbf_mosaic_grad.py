@@ -13,7 +13,7 @@ import pytest
 from jax import export
 
 from tilax import _pallas
-from tilax.rbf import pallas_config, pallas_layout, pallas_mosaic_grad
+from tilax.rbf import pallas_config, pallas_dots, pallas_layout, pallas_mosaic_grad
 from tilax.rbf.pallas_triton import Expansion
 
 PARTS = Expansion("tf32_parts")
@@ -59,15 +59,19 @@ def test_pair_sums_match_float64_in_interpret_mode(n, m, block_l):
     kernel = np.exp(-0.5 * ((q64[:, None] - k64[None]) ** 2).sum(-1))  # [n, m]
     g16 = np.asarray(g_pad[0, :n, :out].astype(jnp.float32), np.float64)
     v16 = np.asarray(v_pad[0, :m, :out].astype(jnp.float32), np.float64)
-    a = kernel * (g16 @ v16.T)
+    # The pair weights rounded to bfloat16, as the kernel rounds them ("bf16x2" coordinates);
+    # its float32 weights differ from these float64 ones by far less than a rounding step.
+    a = np.asarray(jnp.asarray(kernel * (g16 @ v16.T), jnp.float32).astype(jnp.bfloat16),
+                   np.float64)
     wants = {"loop_sums": a @ np.asarray(keys[0, :m], np.float64),
              "sums": a.T @ np.asarray(queries[0, :n], np.float64)}
     for name, want in wants.items():
         rows = want.shape[0]
         sums = np.asarray(got[name][0], np.float64)
         assert sums.shape[1] == 16, name
-        # bfloat16 x 3 coordinates: float32-like sums of the pair weights; TF32 parts exponents
-        assert np.linalg.norm(sums[:rows] - want) / np.linalg.norm(want) < 1e-3, name
+        # Coordinates in bfloat16 hi + lo, TF32 parts exponents: float32-like sums of the
+        # rounded weights (unrounded weights, or coordinates in single bfloat16, are 1e-3 off)
+        assert np.linalg.norm(sums[:rows] - want) / np.linalg.norm(want) < 1e-4, name
     assert np.all(np.asarray(got["loop_sums"][0, n:]) == 0.0)  # masked loop rows get nothing
     pw = np.asarray(got["pw"][0, :m, :out], np.float64)
     want_pw = kernel.T @ g16
@@ -183,13 +187,14 @@ def test_chosen_for_rbf_kernel_mv_on_hopper(monkeypatch):
 
 
 def test_loop_tiles_of_64_where_128_do_not_fit(monkeypatch):
-    """Wide operands (here D = 10: TF32 parts of 64 columns; or 64 value columns) take loop
-    tiles of 64, whose buffers fit in shared memory; at every width the kernel supports, one
-    of the two fits."""
+    """Wide operands (here D = 10: TF32 parts of 64 columns, with 48 value columns or more)
+    take loop tiles of 64, whose buffers fit in shared memory; at every width the kernel
+    supports, one of the two fits."""
     from tilax.rbf.pallas_config import expansion_width, parts_width
 
     monkeypatch.setattr(_pallas, "mosaic_unavailable_reason", lambda: None)
-    for dim, out, block_l in ((8, 16, 128), (8, 64, 64), (10, 16, 64), (19, 64, 64)):
+    for dim, out, block_l in ((8, 16, 128), (8, 64, 128), (10, 32, 128), (10, 48, 64),
+                              (19, 16, 64), (19, 64, 64)):
         dq, dk = _gradient_launches(dim=dim, out=out)
         assert dq.backend == dk.backend == "mosaic", (dim, out)
         assert dk.block_l == block_l, (dim, out)
@@ -197,7 +202,8 @@ def test_loop_tiles_of_64_where_128_do_not_fit(monkeypatch):
             parts_width(dim), expansion_width(dim), -(-out // 16) * 16, block_l,
             pallas_mosaic_grad.STAGES)
         assert need <= pallas_mosaic_grad.SHARED_MEMORY, (dim, out)
-    assert _gradient_launches(dim=10, block_q=128)[1].backend is None  # the caller's 128: Triton
+    # the caller's 128, which does not fit: Triton
+    assert _gradient_launches(dim=10, out=48, block_q=128)[1].backend is None
 
 
 def test_default_config_names_a_wrong_op():
@@ -205,18 +211,18 @@ def test_default_config_names_a_wrong_op():
         pallas_config.default_config("triton", None, batch=1, n=8, m=8, out=1, dim=2, op="kmv")
 
 
-def test_truncated_split_keeps_sixteen_bits():
-    """The pair weights' bfloat16 hi + lo (integer truncation, no conversion instruction):
-    within 2^-15 of each value, relative, for either sign and zero; near 1 + 2^-7 is the worst
-    case (the rest just below 2^-7, its truncation dropping almost a unit of its last place)."""
+def test_pair_weights_round_to_the_nearest_bfloat16_as_the_triton_sweeps_do():
+    """The sweep's integer rounding of the pair weights (no conversion instruction) gives the
+    bits of ``pallas_dots.split``'s bfloat16 ``hi``: nearest, ties away from zero, for either
+    sign, zero and values whose rounding carries into the exponent."""
     rng = np.random.default_rng(3)
-    worst = 1.0 + 2.0**-7 - 2.0**-23
+    tie = 1.0 + 2.0**-8  # halfway between two bfloat16 neighbours
     a = np.concatenate([rng.standard_normal(4096) * 10.0 ** rng.integers(-25, 25, 4096),
-                        [0.0, -0.0, 1.0, -1.0, worst, -worst]]).astype(np.float32)
-    hi, lo = pallas_mosaic_grad._truncated_split(jnp.asarray(a))
-    assert hi.dtype == lo.dtype == jnp.bfloat16
-    total = np.asarray(hi, np.float64) + np.asarray(lo, np.float64)
-    error = np.abs(total - a)
-    assert np.all(error <= 2.0**-15 * np.abs(a))
-    assert error[-1] > 2.0**-16 * worst  # the bound is nearly reached: truncation, not rounding
-    assert np.all(np.sign(np.asarray(hi, np.float64)) * np.sign(a) >= 0)  # no sign flips
+                        [0.0, -0.0, 1.0, -1.0, tie, -tie, 2.0 - 2.0**-23]]).astype(np.float32)
+    got = pallas_mosaic_grad.rounded_bfloat16(jnp.asarray(a))
+    (want, _) = pallas_dots.split(jnp.asarray(a), "bf16x2")
+    assert got.dtype == want.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(got.view(jnp.uint16)),
+                                  np.asarray(want.view(jnp.uint16)))
+    assert np.all(np.abs(np.asarray(got, np.float64) - a) <= 2.0**-8 * np.abs(a))
+    assert float(got[-3]) == 1.0 + 2.0**-7 and float(got[-1]) == 2.0  # away from zero

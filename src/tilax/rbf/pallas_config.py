@@ -60,10 +60,12 @@ class DotModes:
 #: precision name -> dot modes of its fast (expansion) path; ``precision=None`` is ``"default"``.
 #: The expansion is never a single low-precision pass: its exponent error would grow like
 #: eps * |qs|^2. Coordinates are never single bfloat16 either: ``sum_j A_ij ks_j - qs_i
-#: sum_j A_ij`` cancels, so their rounding would be amplified. ``"highest"`` has no fast path.
+#: sum_j A_ij`` cancels, so their rounding would be amplified. The default rounds the pair
+#: weights ``A`` to bfloat16 (``"bf16x2"``): they come from bfloat16 values and cotangents
+#: already, and the row sum comes from the same product. ``"highest"`` has no fast path.
 FAST_MODES = {
     "high": DotModes(distance="tf32x3", values="bf16x3", coords="bf16x3"),
-    "default": DotModes(distance="tf32x3", values="bf16", coords="bf16x3"),
+    "default": DotModes(distance="tf32x3", values="bf16", coords="bf16x2"),
 }
 #: precision name -> dot modes of its exact (difference) path: ``"highest"`` always, the others
 #: where the expansion's error bound exceeds their budget. Values keep the precision's mode;
@@ -222,8 +224,8 @@ class KernelCall:
 
 def _operand_bytes(mode: str) -> tuple[int, int]:
     """(bytes per element, parts) of a register tile converted to a ``mode`` dot operand."""
-    return {"bf16": (2, 1), "bf16x3": (2, 2), "tf32x3": (4, 2), "tf32_parts": (4, 1),
-            "ieee": (4, 1)}[mode]  # fmt: skip
+    return {"bf16": (2, 1), "bf16x3": (2, 2), "bf16x2": (2, 2), "tf32x3": (4, 2),
+            "tf32_parts": (4, 1), "ieee": (4, 1)}[mode]  # fmt: skip
 
 
 def _stored_bytes(mode: str) -> int:
@@ -347,20 +349,27 @@ def path_calls(modes: DotModes, dim: int, cols: int) -> dict[str, list[KernelCal
     fwd, bwd = forward_distance(modes, dim), backward_distance(modes, dim)
     fwd_width, bwd_width = distance_width(fwd, dim), distance_width(bwd, dim)
     grad = dict(distance=bwd, width=bwd_width, values=modes.values, coords=modes.coords)
-    kde_coords = dict(distance=bwd, width=bwd_width, cols=0, coords=modes.coords,
-                      value_coefficient=False)  # fmt: skip
+    kde_grad = dict(distance=bwd, width=bwd_width, cols=0, coords=kde_coords(modes),
+                    value_coefficient=False)  # fmt: skip
     return {
         "fwd": [
             KernelCall("matmul", fwd, fwd_width, values=modes.values),
             KernelCall("logsumexp", fwd, fwd_width),
         ],
-        "dq": [KernelCall("grad", cols=cols, **grad), KernelCall("grad", **kde_coords)],
+        "dq": [KernelCall("grad", cols=cols, **grad), KernelCall("grad", **kde_grad)],
         "dk": [
             KernelCall("grad", cols=cols, with_pw=fuses_dv(modes, dim, cols), **grad),
             KernelCall("matmul", bwd, bwd_width, values=modes.values),
-            KernelCall("grad", **kde_coords),
+            KernelCall("grad", **kde_grad),
         ],
     }
+
+
+def kde_coords(modes: DotModes) -> str:
+    """The KDE gradients' coordinates mode: ``"bf16x3"`` where ``rbf_kernel_mv``'s is
+    ``"bf16x2"``. The KDE's pair weights come from float32 weights (no bfloat16 value product
+    rounds them), and its weights' gradient is their row sum itself."""
+    return "bf16x3" if modes.coords == "bf16x2" else modes.coords
 
 
 def fuses_dv(modes: DotModes, dim: int, cols: int) -> bool:

@@ -9,6 +9,11 @@ Dots take a *mode* naming how float32 operands are multiplied (accumulation is f
   ``[hi | lo | hi]`` and ``[hi | hi | lo]``: one TF32 dot over the concatenation, no adds;
 * ``"bf16x3"``: bfloat16 ``hi + lo`` parts, relative error ~2**-16 per product; a bfloat16 tile
   feeds the next tensor-core dot straight from registers;
+* ``"bf16x2"``: the first operand rounded to bfloat16, the second in ``hi + lo`` parts:
+  ``a_hi b_hi + a_hi b_lo``, each product's error at most 2**-8 relative to ``a``, ~2**-16 to ``b``.
+  For pair weights times coordinates whose sums are differenced with the weights' row sum
+  from the same product (the weights' rounding is then a perturbation of the weights, not
+  amplified by the cancellation; the coordinates' rounding would be);
 * ``"bf16"``: operands rounded to bfloat16 (8-bit mantissa), relative error ~2**-9 per product.
 
 The splits are written out here (not left to Triton's ``tf32x3``, which adds a NaN select per
@@ -23,7 +28,7 @@ from jax import lax
 
 from tilax._pallas import Backend
 
-DOT_MODES = ("ieee", "tf32x3", "tf32_parts", "bf16x3", "bf16")
+DOT_MODES = ("ieee", "tf32x3", "tf32_parts", "bf16x3", "bf16x2", "bf16")
 
 
 def _round_to_tf32(x: jax.Array) -> jax.Array:
@@ -44,12 +49,13 @@ def _round_to_bf16(x: jax.Array) -> jax.Array:
 
 
 def split(a: jax.Array, mode: str) -> tuple[jax.Array, ...]:
-    """The parts a ``mode`` dot multiplies: ``(a,)``, ``(bf16(a),)`` or ``(hi, lo)``."""
+    """The parts a ``mode`` dot multiplies: ``(a,)``, ``(bf16(a),)`` or ``(hi, lo)`` (for
+    ``"bf16x2"`` both operands' parts; its dot takes the first operand's ``hi`` only)."""
     if mode in ("ieee", "tf32_parts"):
         return (a,)
     if mode == "bf16":
         return (a.astype(jnp.bfloat16),)
-    if mode == "bf16x3":
+    if mode in ("bf16x3", "bf16x2"):
         hi = _round_to_bf16(a)  # exact in bfloat16, so the cast below is exact
         return hi.astype(jnp.bfloat16), (a - hi).astype(jnp.bfloat16)
     if mode == "tf32x3":
@@ -96,4 +102,6 @@ def dot(a_parts, b_parts, mode: str, backend: Backend, *, b_transposed: bool = F
         return dot(a_parts[0], b_parts[0])
     (a_hi, a_lo), (b_hi, b_lo) = a_parts, b_parts
     # Small terms first. (Triton does not fold these adds into the dot accumulators.)
+    if mode == "bf16x2":
+        return dot(a_hi, b_lo) + dot(a_hi, b_hi)
     return dot(a_lo, b_hi) + dot(a_hi, b_lo) + dot(a_hi, b_hi)

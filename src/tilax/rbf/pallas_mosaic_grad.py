@@ -9,10 +9,11 @@ keys), a loop runs over tiles of rows ``l`` of the other (the queries), and for 
 
 with ``x``, ``y`` the augmented points as TF32 parts (one TF32 dot gives the base-2 exponent,
 as in the forward), ``u``, ``w`` the values and cotangents in bfloat16 (the ``"bf16"`` values
-mode), ``c`` the loop's and ``o`` the program's augmented points, multiplied in bfloat16 x 3
-(``a_lo c_hi + a_hi c_lo + a_hi c_hi``: the ``"bf16x3"`` coords mode). Each pair's exponential
-is computed once; the two sweeps this replaces (one over queries for dq, one over keys for dk
-and dv) computed it twice.
+mode), ``c`` the loop's and ``o`` the program's augmented points, multiplied by the pair weights
+rounded to bfloat16 in two bfloat16 products (``a_hi c_lo + a_hi c_hi``: the ``"bf16x2"``
+coords mode; the points' column of ones gives the weights' row sums from the same product).
+Each pair's exponential is computed once; the two sweeps this replaces (one over queries for
+dq, one over keys for dk and dv) computed it twice.
 
 The shape is the forward's (``tilax.rbf.pallas_mosaic``): a memory warpgroup streams the loop
 tiles through TMA into ``STAGES`` slots, two compute warpgroups own 64 rows each and run freely:
@@ -64,7 +65,7 @@ def shared_memory_bytes(parts_width: int, coords_width: int, columns: int, block
     rows, wgs = ROWS_PER_WARPGROUP, COMPUTE_WARPGROUPS
     own = wgs * rows * (4 * parts_width + 2 * columns + 2 * 2 * coords_width)
     loop = stages * block_l * (4 * parts_width + 2 * columns + 2 * 2 * coords_width)
-    weights = wgs * rows * block_l * 2 * 2
+    weights = wgs * rows * block_l * 2
     staging = wgs * (block_l * coords_width + rows * coords_width + rows * columns) * 4
     return own + loop + weights + staging
 
@@ -92,24 +93,21 @@ def _bfloat16_bits(bits: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type((bits >> 16).astype(jnp.uint16), jnp.bfloat16)
 
 
-def _truncated_split(a: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``a`` (float32) as bfloat16 ``(hi, lo)`` with ``|a - hi - lo| < 2^-15 |a|`` (``a`` and
-    the rest normal numbers; rounding would give 2^-17, and the values and cotangents the pair
-    weights come from are bfloat16, 2^-9), by truncation: integer operations on the ALU.
-    Conversion instructions run on the exp unit (XU), which the exps keep busy already (ncu on
-    the H200: with two conversions per pair it was the sweep's busiest pipe, 72%)."""
-    bits = lax.bitcast_convert_type(a, jnp.uint32)
-    rest = a - lax.bitcast_convert_type(bits & jnp.uint32(0xFFFF0000), jnp.float32)  # exact
-    return _bfloat16_bits(bits), _bfloat16_bits(lax.bitcast_convert_type(rest, jnp.uint32))
+def rounded_bfloat16(a: jax.Array) -> jax.Array:
+    """``a`` (float32) rounded to the nearest bfloat16, ties away from zero (as
+    ``pallas_dots.split``'s ``hi``), by integer operations on the ALU. Conversion instructions
+    run on the exp unit (XU), which the exps keep busy already (ncu on the H200: with two
+    conversions per pair it was the sweep's busiest pipe, 72%)."""
+    return _bfloat16_bits(lax.bitcast_convert_type(a, jnp.uint32) + jnp.uint32(0x8000))
 
 
 def runs(launch, values: str, coords: str, parts_width: int, coords_width: int,
          columns: int) -> bool:
     """Whether a sweep of ``launch`` (a ``pallas_config.Launch``) runs here: on a Hopper GPU,
-    for a path whose values are multiplied in bfloat16 and coordinates in bfloat16 x 3 (the
+    for a path whose values are multiplied in bfloat16 and coordinates in ``"bf16x2"`` (the
     default precision's), at widths this kernel supports, with its program tile."""
     return (_pallas.mosaic_unavailable_reason() is None
-            and (values, coords) == ("bf16", "bf16x3")
+            and (values, coords) == ("bf16", "bf16x2")
             and unsupported_reason(parts_width, coords_width, columns, launch.block_l) is None
             and launch.block_p == BLOCK_P)
 
@@ -155,8 +153,8 @@ def pair_sums(
         reason = f"rows: P={x.shape[1]} by {BLOCK_P}, L={num_l} by {block_l}"
     if reason is not None:
         raise ValueError(f"the Mosaic GPU RBF gradient sweep cannot run this: {reason}")
-    operands = (x, y, *split(coords.astype(jnp.float32), "bf16x3"),
-                *split(own.astype(jnp.float32), "bf16x3"), u.astype(jnp.bfloat16),
+    operands = (x, y, *split(coords.astype(jnp.float32), "bf16x2"),
+                *split(own.astype(jnp.float32), "bf16x2"), u.astype(jnp.bfloat16),
                 w.astype(jnp.bfloat16))
 
     # The kernel runs under run_state (below), which has no batching rule: a vmapped axis
@@ -191,8 +189,8 @@ def _sweep(x, y, c_hi, c_lo, o_hi, o_lo, u, w, *, valid_l: int, block_l: int):
 
     def kernel(x_ref, y_ref, chi_ref, clo_ref, ohi_ref, olo_ref, u_ref, w_ref, loop_out, sums_out,
                pw_out, scoped):
-        (x_smem2, u_smem2, ohi_smem2, olo_smem2, y_smem, w_smem, chi_smem, clo_smem, ahi_smem2,
-         alo_smem2, loop_smem2, sums_smem2, pw_smem2), barriers, slot_free = scoped
+        (x_smem2, u_smem2, ohi_smem2, olo_smem2, y_smem, w_smem, chi_smem, clo_smem, a_smem2,
+         loop_smem2, sums_smem2, pw_smem2), barriers, slot_free = scoped
         y_ready, w_ready, c_ready, own_ready = barriers
         wg, b, p = lax.axis_index("wg"), lax.axis_index("b"), lax.axis_index("p")
         # Each program starts its loop at another tile, so that the programs running at once
@@ -207,7 +205,7 @@ def _sweep(x, y, c_hi, c_lo, o_hi, o_lo, u, w, *, valid_l: int, block_l: int):
             plgpu.set_max_registers(232, action="increase")
             x_smem, u_smem = x_smem2.at[wg], u_smem2.at[wg]
             ohi_smem, olo_smem = ohi_smem2.at[wg], olo_smem2.at[wg]
-            ahi_smem, alo_smem, loop_smem = ahi_smem2.at[wg], alo_smem2.at[wg], loop_smem2.at[wg]
+            a_smem, loop_smem = a_smem2.at[wg], loop_smem2.at[wg]
             own = pl.ds(p * BLOCK_P + wg * rows, rows)
             mine = ((x_ref, x_smem), (u_ref, u_smem), (ohi_ref, ohi_smem), (olo_ref, olo_smem))
             for i, (src, dst) in enumerate(mine):
@@ -238,26 +236,23 @@ def _sweep(x, y, c_hi, c_lo, o_hi, o_lo, u, w, *, valid_l: int, block_l: int):
                                                     layout=plgpu.Layout.WGMMA)
                     kernel_values = jnp.where(column + tile * block_l < valid_l, kernel_values,
                                               0.0)
-                a_hi, a_lo = lax.optimization_barrier(_truncated_split(kernel_values * uw))
+                a16 = lax.optimization_barrier(rounded_bfloat16(kernel_values * uw))
                 p16 = lax.optimization_barrier(kernel_values.astype(jnp.bfloat16))
                 # This step's loop-sum dots of the last step are done (waited for below).
-                ahi_smem[...] = a_hi
-                alo_smem[...] = a_lo
+                a_smem[...] = a16
                 plgpu.commit_smem()
                 plgpu.barrier_wait(c_ready.at[slot])
                 plgpu.barrier_wait(c_ready.at[slot + stages])
 
                 def dots(*loop_accs):
                     # small terms first
-                    plgpu.wgmma(sums_ref, a_lo, chi_smem.at[slot])
-                    plgpu.wgmma(sums_ref, a_hi, clo_smem.at[slot])
-                    plgpu.wgmma(sums_ref, a_hi, chi_smem.at[slot])
+                    plgpu.wgmma(sums_ref, a16, clo_smem.at[slot])
+                    plgpu.wgmma(sums_ref, a16, chi_smem.at[slot])
                     plgpu.wgmma(pw_ref, p16, w_smem.at[slot])
                     for half, acc in enumerate(loop_accs):  # A^T: loop rows by own rows
-                        cols = pl.ds(half * rows, rows)
-                        plgpu.wgmma(acc, _transposed(alo_smem.at[:, cols]), ohi_smem)
-                        plgpu.wgmma(acc, _transposed(ahi_smem.at[:, cols]), olo_smem)
-                        plgpu.wgmma(acc, _transposed(ahi_smem.at[:, cols]), ohi_smem)
+                        weights = _transposed(a_smem.at[:, pl.ds(half * rows, rows)])
+                        plgpu.wgmma(acc, weights, olo_smem)
+                        plgpu.wgmma(acc, weights, ohi_smem)
                     following = index + 1
 
                     @pl.when(following < steps)
@@ -328,7 +323,6 @@ def _sweep(x, y, c_hi, c_lo, o_hi, o_lo, u, w, *, valid_l: int, block_l: int):
             # The pair weights as the loop sums' operand A (read transposed): its swizzle must
             # be the own coordinates' (``wgmma``). 128-byte swizzles with transposed own
             # coordinates were slower on the H200 (methodology page).
-            plgpu.SMEM((wgs, rows, block_l), jnp.bfloat16, transforms=coords_tiles),
             plgpu.SMEM((wgs, rows, block_l), jnp.bfloat16, transforms=coords_tiles),
             plgpu.SMEM((wgs, block_l, coords_width), jnp.float32),
             plgpu.SMEM((wgs, rows, coords_width), jnp.float32),

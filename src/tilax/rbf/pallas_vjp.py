@@ -61,6 +61,7 @@ from tilax.rbf.pallas_config import (
     backward_distance,
     forward_distance,
     fuses_dv,
+    kde_coords,
 )
 from tilax.rbf.pallas_triton import Expansion
 
@@ -312,7 +313,7 @@ def _kde_grad_sweeps(path: PathConfig, distance, x, y, w, row_max, row_sum, g, n
     finite = jnp.isfinite(row_max) & (row_sum > 0)
     shift = layout.pad_rows(jnp.where(finite, -row_max, 0.0), rows_q)
     coef = layout.pad_rows(jnp.where(finite, g.astype(jnp.float32) / row_sum, 0.0), rows_q)
-    dots = dict(distance=distance, coords=path.modes.coords)
+    dots = dict(distance=distance, coords=kde_coords(path.modes))
     by_query = _run(
         "rbf_kde_density", pallas_triton.kernel_matmul_grad, path, path.dq,
         dict(x=x, y=y, scale=scale, x_offset=shift, x_coef=coef, y_coef=layout.pad_rows(w, rows_d)),
