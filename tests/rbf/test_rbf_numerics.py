@@ -222,3 +222,44 @@ def test_log_density_at_tiny_bandwidths(impl, precision):
                 continue  # beyond float32
             assert np.all(np.isfinite(np.asarray(grad))), (name, bandwidth)
             assert rel_err(grad, expected) < 1e-4, (name, bandwidth, rel_err(grad, expected))
+
+
+def test_default_gradients_of_distant_clusters():
+    """The default precision rounds the gradients' pair weights to bfloat16 but keeps the
+    coordinates in two parts (the ``"bf16x2"`` dot mode): for clusters some 40 lengthscales
+    apart, still within the fast budget, dq and dk keep the default's error. Coordinates in
+    one bfloat16 part would be off by about the spread times 2^-9 (4% here), because
+    ``sum_j A_ij k_j - q_i sum_j A_ij`` cancels; the weights' rounding does not, since their
+    row sum comes from the same products."""
+    rng = np.random.default_rng(8)
+    centres = np.array([[20.0, 0, 0], [-20.0, 0, 0], [0, 20.0, 0], [0, -20.0, 0]])
+    q = (np.repeat(centres, 40, axis=0) + 0.7 * rng.normal(size=(160, 3))).astype(np.float32)
+    k = (q + 0.3 * rng.normal(size=q.shape)).astype(np.float32)
+    v = rng.normal(size=(160, 4)).astype(np.float32)
+    g = rng.normal(size=(160, 4)).astype(np.float32)
+    lengthscale = np.float32(1.0)
+    qs, ks = numerics.centered_scaled(jnp.asarray(q), jnp.asarray(k), lengthscale)
+    assert numerics.spread_ratio(qs, ks) > 40
+    assert numerics.fast_distance_ok(qs, ks, None)  # the expansion: the fast path's sums
+    _, grads = value_and_grads("pallas", None)(q, k, v, lengthscale, g)
+    _, want = kernel_mv_value_and_grads(q, k, v, lengthscale, g)
+    for name, grad, expected in zip(("dq", "dk"), grads[:2], want[:2], strict=True):
+        assert rel_err(grad, expected) < 1e-2, (name, rel_err(grad, expected))
+
+
+def test_bf16x2_dot_rounds_the_first_operand_only():
+    """``"bf16x2"``: ``a`` rounded to bfloat16 (nearest), ``b`` in two bfloat16 parts."""
+    from tilax.rbf import pallas_dots
+
+    rng = np.random.default_rng(9)
+    a = rng.normal(size=(32, 64)).astype(np.float32)
+    b = (rng.normal(size=(64, 16)) * 100.0).astype(np.float32)
+    a_parts = pallas_dots.split(jnp.asarray(a), "bf16x2")
+    b_parts = pallas_dots.split(jnp.asarray(b), "bf16x2")
+    got = np.asarray(pallas_dots.dot(a_parts, b_parts, "bf16x2", "interpret"), np.float64)
+    a16 = np.asarray(a_parts[0].astype(jnp.float32), np.float64)
+    assert np.max(np.abs(a16 - a)) > 0  # rounded ...
+    assert np.all(np.abs(a16 - a) <= 2.0**-8 * np.abs(a))  # ... to the nearest bfloat16
+    want = a16 @ b.astype(np.float64)
+    assert rel_err(got, want) < 2.0**-15  # b's two parts: float32-like against rounded a
+    assert rel_err(got, a.astype(np.float64) @ b) > 2.0**-12  # a's rounding shows
