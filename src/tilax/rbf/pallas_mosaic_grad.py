@@ -12,9 +12,8 @@ as in the forward), ``u``, ``w`` the values and cotangents in bfloat16 (the ``"b
 mode), ``c`` the loop's and ``o`` the program's augmented points, multiplied by the pair weights
 rounded to bfloat16 (``a_hi c_hi + a_hi c_lo``: the ``"bf16x2"`` coords mode, one product
 against the coordinates' ``[hi | lo]``; the points' column of ones gives the weights' row sums
-from the same product).
-Each pair's exponential is computed once; the two sweeps this replaces (one over queries for
-dq, one over keys for dk and dv) computed it twice.
+from the same product). Each pair's exponential is computed once; the two sweeps this
+replaces (one over queries for dq, one over keys for dk and dv) computed it twice.
 
 The shape is the forward's (``tilax.rbf.pallas_mosaic``): a memory warpgroup streams the loop
 tiles through TMA into ``STAGES`` slots, two compute warpgroups own 64 rows each and run freely:
