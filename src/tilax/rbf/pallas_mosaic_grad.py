@@ -66,7 +66,7 @@ def shared_memory_bytes(parts_width: int, coords_width: int, columns: int, block
     own = wgs * rows * (4 * parts_width + 2 * columns + 2 * 2 * coords_width)
     loop = stages * block_l * (4 * parts_width + 2 * columns + 2 * 2 * coords_width)
     weights = wgs * rows * block_l * 2
-    staging = wgs * (block_l * 2 * coords_width + rows * columns) * 4  # sums: the loop's
+    staging = wgs * (block_l * coords_width + rows * columns) * 4  # sums: the loop's
     return own + loop + weights + staging
 
 
@@ -175,16 +175,19 @@ def pair_sums(
                 (True,) * len(outs))
 
     loop_sums, sums, pw = sweep(*operands)
+    return {"sums": sums, "pw": pw, "loop_sums": loop_sums}
 
-    def hi_plus_lo(a):  # small terms first
-        return a[..., coords_width:] + a[..., :coords_width]
 
-    return {"sums": hi_plus_lo(sums), "pw": pw, "loop_sums": hi_plus_lo(loop_sums)}
+def _lo_plus_hi(sums: jax.Array) -> jax.Array:
+    """Sums ``[rows, 2 C]`` against coordinates ``[hi | lo]`` as ``[rows, C]`` (small terms
+    first); in a ``wgmma`` tile both halves of a row are one thread's registers."""
+    half = sums.shape[1] // 2
+    return sums[:, half:] + sums[:, :half]
 
 
 def _sweep(x, y, c_parts, o_parts, u, w, *, valid_l: int, block_l: int):
     """``pair_sums``'s kernel on its operands (coordinates as bfloat16 ``[hi | lo]``):
-    ``(loop_sums, sums, pw)``, the sums as ``[hi | lo]`` too."""
+    ``(loop_sums, sums, pw)``."""
     batch, num_p, width = x.shape
     num_l, coords_width, columns = y.shape[1], c_parts.shape[2] // 2, u.shape[2]
     steps = pl.cdiv(valid_l, block_l)
@@ -274,7 +277,7 @@ def _sweep(x, y, c_parts, o_parts, u, w, *, valid_l: int, block_l: int):
                     dots, *[plgpu.ACC((rows, 2 * coords_width), jnp.float32)] * (block_l // rows))
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last step's sums are out
                 for half, value in enumerate(loop_sums):
-                    loop_smem.at[pl.ds(half * rows, rows)][...] = value
+                    loop_smem.at[pl.ds(half * rows, rows)][...] = _lo_plus_hi(value)
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(loop_smem, loop_out.at[b, pl.ds(tile * block_l, block_l)],
                                         reduction_op="add")
@@ -293,7 +296,7 @@ def _sweep(x, y, c_parts, o_parts, u, w, *, valid_l: int, block_l: int):
             # The program's sums are staged where the loop's were (their last reduction read).
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
             sums_smem = loop_smem.at[pl.ds(0, rows)]
-            sums_smem[...] = sums
+            sums_smem[...] = _lo_plus_hi(sums)
             pw_smem2.at[wg][...] = pw
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(sums_smem, sums_out.at[b, own])
@@ -330,7 +333,7 @@ def _sweep(x, y, c_parts, o_parts, u, w, *, valid_l: int, block_l: int):
             # be the own coordinates' (``wgmma``). 128-byte swizzles with transposed own
             # coordinates were slower on the H200 (methodology page).
             plgpu.SMEM((wgs, rows, block_l), jnp.bfloat16, transforms=coords_tiles),
-            plgpu.SMEM((wgs, block_l, 2 * coords_width), jnp.float32),
+            plgpu.SMEM((wgs, block_l, coords_width), jnp.float32),
             plgpu.SMEM((wgs, rows, columns), jnp.float32),
         ]
         barriers = (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
@@ -360,5 +363,5 @@ def _sweep(x, y, c_parts, o_parts, u, w, *, valid_l: int, block_l: int):
             pl.core_map(mesh, **params)(lambda: entry(*refs))
 
     zeros = [jnp.zeros((batch, rows_, cols), jnp.float32) for rows_, cols in
-             ((num_l, 2 * coords_width), (num_p, 2 * coords_width), (num_p, columns))]
+             ((num_l, coords_width), (num_p, coords_width), (num_p, columns))]
     return tuple(pl.run_state(launch)((x, y, c_parts, o_parts, u, w, *zeros))[-3:])
