@@ -400,9 +400,13 @@ def _switch(cfg: PallasConfig, q, k, scale, fast, exact):
         return exact()
     qs, ks = numerics.centered_scaled(q, k, scale)
     ok = numerics.fast_distance_ok(qs, ks, cfg.precision)
-    # Under vmap both branches run: the fast one gets finite points, so its unused gradient is 0.
-    qs, ks = jnp.where(ok, qs, 0.0), jnp.where(ok, ks, 0.0)
-    return lax.cond(ok, lambda: fast(qs, ks), exact)
+
+    def fast_branch():
+        # Under vmap both branches run: the fast one gets finite points, so its unused
+        # gradient is 0. (Inside the branch, the select fuses into the operands' layout.)
+        return fast(jnp.where(ok, qs, 0.0), jnp.where(ok, ks, 0.0))
+
+    return lax.cond(ok, fast_branch, exact)
 
 
 # Jitted (also when called eagerly): the distance switch is a lax.cond, which would otherwise
