@@ -19,7 +19,8 @@ One benchmark row is one *case* (a frozen dataclass from ``bench_moe``/``bench_r
    as a training loop issues them, the last call of each round ending in ``block_until_ready``
    (or ``torch.cuda.synchronize``), no warm-up rounds (done above). A round holds about
    ``QUEUED_S`` of calls, so the host's latency of one call and its wait (stored apart as
-   ``sync_call_s``, the warm-up call) is not counted once per call;
+   ``sync_call_s``, the warm-up call) is not counted once per call; the rounds are sized by a
+   probe of as many calls queued (``queued_call_s``) as that one call's time puts in a round;
 5. TFLOP/s or pairs/s are derived from the case's counted work and the median.
 
 Any exception becomes a failure row: ``extra_info["error"]`` holds the exception type and
@@ -45,6 +46,20 @@ from typing import Any
 QUEUED_S = 0.05
 OOM_MARKERS = ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory", "OutOfMemoryError")
 MAX_ERROR_CHARS = 2000
+
+
+def queued_call_s(workload, calls: int) -> float:
+    """One call's time when calls are queued: ``calls`` calls back to back, waited for once
+    (a probe, untimed by pytest-benchmark). The one-call time just after compilation ran 1.5 to
+    6 times the queued time on the H200 host (2.6 to 9.7 ms for calls of 1.6 ms), so rounds
+    sized by it held a fraction of ``QUEUED_S``, and each call carried that much more of its
+    round's fixed latency."""
+    start = time.perf_counter()
+    pending = None
+    for _ in range(calls):
+        pending = workload.start()
+    workload.finish(pending)
+    return (time.perf_counter() - start) / calls
 
 
 class Unavailable(Exception):
@@ -356,6 +371,14 @@ class Runner:
         rounds = int(settings.target_time_s / per_round)
         return max(settings.min_rounds, min(settings.max_rounds, rounds)), iterations
 
+    def sized_plan(self, case, seconds: float, warm_s: float) -> tuple[int, int]:
+        """``plan`` for calls of ``seconds``, capped by the case's own row limit (if it has one)
+        with calls of ``warm_s``, the first two calls' time."""
+        rounds, iterations = self.plan(seconds)
+        if getattr(case, "row_limit_s", None) is not None:
+            rounds, iterations = self.capped_plan(case, rounds, iterations, warm_s)
+        return rounds, iterations
+
     def capped_plan(self, case, rounds: int, iterations: int, seconds: float) -> tuple[int, int]:
         """(rounds, iterations) cut to what fits the row's limit after its first two calls
         (each about ``seconds`` when compile is set aside): fewer rounds, and fewer queued calls
@@ -409,9 +432,14 @@ class Runner:
             self._remember_failure(case, describe_error(exc))
             return
         self.info["sync_call_s"] = warm_s
-        rounds, iterations = self.plan(warm_s)
-        if getattr(case, "row_limit_s", None) is not None:
-            rounds, iterations = self.capped_plan(case, rounds, iterations, warm_s)
+        rounds, iterations = self.sized_plan(case, warm_s, warm_s)
+        if iterations > 1:
+            try:
+                queued_s = queued_call_s(workload, iterations)
+            except Exception as exc:  # noqa: BLE001
+                self._remember_failure(case, describe_error(exc))
+                return
+            rounds, iterations = self.sized_plan(case, queued_s, warm_s)
         errors: list[BaseException] = []
         issued = 0
 

@@ -39,8 +39,11 @@ def fake_benchmark():
 
 
 class FakeWorkload:
-    def __init__(self, seconds=0.0, error=None):
+    """Calls of ``seconds`` each; each wait costs ``wait_s`` more (the host's latency)."""
+
+    def __init__(self, seconds=0.0, error=None, wait_s=0.0):
         self.seconds, self.error, self.calls, self.waits = seconds, error, 0, []
+        self.wait_s = wait_s
 
     def start(self):
         self.calls += 1
@@ -51,6 +54,7 @@ class FakeWorkload:
 
     def finish(self, pending):
         self.waits.append(pending)
+        time.sleep(self.wait_s)
         return pending
 
     def call(self):
@@ -106,14 +110,34 @@ def test_measured_row(fake_benchmark):
     stats = fake_benchmark.stats.stats
     assert 3 <= stats.rounds <= 5 and stats.median >= 0.002
     assert info["tflops"] == pytest.approx(1e9 / stats.median / 1e12)
-    # compile call, warm-up call, then rounds of calls queued back to back (50 ms of 2 ms
-    # calls), waiting once per round
+    # compile call, warm-up call, a probe of queued calls (as many as 50 ms holds at the
+    # warm-up call's time), then rounds of calls queued back to back (50 ms of 2 ms calls),
+    # waiting once per round
     queued = stats.iterations
-    # (a loaded machine sleeps longer than asked: the count follows the warm-up call it timed)
+    # (a loaded machine sleeps longer than asked: the counts follow the calls it timed)
     assert info["sync_call_s"] >= 0.002
-    assert queued == min(50, math.ceil(0.05 / info["sync_call_s"])) > 1
-    assert workload.calls == 2 + stats.rounds * queued
-    assert workload.waits[2:] == [2 + queued * (r + 1) for r in range(stats.rounds)]
+    probe = min(50, math.ceil(0.05 / info["sync_call_s"]))
+    assert queued > 1
+    assert workload.calls == 2 + probe + stats.rounds * queued
+    assert workload.waits[2:] == [2 + probe + queued * r for r in range(stats.rounds + 1)]
+
+
+def test_rounds_are_sized_by_queued_calls_not_by_one_waited_call(fake_benchmark):
+    # A wait of 8 ms after 2 ms of work: sized by that one call, a round of 50 ms would hold
+    # 5 calls; sized by the probe's queued calls (5 calls and one wait, 3.6 ms a call), 14.
+    workload = FakeWorkload(seconds=0.002, wait_s=0.008)
+    Runner(fake_benchmark, make_state()).run(FakeCase(work=1e9, workload=workload))
+    info = fake_benchmark.extra_info
+    assert info["sync_call_s"] >= 0.010
+    assert fake_benchmark.stats.stats.iterations > math.ceil(0.05 / info["sync_call_s"])
+
+
+def test_calls_of_a_round_or_more_are_not_probed(fake_benchmark):
+    workload = FakeWorkload(seconds=0.06)
+    Runner(fake_benchmark, make_state()).run(FakeCase(work=1e9, workload=workload))
+    stats = fake_benchmark.stats.stats
+    assert stats.iterations == 1
+    assert workload.calls == 2 + stats.rounds
 
 
 def test_budget_spent_makes_a_skipped_row(fake_benchmark):
