@@ -22,6 +22,17 @@ def platform() -> str:
     return jax.default_backend()
 
 
+def interpreted() -> bool:
+    """Whether Pallas kernels traced now run in JAX's GPU interpret mode (on a CPU): its context
+    manager (``jax._src.pallas.mosaic_gpu.interpret.params.force_gpu_interpret_mode``, which
+    the tests use) sets this config. Kernels that inline Mosaic GPU code, which the
+    interpreter cannot run, compute the same values with JAX operations there."""
+    from jax._src import config
+
+    state = getattr(config, "pallas_tpu_interpret_mode_context_manager", None)
+    return state is not None and state.value is not None
+
+
 @functools.cache
 def gpu_compute_capability() -> tuple[int, int] | None:
     """Compute capability of the first CUDA device, or ``None`` off CUDA GPUs."""

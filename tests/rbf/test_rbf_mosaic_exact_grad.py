@@ -1,7 +1,8 @@
-"""The Mosaic GPU exact gradient sweeps (tilax.rbf.pallas_mosaic_exact_grad) on a CPU: the whole
-``"highest"`` backward through them in JAX's GPU interpret mode (tests/mosaic_interpret.py)
-against the Triton kernels' (interpreted), lowering for CUDA, and the settings they refuse.
-Registers, layouts and timing are the GPU's."""
+"""The Mosaic GPU exact gradient sweep (tilax.rbf.pallas_mosaic_exact_grad) on a CPU: the whole
+``"highest"`` backward through it in JAX's GPU interpret mode (tests/mosaic_interpret.py)
+against the Triton kernels' (interpreted), its sums against a float64 oracle, lowering for
+CUDA (with the column sums' shuffles, which the interpreter replaces by ``jnp.sum``), and the
+settings it refuses. Registers, layouts and timing are the GPU's."""
 
 from __future__ import annotations
 
@@ -62,18 +63,58 @@ def test_highest_gradients_match_the_triton_kernels_in_interpret_mode(isotropic)
         assert np.linalg.norm(a - b) <= 1e-5 * np.linalg.norm(b), name
 
 
-@pytest.mark.parametrize("per_dimension, with_squares, with_pw",
-                         [(True, True, False), (True, False, True), (False, True, False)])
-def test_lowers_for_cuda(per_dimension, with_squares, with_pw):
+@pytest.mark.parametrize("per_dimension", [True, False])
+def test_pair_sums_match_float64_in_interpret_mode(per_dimension):
+    """Each output of one sweep against float64 sums over the pairs, with a partial last
+    query tile (valid_l = 150 of 192 rows) and padded keys."""
+    from mosaic_interpret import interpreter_for_loads
+
+    interpreter = interpreter_for_loads()
+    rng = np.random.default_rng(5)
+    dims, num_keys, num_queries, valid_l, out = 4, 128, 192, 150, 16
+    x = rng.normal(size=(1, dims, num_keys)).astype(np.float32)
+    y = rng.normal(size=(1, dims, num_queries)).astype(np.float32)
+    scale = (rng.uniform(0.5, 1.0, dims) if per_dimension else rng.uniform(0.5, 1.0, 1)).astype(
+        np.float32)
+    u = rng.normal(size=(1, num_keys, out)).astype(np.float32)
+    w = rng.normal(size=(1, num_queries, out)).astype(np.float32)
+    with interpreter:
+        got = pallas_mosaic_exact_grad.pair_sums(
+            x, y, distance=Difference(dims, per_dimension), valid_l=valid_l, scale=scale,
+            u=u, w=w, with_squares=True)
+    got = {name: np.asarray(a, np.float64) for name, a in got.items()}
+    e = x[0, :, :, None].astype(np.float64) - y[0, :, None, :valid_l]  # [D, keys, queries]
+    r = scale.astype(np.float64)[:, None, None]
+    t = -np.sum((r * e) ** 2, axis=0) if per_dimension else -r[0] ** 2 * np.sum(e**2, axis=0)
+    kernel = np.exp2(t)
+    a = kernel * (u[0].astype(np.float64) @ w[0, :valid_l].T.astype(np.float64))
+    want = {"sums": np.sum(a * e, axis=2) * (r[:, :, 0] if per_dimension else 1.0),
+            "pw": kernel @ w[0, :valid_l].astype(np.float64),
+            "loop_sums": np.sum(a * e, axis=1)}
+    assert got["loop_sums"].shape == (1, dims, 4, num_queries)
+    loop = got["loop_sums"][0].sum(axis=1)
+    np.testing.assert_allclose(loop[:, :valid_l], want["loop_sums"], rtol=1e-5, atol=1e-5)
+    assert not loop[:, valid_l:].any()  # masked queries add nothing
+    np.testing.assert_allclose(got["sums"][0], want["sums"], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got["pw"][0], want["pw"], rtol=1e-5, atol=1e-5)
+    if per_dimension:
+        squares = np.sum(a * e**2, axis=2) * r[:, :, 0] ** 2
+        np.testing.assert_allclose(got["squares"][0], squares, rtol=1e-5, atol=1e-5)
+    else:
+        np.testing.assert_allclose(got["rows"][0, 0], np.sum(a * t, axis=1), rtol=1e-5,
+                                   atol=1e-5)
+
+
+@pytest.mark.parametrize("per_dimension", [True, False])
+def test_lowers_for_cuda(per_dimension):
     f32 = jnp.float32
     args = [jax.ShapeDtypeStruct(s, f32) for s in ((2, 8, 256), (2, 8, 320), (2, 256, 32),
                                                    (2, 320, 32), (8 if per_dimension else 1,))]
 
     def sweep(x, y, u, w, scale):
-        return pallas_mosaic_exact_grad.kernel_matmul_grad(
+        return pallas_mosaic_exact_grad.pair_sums(
             x, y, u=u, w=w, scale=scale, distance=Difference(8, per_dimension), valid_l=300,
-            values="tf32x3", with_squares=with_squares, with_pw=with_pw, **SWEEP,
-        )  # fmt: skip
+            with_squares=True)
 
     module = export.export(jax.jit(sweep), platforms=["cuda"])(*args).mlir_module()
     assert module.count("mosaic_gpu") >= 1
@@ -84,19 +125,17 @@ def test_lowers_for_cuda(per_dimension, with_squares, with_pw):
     [
         (dict(distance=Difference(8, True, rounded=True)), "unrounded"),
         (dict(distance=Difference(32, True)), "32 dimensions"),
-        (dict(values="bf16"), "float32 accuracy"),
         (dict(block_l=128), "must be 64"),
     ],
 )
 def test_unsupported_settings_say_why(settings, match):
     x = jnp.zeros((1, 8, 128), jnp.float32)
     u = jnp.zeros((1, 128, 16), jnp.float32)
-    kwargs = dict(distance=Difference(8, True), valid_l=128, values="tf32x3", scale=jnp.ones(8),
-                  u=u, w=u, **SWEEP) | settings
+    kwargs = dict(distance=Difference(8, True), valid_l=128, scale=jnp.ones(8), u=u, w=u,
+                  with_squares=True) | settings
     with pytest.raises(ValueError, match=match):
-        pallas_mosaic_exact_grad.kernel_matmul_grad(x, x, **kwargs)
+        pallas_mosaic_exact_grad.pair_sums(x, x, **kwargs)
     with pytest.raises(ValueError, match="value columns 80"):
         wide = jnp.zeros((1, 128, 80), jnp.float32)
-        pallas_mosaic_exact_grad.kernel_matmul_grad(
-            x, x, **(kwargs | dict(u=wide, w=wide, distance=Difference(8, True),
-                                   values="tf32x3", block_l=64)))
+        pallas_mosaic_exact_grad.pair_sums(
+            x, x, **(kwargs | dict(u=wide, w=wide, distance=Difference(8, True), block_l=64)))

@@ -92,8 +92,8 @@ class Launch:
     backward as one sweep on ``tilax.rbf.pallas_mosaic_grad`` with the ``dk`` launch's tiles
     (program tile 128; set both; the KDE, which has no Mosaic GPU sweep, is never given such
     launches); on those of the exact
-    path, on ``tilax.rbf.pallas_mosaic_exact_grad`` (``"highest"``; program tile 128, loop
-    tile 64).
+    path, ``"mosaic"`` runs the backward as one sweep on ``tilax.rbf.pallas_mosaic_exact_grad``
+    with the ``dk`` launch's tiles (``"highest"``; program tile 128, loop tile 64; set both).
     """
 
     block_p: int
@@ -431,14 +431,14 @@ def _path_config(
 
 def _mosaic_exact(config: PathConfig, batch: int, n: int, m: int, dim: int) -> PathConfig:
     """``config`` with ``rbf_kernel_mv``'s exact forward on ``tilax.rbf.pallas_mosaic_exact``
-    and its gradient sweeps on ``tilax.rbf.pallas_mosaic_exact_grad``, each where it runs
+    and its backward on ``tilax.rbf.pallas_mosaic_exact_grad`` (one sweep), each where it runs
     (``runs``: Hopper, ``"highest"``'s float32 values, at most ``MAX_DIMS`` dimensions, value
     columns the sweeps take) and its 128-row program tiles still give two programs per SM (the
     rule of the Triton launches), with its own tiles; explicit tiles keep the Triton kernels. On
     the H200 at N = M = 65536, D = 8, O = 16 the forward took 7.56 ms on it against 11.0 ms on
     the Triton difference kernel, and forward + backward 35.1 ms against 50.7 ms with the Triton
-    sweeps (the ``kernel_mv`` and ``kernel_mv_launches`` bench suites' ``"highest"`` rows; see
-    the methodology page)."""
+    sweeps when the Mosaic GPU backward was two sweeps (the ``kernel_mv`` and
+    ``kernel_mv_launches`` bench suites' ``"highest"`` rows; see the methodology page)."""
     distance = Difference(difference_dims(dim), per_dimension=True)
 
     def fits(launch, size, programs):

@@ -1,30 +1,37 @@
-"""Pallas Mosaic GPU kernel (Hopper) for the gradient sweeps of ``rbf_kernel_mv``'s exact path at
-float32 accuracy: the sums of ``pallas_triton.kernel_matmul_grad``'s difference case.
+"""Pallas Mosaic GPU kernel (Hopper) for the backward of ``rbf_kernel_mv``'s exact path at float32
+accuracy: every gradient sum from one sweep over the pairs.
 
-One sweep (programs over the rows of one point set, a loop over tiles of the other) forms, for
-each program row ``i``, with ``A_il = exp2(t_il) (u_i . w_l)`` and ``e_d = x_d - y_d``::
+Programs own 128 keys (two compute warpgroups of 64) and loop over tiles of 64 queries; with
+``A_il = exp2(t_il) (v_i . g_l)`` and the differences ``e_d = x_d - y_d`` (``x`` the keys, ``y``
+the queries)::
 
-    sums[d, i] = r_d sum_l A_il e_d                  squares[d, i] = r_d^2 sum_l A_il e_d^2
-    rows[0, i] = sum_l A_il t_il (shared scale)      pw[i] = sum_l exp2(t_il) w_l
+    sums[d, i] = r_d sum_l A e_d        loop_sums[d, l] = sum_i A e_d (added over the programs)
+    pw[i] = sum_l exp2(t) g_l           squares[d, i] = r_d^2 sum_l A e_d^2, or
+                                        rows[0, i] = sum_l A t (shared scale)
 
 (``t`` as in ``tilax.rbf.pallas_mosaic_exact``, whose layout this kernel shares: coordinates as
-row and column vectors of the ``wgmma`` register layout, differences on the FMA units). The
-query sweep (squares or rows on) gives dq and the lengthscale's gradient, the key sweep (``pw``
-on) dk and dv. ``u . w`` and ``exp2(t) w`` run on the tensor cores from operands split exactly
-into three bfloat16 parts (six products, a fresh accumulator a tile, added in float32); the
-sums over ``l`` are float32 multiply-adds, each thread folding a tile's columns onto 8 that it
-keeps until the loop ends (no adds across threads per tile).
+row and column vectors of the ``wgmma`` register layout, differences on the FMA units): dk, dv
+and the lengthscale's pair-by-pair squares from the program's rows, dq from the loop's columns.
+``v . g`` and ``exp2(t) g`` run on the tensor cores from operands split exactly into three
+bfloat16 parts (six products, a fresh accumulator a tile, added in float32). The row sums are
+float32 multiply-adds, each thread folding a tile's columns onto 8 that it keeps until the loop
+ends. The column sums are formed per tile: each thread adds its two rows, butterfly shuffles
+halve the columns among a warp's row groups (``_column_sums_by_warp``), and a TMA reduction
+adds each warp's 64 sums into the output.
 
-Runs where an exact path's ``dq`` and ``dk`` launches name ``backend="mosaic"`` (program tile
-``BLOCK_P``, loop tile ``BLOCK_L``), as ``pallas_config`` chooses for ``rbf_kernel_mv`` on
-Hopper: forward + backward 35.1 ms against 50.7 ms with the Triton sweeps on the H200 (N = M =
-65536, D = 8, O = 16), 33.3 ms with the row sums folded per thread.
+Before it, the query and key sums came from two sweeps of this layout, each forming every
+pair's exponent: forward + backward 33.3 ms on the H200 (N = M = 65536, D = 8, O = 16,
+per-dimension lengthscales) against 50.7 ms with the Triton sweeps; the one sweep took 20.4 ms
+against 25.7 ms for the two (methodology page).
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
@@ -45,6 +52,7 @@ from tilax.rbf.pallas_mosaic_exact import (
     scale_rows,
     split3,
 )
+from tilax.rbf.pallas_mosaic_grad import _rotated
 from tilax.rbf.pallas_triton import FLOAT32_MAX, Distance
 
 #: Loop tiles in flight.
@@ -76,64 +84,137 @@ def runs(launch, distance: Distance, values: str, columns: int) -> bool:
             and launch.block_p == BLOCK_P and launch.block_l == BLOCK_L)
 
 
-def kernel_matmul_grad(
+def _column_sums_by_warp(values: jax.Array) -> jax.Array:
+    """``values: [64, 64]`` (float32, ``wgmma`` layout) summed over each warp's 16 rows:
+    ``[4, 64]``, in the layout where thread ``32 w + L`` holds row ``w``'s columns ``2L`` and
+    ``2L + 1`` (``WG_STRIDED`` with vectors of two).
+
+    On the GPU each thread adds its two rows of a column, then the eight threads that share a
+    column in a warp halve their columns three times with butterfly shuffles (each keeps half
+    and sends the other half: 14 shuffles and 14 adds a thread, where a full butterfly of every
+    column takes 48 and 48). In JAX's GPU interpreter the same sums by ``jnp.sum``."""
+    rows, cols = values.shape
+    warps = rows // 16
+    if _pallas.interpreted():
+        return jnp.sum(values.reshape(warps, 16, cols), axis=1)
+    import jax.experimental.mosaic.gpu as mgpu
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith
+
+    layout = plgpu.Layout.WG_STRIDED((warps, cols), vec_size=2)
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,),
+                       return_type=plgpu.ShapeDtypeStruct((warps, cols), jnp.float32,
+                                                          layout=layout))
+    def reduce(ctx, array):
+        del ctx
+        i32 = ir.IntegerType.get_signless(32)
+        lane = arith.remui(mgpu.utils.thread_idx(), mgpu.c(32, i32))
+        regs = array.registers  # [1, column chunk j, 1, 1, row half h, 1, 1, 1, 1]
+        chunks = [arith.addf(regs[0, j, 0, 0, 0, 0, 0, 0, 0], regs[0, j, 0, 0, 1, 0, 0, 0, 0])
+                  for j in range(regs.shape[1])]
+        # Lane bits 4, 3, 2 index the row within 8: after the round on bit b, a thread keeps
+        # the chunks whose index has bit b's value in the matching place.
+        for distance in (16, 8, 4):
+            bit = arith.cmpi(arith.CmpIPredicate.ne, arith.andi(lane, mgpu.c(distance, i32)),
+                             mgpu.c(0, i32))
+            half = len(chunks) // 2
+            kept = []
+            for low, high in zip(chunks[:half], chunks[half:], strict=True):
+                keep = arith.select(bit, high, low)
+                send = arith.select(bit, low, high)
+                kept.append(arith.addf(keep, mgpu.utils.shfl_bfly(send, distance)))
+            chunks = kept
+        # Thread L of warp w now holds chunk j = L >> 2, columns 8 j + 2 (L & 3) + {0, 1}:
+        # that is 2 L and 2 L + 1.
+        return mgpu.FragmentedArray(_registers=np.asarray(chunks, dtype=object),
+                                    _layout=layout.to_mgpu(), _is_signed=None)
+
+    return reduce(values)
+
+
+def pair_sums(
     x: jax.Array,
     y: jax.Array,
     *,
     distance: Distance,
     valid_l: int,
-    block_p: int,
-    block_l: int,
     scale: jax.Array,
     u: jax.Array,
     w: jax.Array,
-    values: str,
-    with_squares: bool = False,
-    with_pw: bool = False,
+    with_squares: bool,
+    block_p: int = BLOCK_P,
+    block_l: int = BLOCK_L,
     backend: str | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
-    block_o: int | None = None,
-    coords: str | None = None,
 ) -> dict[str, jax.Array]:
-    """The sums above, as ``pallas_triton.kernel_matmul_grad`` returns them for a
-    :class:`~tilax.rbf.pallas_triton.Difference` with cotangents ``u: [B, P, O]`` and values
-    ``w: [B, L, O]`` (float32): ``{"sums": [B, D, P]}``, with ``with_squares`` also
-    ``"squares": [B, D, P]`` (per-dimension scale) or ``"rows": [B, 1, P]`` (shared), with
-    ``with_pw`` also ``"pw": [B, P, O]``. ``backend``, ``num_warps``, ``num_stages``,
-    ``block_o`` and ``coords`` are not used (one backend, three warpgroups, every column at
-    once, no coordinate products)."""
-    del backend, num_warps, num_stages, block_o, coords
+    """The sums in the module docstring, programs over the rows of ``x`` (keys), a loop over the
+    tiles of ``y`` (queries), ``u: [B, P, O]`` the keys' values and ``w: [B, L, O]`` the
+    cotangents (``A_il = exp2(t_il) (u_i . w_l)``).
+
+    ``x: [B, D, P]`` and ``y: [B, D, L]`` are the exact path's coordinates
+    (``pallas_layout.exact_points``), ``scale`` its residual scale, ``u`` and ``w`` float32.
+    Returns ``{"sums": [B, D, P], "pw": [B, P, O], "loop_sums": [B, D, 4, L]}`` and with
+    ``with_squares`` ``"squares": [B, D, P]`` (per-dimension scale) or ``"rows": [B, 1, P]``;
+    ``loop_sums`` holds one row of partial sums a warp, unscaled (the caller adds the rows and
+    multiplies by ``r_d``). ``block_p`` and ``block_l`` must be the kernel's; ``backend``,
+    ``num_warps`` and ``num_stages`` are not used (one backend, three warpgroups)."""
+    del backend, num_warps, num_stages
     batch, dims, num_p = x.shape
     num_l, columns = y.shape[2], u.shape[2]
-    reason = unsupported_reason(distance, values, columns)
-    if reason is None and (block_p != BLOCK_P or block_l != BLOCK_L or num_p % block_p
-                           or num_l % block_l or dims != distance.dim):
+    reason = unsupported_reason(distance, "tf32x3", columns)
+    if reason is None and (block_p != BLOCK_P or block_l != BLOCK_L or num_p % BLOCK_P
+                           or num_l % BLOCK_L or dims != distance.dim):
         reason = (f"tiles: P={num_p} by {block_p} (must be {BLOCK_P}), L={num_l} by "
                   f"{block_l} (must be {BLOCK_L}), D={dims}")
     if reason is not None:
-        raise ValueError(f"the Mosaic GPU exact RBF gradient sweep cannot run this: {reason}")
+        raise ValueError(f"the Mosaic GPU exact RBF pair sums cannot run this: {reason}")
     per_dimension = distance.per_dimension
     squares_out = with_squares and per_dimension
     rows_out = with_squares and not per_dimension
     x = jnp.concatenate([x.astype(jnp.float32), scale_rows(scale, per_dimension, num_p,
                                                             batch)], axis=1)
-    u_parts, w_parts = split3(u.astype(jnp.float32)), split3(w.astype(jnp.float32))
+    operands = (x, y.astype(jnp.float32), *split3(u.astype(jnp.float32)),
+                *split3(w.astype(jnp.float32)))
+    stat_rows = dims if squares_out else 1
+    zeros = [jnp.zeros(s, jnp.float32) for s in
+             ((batch, dims, 4, num_l), (batch, dims, num_p), (batch, stat_rows, num_p),
+              (batch, num_p, columns))]
+    loop_sums, sums, stats, pw = pl.run_state(functools.partial(
+        _launch_pair_sums, per_dimension=per_dimension, squares_out=squares_out,
+        rows_out=rows_out, valid_l=valid_l))((*operands, *zeros))[-4:]
+    out = {"loop_sums": loop_sums, "sums": sums, "pw": pw}
+    if with_squares:
+        out["squares" if squares_out else "rows"] = stats
+    return out
+
+
+def _launch_pair_sums(refs, *, per_dimension, squares_out, rows_out, valid_l):
+    """``pair_sums``'s kernel on the Refs of ``run_state``: ``x, y``, the three parts of ``u``
+    and of ``w``, then the zeroed ``loop_sums, sums, stats, pw``."""
+    batch, width, num_p = refs[0].shape
+    dims = refs[1].shape[1]
+    columns = refs[2].shape[2]
+    block_l = BLOCK_L
     steps = pl.cdiv(valid_l, block_l)
     full_steps = valid_l // block_l
     stages = max(1, min(STAGES, steps))
     rows = ROWS_PER_WARPGROUP
+    programs = num_p // BLOCK_P
     row_layout = plgpu.Layout.WGMMA.reduce(1)
     column_layout = plgpu.Layout.WGMMA.reduce(0)
     shape = (rows, block_l)
-    outputs = ["sums", *(["squares"] if squares_out else []), *(["rows"] if rows_out else []),
-               *(["pw"] if with_pw else [])]
 
-    def kernel(x_ref, y_ref, u_refs, w_refs, out_refs, scoped):
-        (x_smem2, u_smem, y_smem, w_smem, sums_smem2, squares_smem2, pw_smem2), \
+    def kernel(refs, scoped):
+        x_ref, y_ref, u_refs, w_refs = refs[0], refs[1], refs[2:5], refs[5:8]
+        loop_out, sums_out, stats_out, pw_out = refs[8:]
+        (x_smem2, u_smem, y_smem, w_smem, loop_smem2, sums_smem2, stats_smem2, pw_smem2), \
             (own_ready, y_ready, w_ready), slot_free = scoped
-        wg, b = lax.axis_index("wg"), lax.axis_index("b")
-        out = dict(zip(outputs, out_refs, strict=True))
+        wg, b, p = lax.axis_index("wg"), lax.axis_index("b"), lax.axis_index("p")
+        # Each program starts its loop at another tile, so that the programs running at once
+        # add into different columns of the loop sums.
+        offset = (p * full_steps) // programs
 
         def slot_of(step):
             return lax.rem(step, jnp.array(stages, step.dtype))
@@ -141,8 +222,8 @@ def kernel_matmul_grad(
         @pl.when(wg < COMPUTE_WARPGROUPS)
         def _compute():
             plgpu.set_max_registers(232, action="increase")
-            x_smem = x_smem2.at[wg]
-            own = pl.ds(lax.axis_index("p") * BLOCK_P + wg * rows, rows)
+            x_smem, loop_smem = x_smem2.at[wg], loop_smem2.at[wg]
+            own = pl.ds(p * BLOCK_P + wg * rows, rows)
             plgpu.copy_gmem_to_smem(x_ref.at[b, :, own], x_smem, own_ready.at[4 * wg])
             for part, u_ref in enumerate(u_refs):
                 plgpu.copy_gmem_to_smem(u_ref.at[b, own], u_smem.at[3 * wg + part],
@@ -162,9 +243,6 @@ def kernel_matmul_grad(
                 return lax.broadcast_in_dim(vector, shape, (0,))
 
             def folded(x, y=None):
-                """The tile's sums of ``x`` (times ``y``) over each row's columns, folded to
-                ``FOLD`` columns: each thread adds its own registers (multiply-adds), and the
-                adds across threads wait for the end of the loop."""
                 total = None
                 for start in range(0, block_l, FOLD):
                     part = x[:, start:start + FOLD]
@@ -176,6 +254,7 @@ def kernel_matmul_grad(
             def step(index, carry, masked):
                 sums, squares, stat, pw = carry
                 slot = slot_of(index)
+                tile = _rotated(index, full_steps, offset)
                 plgpu.barrier_wait(y_ready.at[slot])
                 t = None
                 for d in range(dims):
@@ -185,11 +264,12 @@ def kernel_matmul_grad(
                     t = (-e) * e if t is None else t - e * e
                 if not per_dimension:
                     t = t * by_rows(scales[0])
-                p = jnp.exp2(t)
+                kernel_values = jnp.exp2(t)
                 if masked:
                     column = plgpu.broadcasted_iota(jnp.int32, shape, 1,
                                                     layout=plgpu.Layout.WGMMA)
-                    p = jnp.where(column + index * block_l < valid_l, p, 0.0)
+                    kernel_values = jnp.where(column + tile * block_l < valid_l,
+                                              kernel_values, 0.0)
                 for part in range(3):
                     plgpu.barrier_wait(w_ready.at[3 * slot + part])
 
@@ -199,29 +279,32 @@ def kernel_matmul_grad(
                                     _transposed(w_smem.at[3 * slot + w_part]))
                     return acc_ref[...]
 
-                a = p * pl.run_scoped(cotangent_products, plgpu.ACC(shape, jnp.float32))
-                if with_pw:
-                    p_parts = lax.optimization_barrier(split3(p))
+                a = kernel_values * pl.run_scoped(cotangent_products,
+                                                  plgpu.ACC(shape, jnp.float32))
+                p_parts = lax.optimization_barrier(split3(kernel_values))
 
-                    def value_products(acc_ref):
-                        for p_part, w_part in PRODUCTS:
-                            plgpu.wgmma(acc_ref, p_parts[p_part], w_smem.at[3 * slot + w_part])
-                        return acc_ref[...]
+                def value_products(acc_ref):
+                    for p_part, w_part in PRODUCTS:
+                        plgpu.wgmma(acc_ref, p_parts[p_part], w_smem.at[3 * slot + w_part])
+                    return acc_ref[...]
 
-                    pw = pw + pl.run_scoped(value_products,
-                                            plgpu.ACC((rows, columns), jnp.float32))
+                pw = pw + pl.run_scoped(value_products, plgpu.ACC((rows, columns), jnp.float32))
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's sums are out
                 new_sums, new_squares = [], []
                 for d in range(dims):  # unscaled: the residual scale multiplies the sums last
                     e = differences(slot, d)
+                    ae = a * e
+                    new_sums.append(sums[d] + folded(ae))
                     if squares_out:
-                        ae = a * e
-                        new_sums.append(sums[d] + folded(ae))
                         new_squares.append(squares[d] + folded(ae, e))
-                    else:
-                        new_sums.append(sums[d] + folded(a, e))
+                    loop_smem.at[d][...] = _column_sums_by_warp(ae)
                 if rows_out:  # (t = -inf beyond float32 would give 0 * inf)
                     stat = stat + folded(a, jnp.maximum(t, -FLOAT32_MAX))
                 plgpu.barrier_arrive(slot_free.at[slot])  # every read of the slot is done
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(loop_smem, loop_out.at[b, :, :, pl.ds(tile * block_l,
+                                                                             block_l)],
+                                        reduction_op="add")
                 return tuple(new_sums), tuple(new_squares), stat, pw
 
             def zeros(shape_):
@@ -240,27 +323,26 @@ def kernel_matmul_grad(
                 residual = scales[d] if per_dimension else None
                 sums_smem2.at[wg, d][...] = sums[d] * residual if per_dimension else sums[d]
                 if squares_out:
-                    squares_smem2.at[wg, d][...] = squares[d] * (residual * residual)
+                    stats_smem2.at[wg, d][...] = squares[d] * (residual * residual)
             if rows_out:
-                squares_smem2.at[wg, 0][...] = stat
-            if with_pw:
-                pw_smem2.at[wg][...] = pw
+                stats_smem2.at[wg, 0][...] = stat
+            pw_smem2.at[wg][...] = pw
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(sums_smem2.at[wg], out["sums"].at[b, :, own])
+            plgpu.copy_smem_to_gmem(sums_smem2.at[wg], sums_out.at[b, :, own])
             if squares_out or rows_out:
-                stats = squares_smem2.at[wg] if squares_out else squares_smem2.at[wg, pl.ds(0, 1)]
-                plgpu.copy_smem_to_gmem(stats, out["squares" if squares_out else "rows"].at[
-                    b, :, own])
-            if with_pw:
-                plgpu.copy_smem_to_gmem(pw_smem2.at[wg], out["pw"].at[b, own])
+                stat_rows = stats_out.shape[1]
+                plgpu.copy_smem_to_gmem(stats_smem2.at[wg, pl.ds(0, stat_rows)],
+                                        stats_out.at[b, :, own])
+            plgpu.copy_smem_to_gmem(pw_smem2.at[wg], pw_out.at[b, own])
             plgpu.wait_smem_to_gmem(0)
 
         @pl.when(wg == COMPUTE_WARPGROUPS)
         def _memory():
             plgpu.set_max_registers(40, action="decrease")
 
-            def fetch(tile, slot):
-                tile_rows = pl.ds(tile * block_l, block_l)
+            def fetch(index, slot):
+                tile_rows = pl.ds(_rotated(index, full_steps, offset) * block_l, block_l)
                 plgpu.copy_gmem_to_smem(y_ref.at[b, :, tile_rows], y_smem.at[slot],
                                         y_ready.at[slot])
                 for part, w_ref in enumerate(w_refs):
@@ -270,40 +352,32 @@ def kernel_matmul_grad(
             stream_tiles(steps, stages, fetch,
                          lambda slot: plgpu.barrier_wait(slot_free.at[slot]))
 
-    def entry(x_ref, y_ref, u_hi, u_mid, u_lo, w_hi, w_mid, w_lo, *out_refs):
+    def entry(*kernel_refs):
+        wgs = COMPUTE_WARPGROUPS
         smem = [
-            plgpu.SMEM((COMPUTE_WARPGROUPS, x.shape[1], rows), jnp.float32),
-            plgpu.SMEM((3 * COMPUTE_WARPGROUPS, rows, columns), jnp.bfloat16,
-                       transforms=_tiles(columns, 2)),
+            plgpu.SMEM((wgs, width, rows), jnp.float32),
+            plgpu.SMEM((3 * wgs, rows, columns), jnp.bfloat16, transforms=_tiles(columns, 2)),
             plgpu.SMEM((stages, dims, block_l), jnp.float32),
             plgpu.SMEM((3 * stages, block_l, columns), jnp.bfloat16,
                        transforms=_tiles(columns, 2)),
-            plgpu.SMEM((COMPUTE_WARPGROUPS, dims, rows), jnp.float32),
-            plgpu.SMEM((COMPUTE_WARPGROUPS, dims, rows), jnp.float32),
-            plgpu.SMEM((COMPUTE_WARPGROUPS, rows, columns), jnp.float32),
+            plgpu.SMEM((wgs, dims, 4, block_l), jnp.float32),
+            plgpu.SMEM((wgs, dims, rows), jnp.float32),
+            plgpu.SMEM((wgs, dims, rows), jnp.float32),
+            plgpu.SMEM((wgs, rows, columns), jnp.float32),
         ]
-        barriers = (plgpu.Barrier(num_barriers=4 * COMPUTE_WARPGROUPS),
-                    plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=3 * stages))
-        pl.run_scoped(
-            lambda *scoped: kernel(x_ref, y_ref, (u_hi, u_mid, u_lo), (w_hi, w_mid, w_lo),
-                                   out_refs, scoped),
-            smem,
-            barriers,
-            plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=stages),
-            collective_axes="wg",
-        )
+        barriers = (plgpu.Barrier(num_barriers=4 * wgs), plgpu.Barrier(num_barriers=stages),
+                    plgpu.Barrier(num_barriers=3 * stages))
+        pl.run_scoped(lambda *scoped: kernel(kernel_refs, scoped), smem, barriers,
+                      plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
+                      collective_axes="wg")
 
-    out_shapes = {"sums": (batch, dims, num_p), "squares": (batch, dims, num_p),
-                  "rows": (batch, 1, num_p), "pw": (batch, num_p, columns)}
-    results = plgpu.kernel(
-        entry,
-        out_type=tuple(jax.ShapeDtypeStruct(out_shapes[name], jnp.float32)
-                       for name in outputs),
-        grid=(num_p // BLOCK_P, batch),
-        grid_names=("p", "b"),
-        num_threads=COMPUTE_WARPGROUPS + 1,
-        thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
-        kernel_name="rbf_pair_sums_exact_mosaic",
-    )(x, y, *u_parts, *w_parts)
-    return dict(zip(outputs, results, strict=True))
+    mesh = plgpu.Mesh(grid=(programs, batch), grid_names=("p", "b"),
+                      num_threads=COMPUTE_WARPGROUPS + 1, thread_name="wg")
+    params = dict(compiler_params=plgpu.CompilerParams(approx_math=True),
+                  name="rbf_pair_sums_exact_mosaic")
+    # As in pallas_mosaic_grad: pl.kernel on jax 0.11, core_map on jax 0.10 (whose GPU
+    # interpreter cannot run pl.kernel with Ref operands).
+    if jax.__version_info__ >= (0, 11):
+        pl.kernel(entry, out_type=(), mesh=mesh, **params)(*refs)
+    else:
+        pl.core_map(mesh, **params)(lambda: entry(*refs))

@@ -95,7 +95,8 @@ def _sliced_transpose(r: jax.Array, rows: int, dim: int) -> jax.Array:
 
 
 def _lengthscale_grad(sums: dict, rows: int, dim: int, scale):
-    """``d scale`` from the exact dq sweep's pair-by-pair squares: per dimension
+    """``d scale`` from an exact sweep's pair-by-pair squares (the Triton dq sweep's, or the
+    Mosaic GPU sweep's over keys; ``rows`` of its program rows are real): per dimension
     ``(2 ln 2 / l_d) sum A e_d^2`` (``e_d`` the scaled differences), or for a shared scale
     ``-(2 ln 2 / l) sum A t`` (``t`` the base-2 exponent). Summed pair by pair, not by the
     identity ``-sum_i q_i . dq_i / l - ...``, which cancels at large spread-to-lengthscale
@@ -153,18 +154,14 @@ def _mv_grad_sweeps(path: PathConfig, distance, x, y, g_pad, v_pad, n, m, dim, s
     modes = path.modes
     dots = dict(distance=distance, values=modes.values, coords=modes.coords)
 
-    def sweep_kernel(launch):  # (the fast path's Mosaic GPU sweep runs _mosaic_grad_sweep)
-        return pallas_mosaic_exact_grad.kernel_matmul_grad if launch.backend == "mosaic" else (
-            pallas_triton.kernel_matmul_grad)
-
     r = _run(
-        "rbf_kernel_mv", sweep_kernel(path.dq), path, path.dq,
+        "rbf_kernel_mv", pallas_triton.kernel_matmul_grad, path, path.dq,
         dict(x=x, y=y, u=g_pad, w=v_pad, scale=scale), valid_l=m, with_squares=scale is not None,
         block_o=path.dq.block_o, **dots,
     )  # fmt: skip
     fuse_dv = fuses_dv(modes, dim, path.cols)
     c = _run(
-        "rbf_kernel_mv", sweep_kernel(path.dk), path, path.dk,
+        "rbf_kernel_mv", pallas_triton.kernel_matmul_grad, path, path.dk,
         dict(x=y, y=x, u=v_pad, w=g_pad, scale=scale), valid_l=n, with_pw=fuse_dv,
         block_o=path.dk.block_o, **dots,
     )  # fmt: skip
@@ -248,6 +245,21 @@ def _kernel_mv_exact_fwd(q, k, v, lengthscale, path: PathConfig):
     return out[:, :n, :out_dim], (q, k, v, lengthscale)
 
 
+def _mosaic_exact_pair_sums(path: PathConfig, distance, xq, xk, g_pad, v_pad, n, scale):
+    """(query sums, key sums, dv) of the exact path from one sweep over the pairs
+    (``tilax.rbf.pallas_mosaic_exact_grad``: programs over keys with the ``dk`` launch's tiles,
+    the queries' sums added up across programs), as ``_mv_grad_sweeps`` returns them; the
+    lengthscale's squares come with the key sums."""
+    c = _run("rbf_kernel_mv", pallas_mosaic_exact_grad.pair_sums, path, path.dk,
+             dict(x=xk, y=xq, u=v_pad, w=g_pad, scale=scale), distance=distance, valid_l=n,
+             with_squares=True)
+    # Per warp, unscaled, keys minus queries: the query sweep's sums are minus their total.
+    query_sums = -jnp.sum(c["loop_sums"], axis=2)
+    if distance.per_dimension:
+        query_sums = query_sums * scale[None, :, None]
+    return {"sums": query_sums}, c, c["pw"]
+
+
 def _kernel_mv_exact_bwd(path: PathConfig, residuals, g):
     q, k, v, lengthscale = residuals
     (_, n, dim), m, out_dim = q.shape, k.shape[1], v.shape[2]
@@ -258,6 +270,11 @@ def _kernel_mv_exact_bwd(path: PathConfig, residuals, g):
     g_pad = layout.value_operand(g, rows_q, path.cols, path.modes.values)
     v_pad = layout.value_operand(v, rows_k, path.cols, path.modes.values)
     distance = backward_distance(path.modes, dim, per_dimension)
+    if path.dk.backend == "mosaic":
+        r, c, dv = _mosaic_exact_pair_sums(path, distance, xq, xk, g_pad, v_pad, n, scale)
+        dq = _sliced_transpose(r["sums"], n, dim) * factor
+        dk = _sliced_transpose(c["sums"], m, dim) * factor
+        return dq, dk, dv[:, :m, :out_dim], _lengthscale_grad(c, m, dim, lengthscale)
     r, c, dv = _mv_grad_sweeps(path, distance, xq, xk, g_pad, v_pad, n, m, dim, scale)
     dq = _sliced_transpose(r["sums"], n, dim) * factor
     dk = _sliced_transpose(c["sums"], m, dim) * factor
