@@ -52,7 +52,7 @@ from tilax.rbf.pallas_mosaic_exact import (
     scale_rows,
     split3,
 )
-from tilax.rbf.pallas_mosaic_grad import _rotated
+from tilax.rbf.pallas_mosaic_grad import _rotated, launch_on_refs
 from tilax.rbf.pallas_triton import FLOAT32_MAX, Distance
 
 #: Loop tiles in flight.
@@ -371,13 +371,4 @@ def _launch_pair_sums(refs, *, per_dimension, squares_out, rows_out, valid_l):
                       plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
                       collective_axes="wg")
 
-    mesh = plgpu.Mesh(grid=(programs, batch), grid_names=("p", "b"),
-                      num_threads=COMPUTE_WARPGROUPS + 1, thread_name="wg")
-    params = dict(compiler_params=plgpu.CompilerParams(approx_math=True),
-                  name="rbf_pair_sums_exact_mosaic")
-    # As in pallas_mosaic_grad: pl.kernel on jax 0.11, core_map on jax 0.10 (whose GPU
-    # interpreter cannot run pl.kernel with Ref operands).
-    if jax.__version_info__ >= (0, 11):
-        pl.kernel(entry, out_type=(), mesh=mesh, **params)(*refs)
-    else:
-        pl.core_map(mesh, **params)(lambda: entry(*refs))
+    launch_on_refs(entry, refs, programs=programs, batch=batch, name="rbf_pair_sums_exact_mosaic")

@@ -31,6 +31,8 @@ with loop tiles of ``BLOCK_L``; the methodology page has the measurements.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -347,21 +349,24 @@ def _sweep(x, y, c_parts, o_parts, u, w, *, valid_l: int, block_l: int):
             collective_axes="wg",
         )
 
-    # The loop sums are added into a zeroed buffer, which plgpu.kernel cannot take (it aliases
-    # no input to an output): every operand is a Ref of run_state.
-    mesh = plgpu.Mesh(grid=(programs, batch), grid_names=("p", "b"),
-                      num_threads=COMPUTE_WARPGROUPS + 1, thread_name="wg")
-
-    def launch(refs):
-        params = dict(compiler_params=plgpu.CompilerParams(approx_math=True),
-                      name="rbf_pair_sums_mosaic")
-        # jax 0.11 deprecates core_map for pl.kernel; jax 0.10's GPU interpreter cannot run
-        # pl.kernel with Ref operands (both lower for CUDA).
-        if jax.__version_info__ >= (0, 11):
-            pl.kernel(entry, out_type=(), mesh=mesh, **params)(*refs)
-        else:
-            pl.core_map(mesh, **params)(lambda: entry(*refs))
-
     zeros = [jnp.zeros((batch, rows_, cols), jnp.float32) for rows_, cols in
              ((num_l, coords_width), (num_p, coords_width), (num_p, columns))]
+    launch = functools.partial(launch_on_refs, entry, programs=programs, batch=batch,
+                               name="rbf_pair_sums_mosaic")
     return tuple(pl.run_state(launch)((x, y, c_parts, o_parts, u, w, *zeros))[-3:])
+
+
+def launch_on_refs(entry, refs, *, programs: int, batch: int, name: str) -> None:
+    """Run ``entry(*refs)`` as a kernel of grid ``(programs, batch)`` with the compute
+    warpgroups and the memory warpgroup, on the Refs of ``run_state``: the sweeps add their loop
+    sums into a zeroed buffer, which ``plgpu.kernel`` cannot take (it aliases no input to an
+    output)."""
+    mesh = plgpu.Mesh(grid=(programs, batch), grid_names=("p", "b"),
+                      num_threads=COMPUTE_WARPGROUPS + 1, thread_name="wg")
+    params = dict(compiler_params=plgpu.CompilerParams(approx_math=True), name=name)
+    # jax 0.11 deprecates core_map for pl.kernel; jax 0.10's GPU interpreter cannot run
+    # pl.kernel with Ref operands (both lower for CUDA).
+    if jax.__version_info__ >= (0, 11):
+        pl.kernel(entry, out_type=(), mesh=mesh, **params)(*refs)
+    else:
+        pl.core_map(mesh, **params)(lambda: entry(*refs))
