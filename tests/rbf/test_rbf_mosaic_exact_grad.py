@@ -105,6 +105,33 @@ def test_pair_sums_match_float64_in_interpret_mode(per_dimension):
                                    atol=1e-5)
 
 
+def test_pair_sums_under_vmap_fold_the_mapped_axis_into_the_batch():
+    """The sweep runs under run_state (no batching rule): vmap gives each item's sums."""
+    from mosaic_interpret import interpreter_for_loads
+
+    interpreter = interpreter_for_loads()
+    rng = np.random.default_rng(6)
+    x = rng.normal(size=(2, 1, 4, 128)).astype(np.float32)
+    y = rng.normal(size=(2, 1, 4, 64)).astype(np.float32)
+    u = rng.normal(size=(2, 1, 128, 16)).astype(np.float32)
+    w = rng.normal(size=(1, 64, 16)).astype(np.float32)  # not mapped
+    scale = np.ones(4, np.float32)
+
+    def sums(x, y, u):
+        return pallas_mosaic_exact_grad.pair_sums(
+            x, y, distance=Difference(4, True), valid_l=64, scale=scale, u=u, w=w,
+            with_squares=True)
+
+    with interpreter:
+        mapped = jax.vmap(sums)(x, y, u)
+    for item in range(2):
+        with interpreter_for_loads():
+            alone = sums(x[item], y[item], u[item])
+        for name, value in alone.items():
+            np.testing.assert_allclose(np.asarray(mapped[name][item]), np.asarray(value),
+                                       rtol=1e-6, atol=1e-6, err_msg=name)
+
+
 @pytest.mark.parametrize("per_dimension", [True, False])
 def test_lowers_for_cuda(per_dimension):
     f32 = jnp.float32

@@ -52,7 +52,7 @@ from tilax.rbf.pallas_mosaic_exact import (
     scale_rows,
     split3,
 )
-from tilax.rbf.pallas_mosaic_grad import _rotated, launch_on_refs
+from tilax.rbf.pallas_mosaic_grad import _rotated, batch_folding, launch_on_refs
 from tilax.rbf.pallas_triton import FLOAT32_MAX, Distance
 
 #: Loop tiles in flight.
@@ -177,13 +177,17 @@ def pair_sums(
                                                             batch)], axis=1)
     operands = (x, y.astype(jnp.float32), *split3(u.astype(jnp.float32)),
                 *split3(w.astype(jnp.float32)))
-    stat_rows = dims if squares_out else 1
-    zeros = [jnp.zeros(s, jnp.float32) for s in
-             ((batch, dims, 4, num_l), (batch, dims, num_p), (batch, stat_rows, num_p),
-              (batch, num_p, columns))]
-    loop_sums, sums, stats, pw = pl.run_state(functools.partial(
-        _launch_pair_sums, per_dimension=per_dimension, squares_out=squares_out,
-        rows_out=rows_out, valid_l=valid_l))((*operands, *zeros))[-4:]
+    launch = functools.partial(_launch_pair_sums, per_dimension=per_dimension,
+                               squares_out=squares_out, rows_out=rows_out, valid_l=valid_l)
+
+    def sweep(*operands):
+        batch_ = operands[0].shape[0]
+        zeros = [jnp.zeros(s, jnp.float32) for s in
+                 ((batch_, dims, 4, num_l), (batch_, dims, num_p),
+                  (batch_, dims if squares_out else 1, num_p), (batch_, num_p, columns))]
+        return tuple(pl.run_state(launch)((*operands, *zeros))[-4:])
+
+    loop_sums, sums, stats, pw = batch_folding(sweep)(*operands)
     out = {"loop_sums": loop_sums, "sums": sums, "pw": pw}
     if with_squares:
         out["squares" if squares_out else "rows"] = stats

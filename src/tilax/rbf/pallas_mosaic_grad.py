@@ -161,23 +161,30 @@ def pair_sums(
                 jnp.concatenate(split(own.astype(jnp.float32), "bf16x2"), -1),
                 u.astype(jnp.bfloat16), w.astype(jnp.bfloat16))
 
-    # The kernel runs under run_state (below), which has no batching rule: a vmapped axis
-    # joins the batch axis.
-    @jax.custom_batching.custom_vmap
-    def sweep(*operands):
-        return _sweep(*operands, valid_l=valid_l, block_l=block_l)
+    sweep = batch_folding(functools.partial(_sweep, valid_l=valid_l, block_l=block_l))
+    loop_sums, sums, pw = sweep(*operands)
+    return {"sums": sums, "pw": pw, "loop_sums": loop_sums}
 
-    @sweep.def_vmap
+
+def batch_folding(kernel):
+    """``kernel(*operands) -> tuple of arrays`` (each operand ``[B, R, C]``, each output with the
+    batch axis first) with a ``vmap`` rule that folds the vmapped axis into the batch axis: the
+    sweeps run under ``run_state``, which has no batching rule."""
+
+    @jax.custom_batching.custom_vmap
+    def batched(*operands):
+        return kernel(*operands)
+
+    @batched.def_vmap
     def _(axis_size, in_batched, *operands):
         merged = [(a if batched else jnp.broadcast_to(a, (axis_size, *a.shape))).reshape(
             axis_size * a.shape[-3], *a.shape[-2:])
             for a, batched in zip(operands, in_batched, strict=True)]
-        outs = sweep(*merged)
+        outs = batched(*merged)
         return (tuple(out.reshape(axis_size, -1, *out.shape[1:]) for out in outs),
                 (True,) * len(outs))
 
-    loop_sums, sums, pw = sweep(*operands)
-    return {"sums": sums, "pw": pw, "loop_sums": loop_sums}
+    return batched
 
 
 def _lo_plus_hi(sums: jax.Array) -> jax.Array:
