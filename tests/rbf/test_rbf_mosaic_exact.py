@@ -141,8 +141,9 @@ def test_chosen_for_the_highest_forward_on_hopper(monkeypatch):
 
 
 def test_sweeps_chosen_for_the_highest_backward_on_hopper(monkeypatch):
-    """The exact gradient sweeps (tilax.rbf.pallas_mosaic_exact_grad) replace both Triton
-    sweeps together, with their own tiles, where both run and fill the GPU."""
+    """The exact Mosaic GPU backward (tilax.rbf.pallas_mosaic_exact_grad, one sweep set on both
+    launches) replaces both Triton sweeps, with its own tiles, where it runs and programs over
+    either point set fill the GPU."""
     monkeypatch.setattr(_pallas, "mosaic_unavailable_reason", lambda: None)
     path = _exact_path()
     for launch in (path.dq, path.dk):

@@ -21,7 +21,7 @@ SWEEP = dict(block_p=pallas_mosaic_exact_grad.BLOCK_P, block_l=pallas_mosaic_exa
 
 
 def _mosaic_config(config):
-    """``config`` with the exact path's forward and both sweeps on Mosaic GPU."""
+    """``config`` with the exact path's forward and backward (both launches) on Mosaic GPU."""
     exact = config.exact
     fwd = dataclasses.replace(exact.fwd, block_p=pallas_mosaic_exact.BLOCK_P,
                               block_l=pallas_mosaic_exact.BLOCK_L, backend="mosaic")

@@ -236,7 +236,7 @@ def _launches(page: Page, rows: pd.DataFrame) -> None:
         "other set per step) · w Triton warps · s pipeline stages. The fast path is the default "
         "precision's expansion kernels, the exact path `precision=\"highest\"`'s difference "
         "kernels; a backward row sets the dq and dk launches together and times forward + "
-        "backward (`fwd_bwd`); a *Mosaic GPU* row runs both sweeps on the Hopper kernel "
+        "backward (`fwd_bwd`); a *Mosaic GPU* row runs the backward on the Hopper kernels "
         "instead. **default** marks the launch `rbf_kernel_mv` picks for the "
         "problem on that "
         "GPU. × default is the launch's median over the default's, within one stored file "
