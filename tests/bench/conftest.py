@@ -143,9 +143,9 @@ file; if a run dies before pytest-benchmark writes its JSON::
     python tests/bench/bench_rows.py convert OUT.json OUT.rows.jsonl
 
 Timing: the first call (compile included) is timed alone as ``compile_s``, a second call warms
-up and sizes the rounds (its time is stored as ``sync_call_s``); then ``benchmark.pedantic``
-with 3-10 rounds of calls queued back to back (about 50 ms of them, 1 to 50 ``iterations``), the
-last call of each round ending in ``block_until_ready``. The
+up (its time is stored as ``sync_call_s``), a probe of queued calls sizes the rounds; then
+``benchmark.pedantic`` with 3-10 rounds of calls queued back to back (about 50 ms of them, 1 to
+50 ``iterations``), the last call of each round ending in ``block_until_ready``. The
 parent process runs with ``XLA_PYTHON_CLIENT_PREALLOCATE=false`` (set here unless already set)
 so the ladder subprocesses and torch can use the rest of the device.
 """
