@@ -248,8 +248,8 @@ def _kernel_mv_exact_fwd(q, k, v, lengthscale, path: PathConfig):
 def _mosaic_exact_pair_sums(path: PathConfig, distance, xq, xk, g_pad, v_pad, n, scale):
     """(query sums, key sums, dv) of the exact path from one sweep over the pairs
     (``tilax.rbf.pallas_mosaic_exact_grad``: programs over keys with the ``dk`` launch's tiles,
-    the queries' sums added up across programs), as ``_mv_grad_sweeps`` returns them; the
-    lengthscale's squares come with the key sums."""
+    the queries' sums added up across programs), as ``_mv_grad_sweeps`` returns them, with the
+    lengthscale's squares among the key sums."""
     c = _run("rbf_kernel_mv", pallas_mosaic_exact_grad.pair_sums, path, path.dk,
              dict(x=xk, y=xq, u=v_pad, w=g_pad, scale=scale), distance=distance, valid_l=n,
              with_squares=True)
@@ -270,15 +270,16 @@ def _kernel_mv_exact_bwd(path: PathConfig, residuals, g):
     g_pad = layout.value_operand(g, rows_q, path.cols, path.modes.values)
     v_pad = layout.value_operand(v, rows_k, path.cols, path.modes.values)
     distance = backward_distance(path.modes, dim, per_dimension)
-    if path.dk.backend == "mosaic":
+    if path.dk.backend == "mosaic":  # the squares come with the key sums
         r, c, dv = _mosaic_exact_pair_sums(path, distance, xq, xk, g_pad, v_pad, n, scale)
-        dq = _sliced_transpose(r["sums"], n, dim) * factor
-        dk = _sliced_transpose(c["sums"], m, dim) * factor
-        return dq, dk, dv[:, :m, :out_dim], _lengthscale_grad(c, m, dim, lengthscale)
-    r, c, dv = _mv_grad_sweeps(path, distance, xq, xk, g_pad, v_pad, n, m, dim, scale)
+        squares, squares_rows = c, m
+    else:
+        r, c, dv = _mv_grad_sweeps(path, distance, xq, xk, g_pad, v_pad, n, m, dim, scale)
+        squares, squares_rows = r, n
     dq = _sliced_transpose(r["sums"], n, dim) * factor
     dk = _sliced_transpose(c["sums"], m, dim) * factor
-    return dq, dk, dv[:, :m, :out_dim], _lengthscale_grad(r, n, dim, lengthscale)
+    grad_l = _lengthscale_grad(squares, squares_rows, dim, lengthscale)
+    return dq, dk, dv[:, :m, :out_dim], grad_l
 
 
 _kernel_mv_exact.defvjp(_kernel_mv_exact_fwd, _kernel_mv_exact_bwd)
@@ -420,7 +421,7 @@ def _switch(cfg: PallasConfig, q, k, scale, fast, exact):
 
     def fast_branch():
         # Under vmap both branches run: the fast one gets finite points, so its unused
-        # gradient is 0. (Inside the branch, the select fuses into the operands' layout.)
+        # gradient is 0 (selected inside the branch, where XLA may fuse it with the layout).
         return fast(jnp.where(ok, qs, 0.0), jnp.where(ok, ks, 0.0))
 
     return lax.cond(ok, fast_branch, exact)
