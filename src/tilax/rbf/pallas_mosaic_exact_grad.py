@@ -95,6 +95,8 @@ def _column_sums_by_warp(values: jax.Array) -> jax.Array:
     column takes 48 and 48). In JAX's GPU interpreter the same sums by ``jnp.sum``."""
     rows, cols = values.shape
     warps = rows // 16
+    # Three halving rounds over the eight lanes of a column leave one 8-column chunk a thread.
+    assert (rows, cols) == (64, 64), values.shape
     if _pallas.interpreted():
         return jnp.sum(values.reshape(warps, 16, cols), axis=1)
     import jax.experimental.mosaic.gpu as mgpu
