@@ -18,8 +18,12 @@ every pair lives in the ``wgmma`` accumulator layout from the start:
   accumulation: float32 accuracy, as the Triton kernel's three TF32 passes (2^-21).
 
 A memory warpgroup streams key coordinates and value parts through TMA into ``STAGES`` slots;
-the two compute warpgroups run independently (FMA-bound, no turns on the tensor cores). Keys at
-or beyond ``valid_l`` are masked by index in the last tile.
+the two compute warpgroups run independently (FMA-bound, no turns on the tensor cores). Each key
+tile's exponents are formed ``CHUNK_L`` columns at a time and each chunk's products issued
+before the next chunk's exponents, so that only the last chunk's wait for the tensor cores is
+exposed (on the H200 at N = M = 65536, D = 8, O = 16: 7.15 ms with chunks of 32 columns, 7.30
+with 64, 7.44 with 16, 7.47 with none). Keys at or beyond ``valid_l`` are masked by index in
+the last tile.
 """
 
 from __future__ import annotations
@@ -48,6 +52,8 @@ from tilax.rbf.pallas_triton import Difference, Distance
 STAGES = 2
 #: Key tile (columns of a warpgroup's pairs).
 BLOCK_L = 128
+#: Columns whose exponents are formed before their products are issued.
+CHUNK_L = 32
 #: Most coordinates a program holds in registers (two a dimension a thread).
 MAX_DIMS = 16
 #: (kernel value part, value part) products, small terms first; parts are hi, mid, lo.
@@ -156,7 +162,7 @@ def kernel_matmul(
     rows = ROWS_PER_WARPGROUP
     row_layout = plgpu.Layout.WGMMA.reduce(1)
     column_layout = plgpu.Layout.WGMMA.reduce(0)
-    shape = (rows, block_l)
+    shape = (rows, CHUNK_L)
 
     def kernel(x_ref, y_ref, v_refs, out_ref, scoped):
         (x_smem2, y_smem, v_smem, o_smem2), (y_ready, v_ready, x_ready), (y_free, v_free) = scoped
@@ -177,10 +183,11 @@ def kernel_matmul(
             scales = [_load(x_smem.at[dims + d], row_layout)
                       for d in range(dims if per_dimension else 1)]
 
-            def kernel_values(slot, kv_step, masked):
+            def kernel_values(slot, kv_step, chunk, masked):
+                columns = pl.ds(chunk * CHUNK_L, CHUNK_L)
                 t = None  # minus the sum of squares, so that each square is one multiply-add
                 for d in range(dims):
-                    key = _load(y_smem.at[slot, d], column_layout)
+                    key = _load(y_smem.at[slot, d, columns], column_layout)
                     e = (lax.broadcast_in_dim(coords[d], shape, (0,))
                          - lax.broadcast_in_dim(key, shape, (1,)))
                     if per_dimension:
@@ -192,20 +199,27 @@ def kernel_matmul(
                 if masked:
                     column = plgpu.broadcasted_iota(jnp.int32, shape, 1,
                                                     layout=plgpu.Layout.WGMMA)
-                    p = jnp.where(column + kv_step * block_l < valid_l, p, 0.0)
+                    p = jnp.where(column + (kv_step * block_l + chunk * CHUNK_L) < valid_l,
+                                  p, 0.0)
                 return lax.optimization_barrier(split3(p))
 
             def step(kv_step, total, masked):
                 slot = slot_of(kv_step)
                 plgpu.barrier_wait(y_ready.at[slot])
-                parts = kernel_values(slot, kv_step, masked)
-                plgpu.barrier_arrive(y_free.at[slot])
-                for part in range(3):
-                    plgpu.barrier_wait(v_ready.at[3 * slot + part])
 
+                # Each chunk's products run on the tensor cores while the next chunk's
+                # exponents are formed: only the last chunk's wait is exposed.
                 def products(acc_ref):
-                    for p_part, v_part in PRODUCTS:
-                        plgpu.wgmma(acc_ref, parts[p_part], v_smem.at[3 * slot + v_part])
+                    for chunk in range(block_l // CHUNK_L):
+                        parts = kernel_values(slot, kv_step, chunk, masked)
+                        if chunk == 0:
+                            for part in range(3):
+                                plgpu.barrier_wait(v_ready.at[3 * slot + part])
+                        keys = pl.ds(chunk * CHUNK_L, CHUNK_L)
+                        for p_part, v_part in PRODUCTS:
+                            plgpu.wgmma(acc_ref, parts[p_part],
+                                        v_smem.at[3 * slot + v_part, keys])
+                    plgpu.barrier_arrive(y_free.at[slot])
                     return acc_ref[...]  # (waits for the products)
 
                 # A fresh accumulator a tile, added with a float32 add: the tensor cores'

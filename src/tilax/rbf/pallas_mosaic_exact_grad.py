@@ -13,16 +13,19 @@ the queries)::
 row and column vectors of the ``wgmma`` register layout, differences on the FMA units): dk, dv
 and the lengthscale's pair-by-pair squares from the program's rows, dq from the loop's columns.
 ``v . g`` and ``exp2(t) g`` run on the tensor cores from operands split exactly into three
-bfloat16 parts (six products, a fresh accumulator a tile, added in float32). The row sums are
-float32 multiply-adds, each thread folding a tile's columns onto 8 that it keeps until the loop
-ends. The column sums are formed per tile: each thread adds its two rows, butterfly shuffles
-halve the columns among a warp's row groups (``_column_sums_by_warp``), and a TMA reduction
-adds each warp's 64 sums into the output.
+bfloat16 parts (six products, a fresh accumulator a tile, added in float32); ``v . g`` is
+issued before the tile's exponents are formed, so that it is ready when they are. The row sums
+are float32 multiply-adds, each thread folding a tile's columns onto 8 that it keeps until the
+loop ends. The column sums are formed per tile: each thread adds its two rows, butterfly
+shuffles halve the columns among a warp's row groups (``_column_sums_by_warp``), and each
+thread adds its two sums into the output with one vector atomic add (``red.global``), with no
+shared memory staging and no warpgroup barrier a tile.
 
 Before it, the query and key sums came from two sweeps of this layout, each forming every
 pair's exponent: forward + backward 33.3 ms on the H200 (N = M = 65536, D = 8, O = 16,
 per-dimension lengthscales) against 50.7 ms with the Triton sweeps; the one sweep took 20.4 ms
-against 25.7 ms for the two (methodology page).
+against 25.7 ms for the two, and 18.7 ms once the column sums went out by atomic adds instead
+of a TMA reduction from shared memory (methodology page).
 """
 
 from __future__ import annotations
@@ -215,7 +218,7 @@ def _launch_pair_sums(refs, *, per_dimension, squares_out, rows_out, valid_l):
     def kernel(refs, scoped):
         x_ref, y_ref, u_refs, w_refs = refs[0], refs[1], refs[2:5], refs[5:8]
         loop_out, sums_out, stats_out, pw_out = refs[8:]
-        (x_smem2, u_smem, y_smem, w_smem, loop_smem2, sums_smem2, stats_smem2, pw_smem2), \
+        (x_smem2, u_smem, y_smem, w_smem, sums_smem2, stats_smem2, pw_smem2, *loop_stage), \
             (own_ready, y_ready, w_ready), slot_free = scoped
         wg, b, p = lax.axis_index("wg"), lax.axis_index("b"), lax.axis_index("p")
         # Each program starts its loop at another tile, so that the programs running at once
@@ -228,7 +231,11 @@ def _launch_pair_sums(refs, *, per_dimension, squares_out, rows_out, valid_l):
         @pl.when(wg < COMPUTE_WARPGROUPS)
         def _compute():
             plgpu.set_max_registers(232, action="increase")
-            x_smem, loop_smem = x_smem2.at[wg], loop_smem2.at[wg]
+            x_smem = x_smem2.at[wg]
+            # JAX's GPU interpreter has no rule for atomic stores: there the column sums go
+            # through shared memory and a TMA reduction.
+            interpreted = bool(loop_stage)
+            loop_smem = loop_stage[0].at[wg] if interpreted else None
             own = pl.ds(p * BLOCK_P + wg * rows, rows)
             plgpu.copy_gmem_to_smem(x_ref.at[b, :, own], x_smem, own_ready.at[4 * wg])
             for part, u_ref in enumerate(u_refs):
@@ -262,31 +269,32 @@ def _launch_pair_sums(refs, *, per_dimension, squares_out, rows_out, valid_l):
                 slot = slot_of(index)
                 tile = _rotated(index, full_steps, offset)
                 plgpu.barrier_wait(y_ready.at[slot])
-                t = None
-                for d in range(dims):
-                    e = differences(slot, d)
-                    if per_dimension:
-                        e = e * by_rows(scales[d])
-                    t = (-e) * e if t is None else t - e * e
-                if not per_dimension:
-                    t = t * by_rows(scales[0])
-                kernel_values = jnp.exp2(t)
-                if masked:
-                    column = plgpu.broadcasted_iota(jnp.int32, shape, 1,
-                                                    layout=plgpu.Layout.WGMMA)
-                    kernel_values = jnp.where(column + tile * block_l < valid_l,
-                                              kernel_values, 0.0)
                 for part in range(3):
                     plgpu.barrier_wait(w_ready.at[3 * slot + part])
 
-                def cotangent_products(acc_ref):
+                # The tensor cores run ``u . w`` while the exponents are formed.
+                def kernel_and_cotangents(uw_ref):
                     for u_part, w_part in PRODUCTS:
-                        plgpu.wgmma(acc_ref, u_smem.at[3 * wg + u_part],
+                        plgpu.wgmma(uw_ref, u_smem.at[3 * wg + u_part],
                                     _transposed(w_smem.at[3 * slot + w_part]))
-                    return acc_ref[...]
+                    t = None
+                    for d in range(dims):
+                        e = differences(slot, d)
+                        if per_dimension:
+                            e = e * by_rows(scales[d])
+                        t = (-e) * e if t is None else t - e * e
+                    if not per_dimension:
+                        t = t * by_rows(scales[0])
+                    kernel_values = jnp.exp2(t)
+                    if masked:
+                        column = plgpu.broadcasted_iota(jnp.int32, shape, 1,
+                                                        layout=plgpu.Layout.WGMMA)
+                        kernel_values = jnp.where(column + tile * block_l < valid_l,
+                                                  kernel_values, 0.0)
+                    return t, kernel_values, kernel_values * uw_ref[...]
 
-                a = kernel_values * pl.run_scoped(cotangent_products,
-                                                  plgpu.ACC(shape, jnp.float32))
+                t, kernel_values, a = pl.run_scoped(kernel_and_cotangents,
+                                                    plgpu.ACC(shape, jnp.float32))
                 p_parts = lax.optimization_barrier(split3(kernel_values))
 
                 def value_products(acc_ref):
@@ -295,7 +303,9 @@ def _launch_pair_sums(refs, *, per_dimension, squares_out, rows_out, valid_l):
                     return acc_ref[...]
 
                 pw = pw + pl.run_scoped(value_products, plgpu.ACC((rows, columns), jnp.float32))
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's sums are out
+                loop_columns = loop_out.at[b, :, :, pl.ds(tile * block_l, block_l)]
+                if interpreted:
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's are out
                 new_sums, new_squares = [], []
                 for d in range(dims):  # unscaled: the residual scale multiplies the sums last
                     e = differences(slot, d)
@@ -303,14 +313,17 @@ def _launch_pair_sums(refs, *, per_dimension, squares_out, rows_out, valid_l):
                     new_sums.append(sums[d] + folded(ae))
                     if squares_out:
                         new_squares.append(squares[d] + folded(ae, e))
-                    loop_smem.at[d][...] = _column_sums_by_warp(ae)
+                    column_sums = _column_sums_by_warp(ae)
+                    if interpreted:
+                        loop_smem.at[d][...] = column_sums
+                    else:  # one vector atomic add a thread, from registers
+                        plgpu.atomic_add(loop_columns.at[d], column_sums)
                 if rows_out:  # (t = -inf beyond float32 would give 0 * inf)
                     stat = stat + folded(a, jnp.maximum(t, -FLOAT32_MAX))
                 plgpu.barrier_arrive(slot_free.at[slot])  # every read of the slot is done
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(loop_smem, loop_out.at[b, :, :, pl.ds(tile * block_l,
-                                                                             block_l)],
-                                        reduction_op="add")
+                if interpreted:
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(loop_smem, loop_columns, reduction_op="add")
                 return tuple(new_sums), tuple(new_squares), stat, pw
 
             def zeros(shape_):
@@ -366,11 +379,12 @@ def _launch_pair_sums(refs, *, per_dimension, squares_out, rows_out, valid_l):
             plgpu.SMEM((stages, dims, block_l), jnp.float32),
             plgpu.SMEM((3 * stages, block_l, columns), jnp.bfloat16,
                        transforms=_tiles(columns, 2)),
-            plgpu.SMEM((wgs, dims, 4, block_l), jnp.float32),
             plgpu.SMEM((wgs, dims, rows), jnp.float32),
             plgpu.SMEM((wgs, dims, rows), jnp.float32),
             plgpu.SMEM((wgs, rows, columns), jnp.float32),
         ]
+        if _pallas.interpreted():  # (see ``interpreted`` in the kernel)
+            smem.append(plgpu.SMEM((wgs, dims, 4, block_l), jnp.float32))
         barriers = (plgpu.Barrier(num_barriers=4 * wgs), plgpu.Barrier(num_barriers=stages),
                     plgpu.Barrier(num_barriers=3 * stages))
         pl.run_scoped(lambda *scoped: kernel(kernel_refs, scoped), smem, barriers,
