@@ -85,14 +85,16 @@ def test_forward_matches_float64_in_interpret_mode(per_dimension):
     assert np.max(np.abs(got - want)) <= 1e-5 * np.max(np.abs(want))
 
 
-def test_lowers_for_cuda():
+# Value tiles of 64 columns or more group wgmma's K by 64: chunks of the key tile follow.
+@pytest.mark.parametrize("block_o", [16, 32, 64])
+def test_lowers_for_cuda(block_o):
     args = [jax.ShapeDtypeStruct(s, jnp.float32) for s in ((2, 8, 256), (2, 8, 384),
-                                                           (2, 384, 32), (8,))]
+                                                           (2, 384, 128), (8,))]
 
     def forward(x, y, v, scale):
         return pallas_mosaic_exact.kernel_matmul(
-            x, y, v, distance=Difference(8, True), valid_l=300, block_o=16, values="tf32x3",
-            scale=scale, **BLOCK,
+            x, y, v, distance=Difference(8, True), valid_l=300, block_o=block_o,
+            values="tf32x3", scale=scale, **BLOCK,
         )  # fmt: skip
 
     module = export.export(jax.jit(forward), platforms=["cuda"])(*args).mlir_module()

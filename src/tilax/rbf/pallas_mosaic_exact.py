@@ -52,7 +52,8 @@ from tilax.rbf.pallas_triton import Difference, Distance
 STAGES = 2
 #: Key tile (columns of a warpgroup's pairs).
 BLOCK_L = 128
-#: Columns whose exponents are formed before their products are issued.
+#: Columns whose exponents are formed before their products are issued (64 for value tiles
+#: of 64 columns or more, whose swizzle groups ``wgmma``'s K by 64).
 CHUNK_L = 32
 #: Most coordinates a program holds in registers (two a dimension a thread).
 MAX_DIMS = 16
@@ -162,7 +163,9 @@ def kernel_matmul(
     rows = ROWS_PER_WARPGROUP
     row_layout = plgpu.Layout.WGMMA.reduce(1)
     column_layout = plgpu.Layout.WGMMA.reduce(0)
-    shape = (rows, CHUNK_L)
+    # wgmma takes the chunk's keys (its K) in groups as wide as the value tiles' swizzle.
+    chunk_l = max(CHUNK_L, plgpu.find_swizzle(block_o * 16) // 2)
+    shape = (rows, chunk_l)
 
     def kernel(x_ref, y_ref, v_refs, out_ref, scoped):
         (x_smem2, y_smem, v_smem, o_smem2), (y_ready, v_ready, x_ready), (y_free, v_free) = scoped
@@ -184,7 +187,7 @@ def kernel_matmul(
                       for d in range(dims if per_dimension else 1)]
 
             def kernel_values(slot, kv_step, chunk, masked):
-                columns = pl.ds(chunk * CHUNK_L, CHUNK_L)
+                columns = pl.ds(chunk * chunk_l, chunk_l)
                 t = None  # minus the sum of squares, so that each square is one multiply-add
                 for d in range(dims):
                     key = _load(y_smem.at[slot, d, columns], column_layout)
@@ -199,7 +202,7 @@ def kernel_matmul(
                 if masked:
                     column = plgpu.broadcasted_iota(jnp.int32, shape, 1,
                                                     layout=plgpu.Layout.WGMMA)
-                    p = jnp.where(column + (kv_step * block_l + chunk * CHUNK_L) < valid_l,
+                    p = jnp.where(column + (kv_step * block_l + chunk * chunk_l) < valid_l,
                                   p, 0.0)
                 return lax.optimization_barrier(split3(p))
 
@@ -210,12 +213,12 @@ def kernel_matmul(
                 # Each chunk's products run on the tensor cores while the next chunk's
                 # exponents are formed: only the last chunk's wait is exposed.
                 def products(acc_ref):
-                    for chunk in range(block_l // CHUNK_L):
+                    for chunk in range(block_l // chunk_l):
                         parts = kernel_values(slot, kv_step, chunk, masked)
                         if chunk == 0:
                             for part in range(3):
                                 plgpu.barrier_wait(v_ready.at[3 * slot + part])
-                        keys = pl.ds(chunk * CHUNK_L, CHUNK_L)
+                        keys = pl.ds(chunk * chunk_l, chunk_l)
                         for p_part, v_part in PRODUCTS:
                             plgpu.wgmma(acc_ref, parts[p_part],
                                         v_smem.at[3 * slot + v_part, keys])
