@@ -16,10 +16,11 @@ and the lengthscale's pair-by-pair squares from the program's rows, dq from the 
 bfloat16 parts (six products, a fresh accumulator a tile, added in float32); ``v . g`` is
 issued before the tile's exponents are formed, so that it is ready when they are. The row sums
 are float32 multiply-adds, each thread folding a tile's columns onto 8 that it keeps until the
-loop ends. The column sums are formed per tile: each thread adds its two rows, butterfly
-shuffles halve the columns among a warp's row groups (``_column_sums_by_warp``), and each
-thread adds its two sums into the output with one vector atomic add (``red.global``), with no
-shared memory staging and no warpgroup barrier a tile.
+loop ends. The column sums are formed per tile: the second pass (pair weights times
+differences) runs in a lane-permuted column order, each thread adds its two rows, butterfly
+shuffles halve the columns among a warp's row groups without selects
+(``_column_sums_of_permuted``), and each thread adds its two sums into the output with one
+vector atomic add (``red.global``), with no shared memory staging and no warpgroup barrier.
 
 Before it, the query and key sums came from two sweeps of this layout, each forming every
 pair's exponent: forward + backward 33.3 ms on the H200 (N = M = 65536, D = 8, O = 16,
@@ -87,15 +88,118 @@ def runs(launch, distance: Distance, values: str, columns: int) -> bool:
             and launch.block_p == BLOCK_P and launch.block_l == BLOCK_L)
 
 
-def _column_sums_by_warp(values: jax.Array) -> jax.Array:
-    """``values: [64, 64]`` (float32, ``wgmma`` layout) summed over each warp's 16 rows:
-    ``[4, 64]``, in the layout where thread ``32 w + L`` holds row ``w``'s columns ``2L`` and
-    ``2L + 1`` (``WG_STRIDED`` with vectors of two).
+# The second pass runs in lane-permuted column order: thread ``32 w + L`` keeps the columns of
+# 8-column chunk ``j ^ (L >> 2)`` where ``wgmma``'s register layout keeps chunk ``j``, so that
+# the column sums' butterfly keeps and sends fixed registers (no selects by lane); see
+# ``_column_sums_of_permuted``. The row sums add every chunk of a row and are unchanged.
 
-    On the GPU each thread adds its two rows of a column, then the eight threads that share a
-    column in a warp halve their columns three times with butterfly shuffles (each keeps half
-    and sends the other half: 14 shuffles and 14 adds a thread, where a full butterfly of every
-    column takes 48 and 48). In JAX's GPU interpreter the same sums by ``jnp.sum``."""
+
+def _row_group(i32):
+    """``L >> 2`` of this thread (``L`` its lane): its rows' index within 8 in ``wgmma``'s
+    register layout (rows ``16 w + (L >> 2)`` and 8 below)."""
+    import jax.experimental.mosaic.gpu as mgpu
+    from jax._src.lib.mlir.dialects import arith
+
+    lane = arith.remui(mgpu.utils.thread_idx(), mgpu.c(32, i32))
+    return lane, arith.shrui(lane, mgpu.c(2, i32))
+
+
+def _wgmma_array(registers):
+    """A ``[64, 64]`` float32 array of ``wgmma``'s register layout from its registers
+    ``[chunk j][row half h]`` (vectors of two columns)."""
+    import jax.experimental.mosaic.gpu as mgpu
+
+    regs = np.empty((1, 8, 1, 1, 2, 1, 1, 1, 1), dtype=object)
+    for j in range(8):
+        for h in range(2):
+            regs[0, j, 0, 0, h, 0, 0, 0, 0] = registers[j][h]
+    return mgpu.FragmentedArray(_registers=regs, _layout=plgpu.Layout.WGMMA.to_mgpu(),
+                                _is_signed=None)
+
+
+def _permuted_keys(keys_ref, shape) -> jax.Array:
+    """The loop tile's keys ``keys_ref: [64]`` (shared memory) as columns of a ``[64, 64]``
+    array in the lane-permuted order (one 8-byte load a chunk). In JAX's GPU interpreter, in
+    the plain order (there nothing is permuted)."""
+    if _pallas.interpreted():
+        return lax.broadcast_in_dim(_load(keys_ref, plgpu.Layout.WGMMA.reduce(0)), shape, (1,))
+    import jax.experimental.mosaic.gpu as mgpu
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, llvm
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),),
+                       return_type=plgpu.ShapeDtypeStruct(shape, jnp.float32,
+                                                          layout=plgpu.Layout.WGMMA))
+    def load(ctx, ref):
+        del ctx
+        i32, f32 = ir.IntegerType.get_signless(32), ir.F32Type.get()
+        lane, group = _row_group(i32)
+        pair = arith.muli(arith.andi(lane, mgpu.c(3, i32)), mgpu.c(2, i32))
+        base = mgpu.utils.memref_ptr(ref)
+        registers = []
+        for j in range(8):
+            chunk = arith.xori(group, mgpu.c(j, i32))
+            column = arith.addi(arith.muli(chunk, mgpu.c(8, i32)), pair)
+            ptr = mgpu.utils.getelementptr(base, [column], f32)
+            value = llvm.load(ir.VectorType.get((2,), f32), ptr)
+            registers.append((value, value))  # both row halves: keys vary by column only
+        return _wgmma_array(registers)
+
+    return load(keys_ref)
+
+
+def _lane_permuted(values: jax.Array, scratch_ref) -> jax.Array:
+    """``values: [64, 64]`` (float32, ``wgmma`` layout) in the lane-permuted order, through
+    ``scratch_ref: [8, 128, 4]`` (shared memory, one warpgroup's): each thread stores its four
+    values of each chunk and loads them back in its own order; no thread reads another's, and
+    a warp's 16-byte accesses to one chunk are contiguous (no bank conflicts). In JAX's GPU
+    interpreter, ``values`` as they are."""
+    if _pallas.interpreted():
+        return values
+    import jax.experimental.mosaic.gpu as mgpu
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, llvm
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()),
+                       return_type=plgpu.ShapeDtypeStruct(values.shape, jnp.float32,
+                                                          layout=plgpu.Layout.WGMMA))
+    def permute(ctx, array, ref):
+        del ctx
+        i32, f32 = ir.IntegerType.get_signless(32), ir.F32Type.get()
+        _, group = _row_group(i32)
+        thread = arith.remui(mgpu.utils.thread_idx(), mgpu.c(128, i32))
+        base = mgpu.utils.memref_ptr(ref)
+        vec4 = ir.VectorType.get((4,), f32)
+        regs = array.registers
+
+        def address(chunk):
+            return mgpu.utils.getelementptr(
+                base, [arith.muli(arith.addi(arith.muli(chunk, mgpu.c(128, i32)), thread),
+                                  mgpu.c(4, i32))], f32)
+
+        for j in range(8):
+            both = mgpu.utils.vector_concat([regs[0, j, 0, 0, h, 0, 0, 0, 0] for h in range(2)])
+            llvm.store(both, address(mgpu.c(j, i32)))
+        registers = []
+        for j in range(8):
+            both = llvm.load(vec4, address(arith.xori(group, mgpu.c(j, i32))))
+            registers.append((mgpu.utils.vector_slice(both, slice(0, 2)),
+                              mgpu.utils.vector_slice(both, slice(2, 4))))
+        return _wgmma_array(registers)
+
+    return permute(values, scratch_ref)
+
+
+def _column_sums_of_permuted(values: jax.Array) -> jax.Array:
+    """``values: [64, 64]`` (float32, lane-permuted ``wgmma`` layout) summed over each warp's
+    16 rows: ``[4, 64]``, in the layout where thread ``32 w + L`` holds row ``w``'s columns
+    ``2L`` and ``2L + 1`` (``WG_STRIDED`` with vectors of two).
+
+    Each thread adds its two rows of a column, then the eight threads that share a column in a
+    warp halve their chunks three times with butterfly shuffles: in the permuted order a
+    thread keeps its first half of registers and sends the second half, the registers that
+    hold its partner's kept chunks (14 shuffles and 14 adds a thread, no selects). In JAX's GPU
+    interpreter (plain order) the same sums by ``jnp.sum``."""
     rows, cols = values.shape
     warps = rows // 16
     # Three halving rounds over the eight lanes of a column leave one 8-column chunk a thread.
@@ -103,7 +207,6 @@ def _column_sums_by_warp(values: jax.Array) -> jax.Array:
     if _pallas.interpreted():
         return jnp.sum(values.reshape(warps, 16, cols), axis=1)
     import jax.experimental.mosaic.gpu as mgpu
-    from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith
 
     layout = plgpu.Layout.WG_STRIDED((warps, cols), vec_size=2)
@@ -113,25 +216,18 @@ def _column_sums_by_warp(values: jax.Array) -> jax.Array:
                                                           layout=layout))
     def reduce(ctx, array):
         del ctx
-        i32 = ir.IntegerType.get_signless(32)
-        lane = arith.remui(mgpu.utils.thread_idx(), mgpu.c(32, i32))
-        regs = array.registers  # [1, column chunk j, 1, 1, row half h, 1, 1, 1, 1]
+        regs = array.registers  # [1, register j, 1, 1, row half h, 1, 1, 1, 1]
         chunks = [arith.addf(regs[0, j, 0, 0, 0, 0, 0, 0, 0], regs[0, j, 0, 0, 1, 0, 0, 0, 0])
                   for j in range(regs.shape[1])]
-        # Lane bits 4, 3, 2 index the row within 8: after the round on bit b, a thread keeps
-        # the chunks whose index has bit b's value in the matching place.
+        # Register j holds chunk j ^ g (g = L >> 2, lane bits 4, 3, 2). The partner across
+        # lane bit b (distance 16, 8, 4) has g ^ 2^k, so its register j + half holds chunk
+        # j ^ g: the chunk this thread keeps in register j.
         for distance in (16, 8, 4):
-            bit = arith.cmpi(arith.CmpIPredicate.ne, arith.andi(lane, mgpu.c(distance, i32)),
-                             mgpu.c(0, i32))
             half = len(chunks) // 2
-            kept = []
-            for low, high in zip(chunks[:half], chunks[half:], strict=True):
-                keep = arith.select(bit, high, low)
-                send = arith.select(bit, low, high)
-                kept.append(arith.addf(keep, mgpu.utils.shfl_bfly(send, distance)))
-            chunks = kept
-        # Thread L of warp w now holds chunk j = L >> 2, columns 8 j + 2 (L & 3) + {0, 1}:
-        # that is 2 L and 2 L + 1.
+            chunks = [arith.addf(chunks[j], mgpu.utils.shfl_bfly(chunks[j + half], distance))
+                      for j in range(half)]
+        # Thread L of warp w keeps register 0, chunk g = L >> 2: columns 8 g + 2 (L & 3) +
+        # {0, 1}, that is 2 L and 2 L + 1.
         return mgpu.FragmentedArray(_registers=np.asarray(chunks, dtype=object),
                                     _layout=layout.to_mgpu(), _is_signed=None)
 
@@ -218,7 +314,7 @@ def _launch_pair_sums(refs, *, per_dimension, squares_out, rows_out, valid_l):
     def kernel(refs, scoped):
         x_ref, y_ref, u_refs, w_refs = refs[0], refs[1], refs[2:5], refs[5:8]
         loop_out, sums_out, stats_out, pw_out = refs[8:]
-        (x_smem2, u_smem, y_smem, w_smem, sums_smem2, stats_smem2, pw_smem2, *loop_stage), \
+        (x_smem2, u_smem, y_smem, w_smem, sums_smem2, stats_smem2, pw_smem2, staging2), \
             (own_ready, y_ready, w_ready), slot_free = scoped
         wg, b, p = lax.axis_index("wg"), lax.axis_index("b"), lax.axis_index("p")
         # Each program starts its loop at another tile, so that the programs running at once
@@ -233,9 +329,10 @@ def _launch_pair_sums(refs, *, per_dimension, squares_out, rows_out, valid_l):
             plgpu.set_max_registers(232, action="increase")
             x_smem = x_smem2.at[wg]
             # JAX's GPU interpreter has no rule for atomic stores: there the column sums go
-            # through shared memory and a TMA reduction.
-            interpreted = bool(loop_stage)
-            loop_smem = loop_stage[0].at[wg] if interpreted else None
+            # through shared memory (``staging``) and a TMA reduction. On the GPU ``staging``
+            # is the scratch of ``_lane_permuted``.
+            interpreted = _pallas.interpreted()
+            staging = staging2.at[wg]
             own = pl.ds(p * BLOCK_P + wg * rows, rows)
             plgpu.copy_gmem_to_smem(x_ref.at[b, :, own], x_smem, own_ready.at[4 * wg])
             for part, u_ref in enumerate(u_refs):
@@ -307,15 +404,18 @@ def _launch_pair_sums(refs, *, per_dimension, squares_out, rows_out, valid_l):
                 if interpreted:
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's are out
                 new_sums, new_squares = [], []
+                # The pair weights and differences in the lane-permuted column order (the row
+                # sums add every column of a row, in any order).
+                a_permuted = _lane_permuted(a, staging)
                 for d in range(dims):  # unscaled: the residual scale multiplies the sums last
-                    e = differences(slot, d)
-                    ae = a * e
+                    e = by_rows(points[d]) - _permuted_keys(y_smem.at[slot, d], shape)
+                    ae = a_permuted * e
                     new_sums.append(sums[d] + folded(ae))
                     if squares_out:
                         new_squares.append(squares[d] + folded(ae, e))
-                    column_sums = _column_sums_by_warp(ae)
+                    column_sums = _column_sums_of_permuted(ae)
                     if interpreted:
-                        loop_smem.at[d][...] = column_sums
+                        staging.at[d][...] = column_sums
                     else:  # one vector atomic add a thread, from registers
                         plgpu.atomic_add(loop_columns.at[d], column_sums)
                 if rows_out:  # (t = -inf beyond float32 would give 0 * inf)
@@ -323,7 +423,7 @@ def _launch_pair_sums(refs, *, per_dimension, squares_out, rows_out, valid_l):
                 plgpu.barrier_arrive(slot_free.at[slot])  # every read of the slot is done
                 if interpreted:
                     plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(loop_smem, loop_columns, reduction_op="add")
+                    plgpu.copy_smem_to_gmem(staging, loop_columns, reduction_op="add")
                 return tuple(new_sums), tuple(new_squares), stat, pw
 
             def zeros(shape_):
@@ -383,8 +483,10 @@ def _launch_pair_sums(refs, *, per_dimension, squares_out, rows_out, valid_l):
             plgpu.SMEM((wgs, dims, rows), jnp.float32),
             plgpu.SMEM((wgs, rows, columns), jnp.float32),
         ]
-        if _pallas.interpreted():  # (see ``interpreted`` in the kernel)
+        if _pallas.interpreted():  # (see ``staging`` in the kernel)
             smem.append(plgpu.SMEM((wgs, dims, 4, block_l), jnp.float32))
+        else:
+            smem.append(plgpu.SMEM((wgs, 8, 128, 4), jnp.float32))
         barriers = (plgpu.Barrier(num_barriers=4 * wgs), plgpu.Barrier(num_barriers=stages),
                     plgpu.Barrier(num_barriers=3 * stages))
         pl.run_scoped(lambda *scoped: kernel(kernel_refs, scoped), smem, barriers,

@@ -47,6 +47,7 @@ from tilax.rbf.pallas_mosaic import (
     ROWS_PER_WARPGROUP,
     _tiles,
     _transposed,
+    compiler_params,
     plgpu,
     stream_tiles,
 )
@@ -370,7 +371,7 @@ def launch_on_refs(entry, refs, *, programs: int, batch: int, name: str) -> None
     output)."""
     mesh = plgpu.Mesh(grid=(programs, batch), grid_names=("p", "b"),
                       num_threads=COMPUTE_WARPGROUPS + 1, thread_name="wg")
-    params = dict(compiler_params=plgpu.CompilerParams(approx_math=True), name=name)
+    params = dict(compiler_params=compiler_params(), name=name)
     # jax 0.11 deprecates core_map for pl.kernel; jax 0.10's GPU interpreter cannot run
     # pl.kernel with Ref operands (both lower for CUDA).
     if jax.__version_info__ >= (0, 11):
