@@ -32,6 +32,7 @@ import inspect
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
@@ -112,6 +113,72 @@ def split3(a: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     return _bfloat16_bits(bits0), _bfloat16_bits(bits1), _bfloat16_bits(bits2)
 
 
+def paired_columns(y: jax.Array) -> jax.Array:
+    """``y: [..., L]`` (``L`` a multiple of 16) with the columns of each 16 in the order that
+    ``paired_keys`` reads: column ``16 m + 8 q + 2 c + p`` at ``16 m + 4 c + 2 q + p``, so that
+    the four keys a thread of ``wgmma``'s register layout needs from two neighbouring 8-column
+    chunks (``2 c + p`` of each) lie side by side."""
+    *lead, n = y.shape
+    return y.reshape(*lead, n // 16, 2, 4, 2).swapaxes(-3, -2).reshape(*lead, n)
+
+
+def row_group(i32):
+    """``(L, L >> 2)`` for this thread (``L`` its lane): ``L >> 2`` is its rows' index within 8
+    in ``wgmma``'s register layout (rows ``16 w + (L >> 2)`` and 8 below), ``L & 3`` its
+    columns' pair within each 8-column chunk."""
+    import jax.experimental.mosaic.gpu as mgpu
+    from jax._src.lib.mlir.dialects import arith
+
+    lane = arith.remui(mgpu.utils.thread_idx(), mgpu.c(32, i32))
+    return lane, arith.shrui(lane, mgpu.c(2, i32))
+
+
+def wgmma_array(registers):
+    """A ``[64, 8 J]`` float32 array of ``wgmma``'s register layout from its registers
+    ``[chunk j < J][row half h]`` (vectors of two columns)."""
+    import jax.experimental.mosaic.gpu as mgpu
+
+    regs = np.empty((1, len(registers), 1, 1, 2, 1, 1, 1, 1), dtype=object)
+    for j, halves in enumerate(registers):
+        for h, register in enumerate(halves):
+            regs[0, j, 0, 0, h, 0, 0, 0, 0] = register
+    return mgpu.FragmentedArray(_registers=regs, _layout=plgpu.Layout.WGMMA.to_mgpu(),
+                                _is_signed=None)
+
+
+def paired_keys(keys_ref, shape) -> jax.Array:
+    """Keys ``keys_ref: [W]`` (shared memory, ``paired_columns`` order) as the columns of a
+    ``shape = [64, W]`` array of ``wgmma``'s register layout: one 16-byte load a thread for
+    each 16 columns, where a plain load takes two 8-byte ones. In JAX's GPU interpreter the
+    keys are in the plain order and loaded so."""
+    if _pallas.interpreted():
+        return lax.broadcast_in_dim(_load(keys_ref, plgpu.Layout.WGMMA.reduce(0)), shape, (1,))
+    import jax.experimental.mosaic.gpu as mgpu
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, llvm
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),),
+                       return_type=plgpu.ShapeDtypeStruct(shape, jnp.float32,
+                                                          layout=plgpu.Layout.WGMMA))
+    def load(ctx, ref):
+        del ctx
+        i32, f32 = ir.IntegerType.get_signless(32), ir.F32Type.get()
+        lane, _ = row_group(i32)
+        quad = arith.muli(arith.andi(lane, mgpu.c(3, i32)), mgpu.c(4, i32))
+        base = mgpu.utils.memref_ptr(ref)
+        registers = []
+        for group in range(shape[1] // 16):
+            ptr = mgpu.utils.getelementptr(base, [arith.addi(quad, mgpu.c(16 * group, i32))],
+                                           f32)
+            four = llvm.load(ir.VectorType.get((4,), f32), ptr)
+            for q in range(2):  # chunks 2 group + q, both row halves
+                pair = mgpu.utils.vector_slice(four, slice(2 * q, 2 * q + 2))
+                registers.append((pair, pair))
+        return wgmma_array(registers)
+
+    return load(keys_ref)
+
+
 def scale_rows(scale: jax.Array, per_dimension: bool, num_p: int, batch: int) -> jax.Array:
     """The residual scales as rows to go below the program's coordinates (then row vectors in
     registers, as the coordinates): ``r_d`` for each dimension, or ``r^2`` once;
@@ -157,12 +224,13 @@ def kernel_matmul(
     x = jnp.concatenate([x.astype(jnp.float32), scale_rows(scale, per_dimension, num_p,
                                                             batch)], axis=1)
     v_parts = split3(v.astype(jnp.float32))
+    if not _pallas.interpreted():
+        y = paired_columns(y.astype(jnp.float32))
     steps = pl.cdiv(valid_l, block_l)
     full_steps = valid_l // block_l
     stages = max(1, min(STAGES, steps))
     rows = ROWS_PER_WARPGROUP
     row_layout = plgpu.Layout.WGMMA.reduce(1)
-    column_layout = plgpu.Layout.WGMMA.reduce(0)
     # wgmma takes the chunk's keys (its K) in groups as wide as the value tiles' swizzle.
     chunk_l = max(CHUNK_L, plgpu.find_swizzle(block_o * 16) // 2)
     shape = (rows, chunk_l)
@@ -190,9 +258,8 @@ def kernel_matmul(
                 columns = pl.ds(chunk * chunk_l, chunk_l)
                 t = None  # minus the sum of squares, so that each square is one multiply-add
                 for d in range(dims):
-                    key = _load(y_smem.at[slot, d, columns], column_layout)
                     e = (lax.broadcast_in_dim(coords[d], shape, (0,))
-                         - lax.broadcast_in_dim(key, shape, (1,)))
+                         - paired_keys(y_smem.at[slot, d, columns], shape))
                     if per_dimension:
                         e = e * lax.broadcast_in_dim(scales[d], shape, (0,))
                     t = (-e) * e if t is None else t - e * e

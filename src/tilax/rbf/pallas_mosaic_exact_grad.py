@@ -53,8 +53,12 @@ from tilax.rbf.pallas_mosaic_exact import (
     PRODUCTS,
     _load,
     distance_reason,
+    paired_columns,
+    paired_keys,
+    row_group,
     scale_rows,
     split3,
+    wgmma_array,
 )
 from tilax.rbf.pallas_mosaic_grad import _rotated, batch_folding, launch_on_refs
 from tilax.rbf.pallas_triton import FLOAT32_MAX, Distance
@@ -94,33 +98,10 @@ def runs(launch, distance: Distance, values: str, columns: int) -> bool:
 # ``_column_sums_of_permuted``. The row sums add every chunk of a row and are unchanged.
 
 
-def _row_group(i32):
-    """``L >> 2`` of this thread (``L`` its lane): its rows' index within 8 in ``wgmma``'s
-    register layout (rows ``16 w + (L >> 2)`` and 8 below)."""
-    import jax.experimental.mosaic.gpu as mgpu
-    from jax._src.lib.mlir.dialects import arith
-
-    lane = arith.remui(mgpu.utils.thread_idx(), mgpu.c(32, i32))
-    return lane, arith.shrui(lane, mgpu.c(2, i32))
-
-
-def _wgmma_array(registers):
-    """A ``[64, 64]`` float32 array of ``wgmma``'s register layout from its registers
-    ``[chunk j][row half h]`` (vectors of two columns)."""
-    import jax.experimental.mosaic.gpu as mgpu
-
-    regs = np.empty((1, 8, 1, 1, 2, 1, 1, 1, 1), dtype=object)
-    for j in range(8):
-        for h in range(2):
-            regs[0, j, 0, 0, h, 0, 0, 0, 0] = registers[j][h]
-    return mgpu.FragmentedArray(_registers=regs, _layout=plgpu.Layout.WGMMA.to_mgpu(),
-                                _is_signed=None)
-
-
 def _permuted_keys(keys_ref, shape) -> jax.Array:
-    """The loop tile's keys ``keys_ref: [64]`` (shared memory) as columns of a ``[64, 64]``
-    array in the lane-permuted order (one 8-byte load a chunk). In JAX's GPU interpreter, in
-    the plain order (there nothing is permuted)."""
+    """The loop tile's keys ``keys_ref: [64]`` (shared memory, in ``paired_columns`` order) as
+    columns of a ``[64, 64]`` array in the lane-permuted order (one 8-byte load a chunk). In
+    JAX's GPU interpreter, in the plain order (there nothing is permuted)."""
     if _pallas.interpreted():
         return lax.broadcast_in_dim(_load(keys_ref, plgpu.Layout.WGMMA.reduce(0)), shape, (1,))
     import jax.experimental.mosaic.gpu as mgpu
@@ -133,17 +114,21 @@ def _permuted_keys(keys_ref, shape) -> jax.Array:
     def load(ctx, ref):
         del ctx
         i32, f32 = ir.IntegerType.get_signless(32), ir.F32Type.get()
-        lane, group = _row_group(i32)
-        pair = arith.muli(arith.andi(lane, mgpu.c(3, i32)), mgpu.c(2, i32))
+        lane, group = row_group(i32)
+        quad = arith.muli(arith.andi(lane, mgpu.c(3, i32)), mgpu.c(4, i32))
         base = mgpu.utils.memref_ptr(ref)
         registers = []
-        for j in range(8):
+        for j in range(shape[1] // 8):
             chunk = arith.xori(group, mgpu.c(j, i32))
-            column = arith.addi(arith.muli(chunk, mgpu.c(8, i32)), pair)
+            # chunk k's pair for this thread is at 16 (k >> 1) + 4 (L & 3) + 2 (k & 1)
+            column = arith.addi(
+                arith.addi(arith.muli(arith.shrui(chunk, mgpu.c(1, i32)), mgpu.c(16, i32)),
+                           arith.muli(arith.andi(chunk, mgpu.c(1, i32)), mgpu.c(2, i32))),
+                quad)
             ptr = mgpu.utils.getelementptr(base, [column], f32)
             value = llvm.load(ir.VectorType.get((2,), f32), ptr)
             registers.append((value, value))  # both row halves: keys vary by column only
-        return _wgmma_array(registers)
+        return wgmma_array(registers)
 
     return load(keys_ref)
 
@@ -166,7 +151,7 @@ def _lane_permuted(values: jax.Array, scratch_ref) -> jax.Array:
     def permute(ctx, array, ref):
         del ctx
         i32, f32 = ir.IntegerType.get_signless(32), ir.F32Type.get()
-        _, group = _row_group(i32)
+        _, group = row_group(i32)
         thread = arith.remui(mgpu.utils.thread_idx(), mgpu.c(128, i32))
         base = mgpu.utils.memref_ptr(ref)
         vec4 = ir.VectorType.get((4,), f32)
@@ -185,7 +170,7 @@ def _lane_permuted(values: jax.Array, scratch_ref) -> jax.Array:
             both = llvm.load(vec4, address(arith.xori(group, mgpu.c(j, i32))))
             registers.append((mgpu.utils.vector_slice(both, slice(0, 2)),
                               mgpu.utils.vector_slice(both, slice(2, 4))))
-        return _wgmma_array(registers)
+        return wgmma_array(registers)
 
     return permute(values, scratch_ref)
 
@@ -276,7 +261,10 @@ def pair_sums(
     rows_out = with_squares and not per_dimension
     x = jnp.concatenate([x.astype(jnp.float32), scale_rows(scale, per_dimension, num_p,
                                                             batch)], axis=1)
-    operands = (x, y.astype(jnp.float32), *split3(u.astype(jnp.float32)),
+    y = y.astype(jnp.float32)
+    if not _pallas.interpreted():  # (the keys of the program's loop, read in pairs of chunks)
+        y = paired_columns(y)
+    operands = (x, y, *split3(u.astype(jnp.float32)),
                 *split3(w.astype(jnp.float32)))
     launch = functools.partial(_launch_pair_sums, per_dimension=per_dimension,
                                squares_out=squares_out, rows_out=rows_out, valid_l=valid_l)
@@ -308,7 +296,6 @@ def _launch_pair_sums(refs, *, per_dimension, squares_out, rows_out, valid_l):
     rows = ROWS_PER_WARPGROUP
     programs = num_p // BLOCK_P
     row_layout = plgpu.Layout.WGMMA.reduce(1)
-    column_layout = plgpu.Layout.WGMMA.reduce(0)
     shape = (rows, block_l)
 
     def kernel(refs, scoped):
@@ -345,9 +332,7 @@ def _launch_pair_sums(refs, *, per_dimension, squares_out, rows_out, valid_l):
                       for d in range(dims if per_dimension else 1)]
 
             def differences(slot, d):
-                key = _load(y_smem.at[slot, d], column_layout)
-                return (lax.broadcast_in_dim(points[d], shape, (0,))
-                        - lax.broadcast_in_dim(key, shape, (1,)))
+                return by_rows(points[d]) - paired_keys(y_smem.at[slot, d], shape)
 
             def by_rows(vector):
                 return lax.broadcast_in_dim(vector, shape, (0,))
