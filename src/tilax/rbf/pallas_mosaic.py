@@ -85,15 +85,16 @@ def compiler_params():
     return plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=True)
 
 
-def stream_tiles(steps: int, stages: int, fetch, wait_free) -> None:
+def stream_tiles(steps: int, stages: int, fetch, wait_free, *, one_warp: bool = True) -> None:
     """The memory warpgroup's loop: ``fetch(tile, slot)`` the first ``stages`` tiles, then
     each next tile into its slot once ``wait_free(slot)`` returns; at the end, wait for every
     slot's last release (a barrier phase nobody waits for is a bug in the eyes of JAX's GPU
     interpreter, and costs nothing here).
 
-    On the GPU one warp of the warpgroup runs it and the other three wait at the join: each
-    waiting warp polls its barrier in a loop that takes issue slots from the compute warps
-    (2% of them in the exact kernels, as ncu counted on the H200)."""
+    With ``one_warp`` (on the GPU) one warp of the warpgroup runs it and the other three wait
+    at the join: a waiting warp polls its barrier in a loop that takes issue slots from the
+    compute warps (2% of them in the exact kernels, as ncu counted on the H200; the exact
+    forward+backward ran 1.0% faster so, the fast one 1.2% slower)."""
 
     def loop():
         for slot in range(stages):
@@ -108,7 +109,7 @@ def stream_tiles(steps: int, stages: int, fetch, wait_free) -> None:
         for last in range(steps - stages, steps):
             wait_free(last % stages)
 
-    if _pallas.interpreted():  # (the interpreter runs warpgroups, not warps)
+    if not one_warp or _pallas.interpreted():  # (the interpreter runs warpgroups, not warps)
         loop()
         return
 

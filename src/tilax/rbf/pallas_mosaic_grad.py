@@ -326,7 +326,8 @@ def _sweep(x, y, c_parts, o_parts, u, w, *, valid_l: int, block_l: int):
                 plgpu.copy_gmem_to_smem(c_ref.at[b, tile_rows], c_smem.at[slot],
                                         c_ready.at[slot])
 
-            stream_tiles(steps, stages, fetch, lambda slot: plgpu.barrier_wait(slot_free.at[slot]))
+            stream_tiles(steps, stages, fetch, lambda slot: plgpu.barrier_wait(slot_free.at[slot]),
+                         one_warp=False)  # (1.2% faster here, stream_tiles says)
 
     def entry(*refs):
         wgs = COMPUTE_WARPGROUPS
