@@ -7,9 +7,8 @@ never overlap (see the methodology page). This kernel takes FlashAttention-3's s
 key and value tiles through TMA into a ring of ``KEY_STAGES`` slots, and two compute
 warpgroups own 64 query rows each and take turns on the tensor cores (a schedule barrier).
 ptxas moves the "done with the exps" arrival above the exps (it depends on no register), so
-the turn passes as a warpgroup starts its exps and both warpgroups' exps overlap; that is the
-faster schedule on the H200: an arrival made to wait for every exp, one turn a step and no
-turns were all slower (methodology page).
+the turn passes as a warpgroup starts its exps and both warpgroups' exps overlap; that was the
+fastest schedule measured on the H200 (methodology page).
 
 Operands are the Triton forward's (``tilax.rbf.pallas_layout``): the augmented points as TF32
 parts ``x: [B, P, W]`` (first) and ``y: [B, L, W]`` (second), so that one TF32 dot gives the
