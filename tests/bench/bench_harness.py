@@ -19,8 +19,10 @@ One benchmark row is one *case* (a frozen dataclass from ``bench_moe``/``bench_r
    as a training loop issues them, the last call of each round ending in ``block_until_ready``
    (or ``torch.cuda.synchronize``), no warm-up rounds (done above). A round holds about
    ``QUEUED_S`` of calls, so the host's latency of one call and its wait (stored apart as
-   ``sync_call_s``, the warm-up call) is not counted once per call; the rounds are sized by a
-   probe of as many calls queued (``queued_call_s``) as that one call's time puts in a round;
+   ``sync_call_s``, the warm-up call) is not counted once per call; the rounds are sized by
+   the faster of two probes of queued calls (``queued_call_s``, stored with the numbers of
+   calls probed, ``probe_calls``): as many calls as that one call's time puts in a round, then
+   as many as the first probe's time does;
 5. TFLOP/s or pairs/s are derived from the case's counted work and the median.
 
 Any exception becomes a failure row: ``extra_info["error"]`` holds the exception type and
@@ -434,11 +436,20 @@ class Runner:
         self.info["sync_call_s"] = warm_s
         rounds, iterations = self.sized_plan(case, warm_s, warm_s)
         if iterations > 1:
+            # Two probes, the second as long as the first says a round is; the faster sizes
+            # the rounds: a process's first row can probe a device still coming out of idle
+            # (on the H200 a round of 6 calls where other processes took 11 to 23, each call
+            # then carrying more of its round's fixed latency).
+            probes = [iterations]
             try:
                 queued_s = queued_call_s(workload, iterations)
+                probes.append(self.sized_plan(case, queued_s, warm_s)[1])
+                queued_s = min(queued_s, queued_call_s(workload, probes[-1]))
             except Exception as exc:  # noqa: BLE001
                 self._remember_failure(case, describe_error(exc))
                 return
+            self.info["probe_calls"] = probes
+            self.info["queued_call_s"] = queued_s
             rounds, iterations = self.sized_plan(case, queued_s, warm_s)
         errors: list[BaseException] = []
         issued = 0

@@ -110,16 +110,18 @@ def test_measured_row(fake_benchmark):
     stats = fake_benchmark.stats.stats
     assert 3 <= stats.rounds <= 5 and stats.median >= 0.002
     assert info["tflops"] == pytest.approx(1e9 / stats.median / 1e12)
-    # compile call, warm-up call, a probe of queued calls (as many as 50 ms holds at the
-    # warm-up call's time), then rounds of calls queued back to back (50 ms of 2 ms calls),
-    # waiting once per round
+    # compile call, warm-up call, two probes of queued calls (as many as 50 ms holds at the
+    # warm-up call's time, then at the first probe's), then rounds of calls queued back to
+    # back (50 ms of 2 ms calls), waiting once per round
     queued = stats.iterations
     # (a loaded machine sleeps longer than asked: the counts follow the calls it timed)
     assert info["sync_call_s"] >= 0.002
-    probe = min(50, math.ceil(0.05 / info["sync_call_s"]))
-    assert queued > 1
-    assert workload.calls == 2 + probe + stats.rounds * queued
-    assert workload.waits[2:] == [2 + probe + queued * r for r in range(stats.rounds + 1)]
+    first, second = info["probe_calls"]
+    assert first == min(50, math.ceil(0.05 / info["sync_call_s"]))
+    assert queued > 1 and info["queued_call_s"] >= 0.002
+    assert workload.calls == 2 + first + second + stats.rounds * queued
+    assert workload.waits[2:] == [2 + first, *(2 + first + second + queued * r
+                                               for r in range(stats.rounds + 1))]
 
 
 def test_rounds_are_sized_by_queued_calls_not_by_one_waited_call(fake_benchmark):
@@ -130,6 +132,33 @@ def test_rounds_are_sized_by_queued_calls_not_by_one_waited_call(fake_benchmark)
     info = fake_benchmark.extra_info
     assert info["sync_call_s"] >= 0.010
     assert fake_benchmark.stats.stats.iterations > math.ceil(0.05 / info["sync_call_s"])
+
+
+class WarmingWorkload(FakeWorkload):
+    """Calls four times slower until the ``fast_after``-th (a device leaving idle clocks)."""
+
+    def __init__(self, seconds, fast_after):
+        super().__init__(seconds=seconds)
+        self.fast_after = fast_after
+
+    def start(self):
+        pending = super().start()
+        if self.calls <= self.fast_after:
+            time.sleep(3 * self.seconds)
+        return pending
+
+
+def test_rounds_follow_the_faster_probe(fake_benchmark):
+    # Slow through the warm-up call and the first probe (8 ms a call: 7 calls probed), then
+    # 2 ms: the second probe (a round's worth at the first probe's time, 7 calls) is the
+    # faster, and its time sizes the rounds (about 25 calls of 2 ms, not 7).
+    workload = WarmingWorkload(seconds=0.002, fast_after=9)
+    Runner(fake_benchmark, make_state()).run(FakeCase(work=1e9, workload=workload))
+    info = fake_benchmark.extra_info
+    first, second = info["probe_calls"]
+    assert first == min(50, math.ceil(0.05 / info["sync_call_s"]))
+    assert info["queued_call_s"] < 0.004
+    assert fake_benchmark.stats.stats.iterations > first
 
 
 def test_calls_of_a_round_or_more_are_not_probed(fake_benchmark):
