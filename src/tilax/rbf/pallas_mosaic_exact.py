@@ -146,11 +146,14 @@ def wgmma_array(registers):
                                 _is_signed=None)
 
 
-def paired_keys(keys_ref, shape) -> jax.Array:
+def paired_keys(keys_ref, shape, *, lane_permuted: bool = False) -> jax.Array:
     """Keys ``keys_ref: [W]`` (shared memory, ``paired_columns`` order) as the columns of a
     ``shape = [64, W]`` array of ``wgmma``'s register layout: one 16-byte load a thread for
-    each 16 columns, where a plain load takes two 8-byte ones. In JAX's GPU interpreter the
-    keys are in the plain order and loaded so."""
+    each 16 columns, where a plain load takes two 8-byte ones. With ``lane_permuted`` in the
+    exact sweep's lane-permuted order instead (``tilax.rbf.pallas_mosaic_exact_grad``: the
+    thread of lane ``L`` holds chunk ``j ^ (L >> 2)`` where the layout holds chunk ``j``), one
+    8-byte load a chunk. In JAX's GPU interpreter the keys are in the plain order and loaded
+    so (there nothing is permuted)."""
     if _pallas.interpreted():
         return lax.broadcast_in_dim(_load(keys_ref, plgpu.Layout.WGMMA.reduce(0)), shape, (1,))
     import jax.experimental.mosaic.gpu as mgpu
@@ -163,17 +166,29 @@ def paired_keys(keys_ref, shape) -> jax.Array:
     def load(ctx, ref):
         del ctx
         i32, f32 = ir.IntegerType.get_signless(32), ir.F32Type.get()
-        lane, _ = row_group(i32)
+        lane, group = row_group(i32)
         quad = arith.muli(arith.andi(lane, mgpu.c(3, i32)), mgpu.c(4, i32))
         base = mgpu.utils.memref_ptr(ref)
-        registers = []
-        for group in range(shape[1] // 16):
-            ptr = mgpu.utils.getelementptr(base, [arith.addi(quad, mgpu.c(16 * group, i32))],
-                                           f32)
-            four = llvm.load(ir.VectorType.get((4,), f32), ptr)
-            for q in range(2):  # chunks 2 group + q, both row halves
-                pair = mgpu.utils.vector_slice(four, slice(2 * q, 2 * q + 2))
+
+        def keys(column, count):
+            ptr = mgpu.utils.getelementptr(base, [column], f32)
+            return llvm.load(ir.VectorType.get((count,), f32), ptr)
+
+        registers = []  # [chunk][row half]: keys vary by column only
+        if lane_permuted:
+            for j in range(shape[1] // 8):
+                chunk = arith.xori(group, mgpu.c(j, i32))
+                # chunk k's pair for this thread is at 16 (k >> 1) + 4 (L & 3) + 2 (k & 1)
+                start = arith.addi(arith.muli(arith.shrui(chunk, mgpu.c(1, i32)), mgpu.c(16, i32)),
+                                   arith.muli(arith.andi(chunk, mgpu.c(1, i32)), mgpu.c(2, i32)))
+                pair = keys(arith.addi(start, quad), 2)
                 registers.append((pair, pair))
+        else:
+            for first in range(0, shape[1], 16):  # chunks first / 8 and first / 8 + 1
+                four = keys(arith.addi(quad, mgpu.c(first, i32)), 4)
+                for q in range(2):
+                    pair = mgpu.utils.vector_slice(four, slice(2 * q, 2 * q + 2))
+                    registers.append((pair, pair))
         return wgmma_array(registers)
 
     return load(keys_ref)

@@ -95,41 +95,6 @@ def runs(launch, distance: Distance, values: str, columns: int) -> bool:
 # ``_column_sums_of_permuted``. The row sums add every chunk of a row and are unchanged.
 
 
-def _permuted_keys(keys_ref, shape) -> jax.Array:
-    """The loop tile's keys ``keys_ref: [64]`` (shared memory, in ``paired_columns`` order) as
-    columns of a ``[64, 64]`` array in the lane-permuted order (one 8-byte load a chunk). In
-    JAX's GPU interpreter, in the plain order (there nothing is permuted)."""
-    if _pallas.interpreted():
-        return lax.broadcast_in_dim(_load(keys_ref, plgpu.Layout.WGMMA.reduce(0)), shape, (1,))
-    import jax.experimental.mosaic.gpu as mgpu
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith, llvm
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),),
-                       return_type=plgpu.ShapeDtypeStruct(shape, jnp.float32,
-                                                          layout=plgpu.Layout.WGMMA))
-    def load(ctx, ref):
-        del ctx
-        i32, f32 = ir.IntegerType.get_signless(32), ir.F32Type.get()
-        lane, group = row_group(i32)
-        quad = arith.muli(arith.andi(lane, mgpu.c(3, i32)), mgpu.c(4, i32))
-        base = mgpu.utils.memref_ptr(ref)
-        registers = []
-        for j in range(shape[1] // 8):
-            chunk = arith.xori(group, mgpu.c(j, i32))
-            # chunk k's pair for this thread is at 16 (k >> 1) + 4 (L & 3) + 2 (k & 1)
-            column = arith.addi(
-                arith.addi(arith.muli(arith.shrui(chunk, mgpu.c(1, i32)), mgpu.c(16, i32)),
-                           arith.muli(arith.andi(chunk, mgpu.c(1, i32)), mgpu.c(2, i32))),
-                quad)
-            ptr = mgpu.utils.getelementptr(base, [column], f32)
-            value = llvm.load(ir.VectorType.get((2,), f32), ptr)
-            registers.append((value, value))  # both row halves: keys vary by column only
-        return wgmma_array(registers)
-
-    return load(keys_ref)
-
-
 def _lane_permuted(values: jax.Array, scratch_ref) -> jax.Array:
     """``values: [64, 64]`` (float32, ``wgmma`` layout) in the lane-permuted order, through
     ``scratch_ref: [8, 128, 4]`` (shared memory, one warpgroup's): each thread stores its four
@@ -390,7 +355,8 @@ def _launch_pair_sums(refs, *, per_dimension, squares_out, rows_out, valid_l):
                 # sums add every column of a row, in any order).
                 a_permuted = _lane_permuted(a, staging)
                 for d in range(dims):  # unscaled: the residual scale multiplies the sums last
-                    e = by_rows(points[d]) - _permuted_keys(y_smem.at[slot, d], shape)
+                    e = by_rows(points[d]) - paired_keys(y_smem.at[slot, d], shape,
+                                                         lane_permuted=True)
                     ae = a_permuted * e
                     new_sums.append(sums[d] + folded(ae))
                     if squares_out:
