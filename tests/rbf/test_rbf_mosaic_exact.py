@@ -24,6 +24,20 @@ from tilax.rbf.pallas_triton import Difference
 BLOCK = dict(block_p=pallas_mosaic_exact.BLOCK_P, block_l=pallas_mosaic_exact.BLOCK_L)
 
 
+def test_paired_columns_put_each_threads_keys_of_two_chunks_side_by_side():
+    # In wgmma's register layout the thread of lane L holds columns 8 j + 2 (L & 3) + {0, 1}
+    # of every 8-column chunk j; paired_keys reads four of them, chunks 2 i and 2 i + 1, at
+    # 16 i + 4 (L & 3).
+    keys = np.arange(2 * 48, dtype=np.float32).reshape(2, 48)
+    paired = np.asarray(pallas_mosaic_exact.paired_columns(jnp.asarray(keys)))
+    for lane in range(32):
+        quad = lane & 3
+        for i in range(3):
+            four = paired[:, 16 * i + 4 * quad: 16 * i + 4 * quad + 4]
+            columns = [8 * j + 2 * quad + p for j in (2 * i, 2 * i + 1) for p in (0, 1)]
+            np.testing.assert_array_equal(four, keys[:, columns])
+
+
 def test_split3_is_exact_to_float32():
     rng = np.random.default_rng(0)
     a = np.concatenate([rng.uniform(0, 1, 100000), rng.uniform(0, 1, 1000) * 2.0**-60,
