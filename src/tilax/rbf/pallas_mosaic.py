@@ -79,8 +79,8 @@ def compiler_params():
     kernels nothing is read that way except through ``commit_smem`` (which has its own
     barrier), stored operand tiles are reused only after the ``wgmma`` that read them was waited
     for, and ring slots only after mbarriers say they were read. On the H200 the barriers
-    around the exact sweep's atomic column sums (two a dimension a tile, under jax 0.11) cost
-    4% of its forward+backward, those around the fast sweep's stores 4%."""
+    (under jax 0.11, two a dimension a tile around the exact sweep's atomic column sums) cost
+    4% of a forward+backward at either precision (methodology page)."""
     return plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=True)
 
 
