@@ -166,9 +166,9 @@ def _column_sums_of_permuted(values: jax.Array) -> jax.Array:
         regs = array.registers  # [1, register j, 1, 1, row half h, 1, 1, 1, 1]
         chunks = [arith.addf(regs[0, j, 0, 0, 0, 0, 0, 0, 0], regs[0, j, 0, 0, 1, 0, 0, 0, 0])
                   for j in range(regs.shape[1])]
-        # Register j holds chunk j ^ g (g = L >> 2, lane bits 4, 3, 2). The partner across
-        # lane bit b (distance 16, 8, 4) has g ^ 2^k, so its register j + half holds chunk
-        # j ^ g: the chunk this thread keeps in register j.
+        # Register j holds chunk j ^ g (g = L >> 2: lane bits 4, 3, 2). The partner at
+        # distance 16, 8, 4 has g ^ half (half = 4, 2, 1), so its register j + half (j < half)
+        # holds chunk (j + half) ^ g ^ half = j ^ g: the chunk this thread keeps in register j.
         for distance in (16, 8, 4):
             half = len(chunks) // 2
             chunks = [arith.addf(chunks[j], mgpu.utils.shfl_bfly(chunks[j + half], distance))
