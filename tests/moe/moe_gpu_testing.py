@@ -59,6 +59,18 @@ def check_deterministic(**config_kwargs):
         np.testing.assert_array_equal(np.asarray(apply(params, x)), first)
 
 
+def compare_forward(dims, tokens, dtype, skew=0.0, **config_kwargs):
+    """The layer's forward alone (no gradient: the kernels an inference call runs) against
+    the oracle's output."""
+    config = tilax.MoEConfig(**dims, dtype=dtype, **config_kwargs)
+    math_only = tilax.MoEConfig(**dims, dtype=dtype, routing=config.routing,
+                                capacity_factor=config.capacity_factor)
+    params, x, _ = inputs(math_only, tokens, skew)
+    y = jax.jit(lambda p, x: tilax.moe_apply(p, x, config)[0])(params, x)
+    y_ref, _ = oracle(math_only, tokens, skew)
+    assert rel_err(y, y_ref) < TOLERANCE[jnp.dtype(dtype).name], "output"
+
+
 def compare(dims, tokens, dtype, skew=0.0, **config_kwargs):
     config = tilax.MoEConfig(**dims, dtype=dtype, **config_kwargs)
     # the inputs and the oracle depend on the shape, dtype and routing, not on the kernels

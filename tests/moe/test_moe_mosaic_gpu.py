@@ -9,12 +9,13 @@ spread over a few workers, with XLA's autotuning off (see test_moe_gpu.py)::
     XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_FLAGS=--xla_gpu_autotune_level=0 PYTHONPATH=src \\
         python -m pytest tests/moe/test_moe_mosaic_gpu.py -q -n 4
 
-On the H200 (jax 0.11.2, commit 2452d44) the 20 tests passed in 115 s with ``-n 4``.
+On the H200 (jax 0.11.2, commit 2452d44) the 20 tests then there passed in 115 s with
+``-n 4``.
 """
 
 import jax
 import pytest
-from moe_gpu_testing import DECODER, DISPATCHES, LAYER, check_deterministic
+from moe_gpu_testing import DECODER, DISPATCHES, LAYER, check_deterministic, compare_forward
 from moe_gpu_testing import compare as _compare
 
 from tilax import _pallas
@@ -63,6 +64,21 @@ def test_mosaic_few_tokens(dispatch):
 @pytest.mark.parametrize("dispatch", ["sorted", "fused_gsum"])
 def test_mosaic_fine_grained_decoder(dispatch):
     _compare(DECODER, 1500, "bfloat16", impl="mosaic", dispatch=dispatch)
+
+
+@needs_mosaic
+@pytest.mark.parametrize("dispatch", ["fused", "fused_gsum"])
+@pytest.mark.parametrize(("tokens", "skew", "tiles"), [
+    (1500, 0.0, {}),  # 128-row tiles, one thread a row
+    (1500, 0.0, dict(block_m=64, block_n=128)),  # 64-row tiles, two threads a row
+    (5, 0.0, {}),  # 40 copies: most experts empty, partial row tiles
+    (2049, 0.9, {}),  # a few experts hold nearly every copy
+])  # fmt: skip
+def test_mosaic_forward_gathers_rows_in_the_kernel(dispatch, tokens, skew, tiles):
+    # the decoder's SwiGLU kernel has 2 column tiles: an inference forward gathers x's rows
+    # itself (tilax.moe.gmm_mosaic_gather), where a train step reads XLA's copy
+    compare_forward(DECODER, tokens, "bfloat16", skew=skew, impl="mosaic", dispatch=dispatch,
+                    **tiles)
 
 
 @needs_mosaic

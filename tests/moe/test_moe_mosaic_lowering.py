@@ -19,6 +19,7 @@ from jax.experimental.mosaic.gpu import core as mosaic_core
 
 import tilax
 from tilax import _pallas
+from tilax.moe import gmm_mosaic_gather as gather
 from tilax.moe import gmm_mosaic_parts as parts
 
 MOSAIC_CALL = "stablehlo.custom_call @mosaic_gpu_v2"
@@ -78,3 +79,35 @@ def test_one_program_per_sm_lowers(monkeypatch):
     monkeypatch.setattr(parts, "default_config", lambda dtype: whole_sm)
     config = tilax.MoEConfig(**LAYER, impl="mosaic", dispatch="fused_gsum")
     assert lower_train_step(config, 4096).count(MOSAIC_CALL) == KERNELS["fused_gsum"]
+
+
+def lower_forward(config, tokens: int) -> str:
+    params = tilax.moe_init(jax.random.key(0), config)
+    x = jax.ShapeDtypeStruct((tokens, config.d_model), config.dtype)
+    forward = jax.jit(lambda params, x: tilax.moe_apply(params, x, config)[0])
+    return export.export(forward, platforms=["cuda"])(params, x).mlir_module()
+
+
+@pytest.mark.parametrize(("dims", "block_m", "in_kernel"), [
+    (DECODER, None, True),  # 2 column tiles of the SwiGLU kernel, 128-row tiles
+    (DECODER, 64, True),  # 1 column tile (block_n 128), 64-row tiles: two threads a row
+    (LAYER, None, False),  # 16 column tiles: each would gather the rows again
+])  # fmt: skip
+def test_fused_forward_gathers_rows_in_the_kernel(monkeypatch, dims, block_m, in_kernel):
+    """The SwiGLU kernel of the fused dispatches reads ``x`` through the sort index itself
+    (``gmm_mosaic_gather``) where it pays: then the forward has one XLA row gather fewer."""
+    config = tilax.MoEConfig(**dims, impl="mosaic", dispatch="fused", block_m=block_m,
+                             block_n=None if block_m is None else 128)
+    gathers = lower_forward(config, 2048).count("stablehlo.gather")
+    monkeypatch.setattr(gather, "gathers_in_kernel", lambda *args: False)
+    gathers_by_xla = lower_forward(config, 2048).count("stablehlo.gather")
+    assert gathers_by_xla > gathers if in_kernel else gathers_by_xla == gathers
+
+
+def test_train_step_reads_xlas_copy(monkeypatch):
+    """A train step's forward reads XLA's gathered rows (its backward needs that copy anyway):
+    the same XLA gathers with the in-kernel gather allowed or not."""
+    config = tilax.MoEConfig(**DECODER, impl="mosaic", dispatch="fused")
+    gathers = lower_train_step(config, 2048).count("stablehlo.gather")
+    monkeypatch.setattr(gather, "gathers_in_kernel", lambda *args: False)
+    assert lower_train_step(config, 2048).count("stablehlo.gather") == gathers

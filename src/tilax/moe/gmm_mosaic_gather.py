@@ -1,0 +1,160 @@
+"""Rows gathered inside the Mosaic GPU grouped matmuls: per-thread asynchronous copies.
+
+Hopper's TMA copies tiles, not gathered rows, so without this the rows a kernel reads through
+``index`` are gathered by XLA first (``gmm_mosaic_parts.gathered``): for the E64 top-8
+decoder at 131 072 tokens a copy of 1M rows of 512 bfloat16 (1 GB written, about as much
+read) that took 0.56 ms of its 3.37 ms forward on the H200. Here each thread of the warpgroup
+owns one row of the tile and copies its 128-byte slice of each contraction step with eight
+16-byte ``cp.async`` copies straight into the swizzled SMEM tile ``wgmma`` reads, as
+Triton's kernels gather (Mosaic GPU's own ``cp.async`` path is for GPUs before Hopper and
+copies tiles). The weight tiles still come by TMA.
+
+:func:`pipeline` is ``gmm_mosaic_parts.pipeline`` with its first operand gathered:
+``stages`` slots, the copies of step ``k + stages - 1`` issued once the ``wgmma`` of step
+``k - 1`` has read its slot, each thread waiting for its own copies (``cp.async.wait_group``)
+and then the warpgroup together (``commit_smem``: a proxy fence, so that ``wgmma``'s reads
+see the copies, and a warpgroup barrier) before a step's ``wgmma``.
+
+JAX's GPU interpreter cannot run inlined Mosaic GPU code: there (on a CPU) the kernels gather
+in XLA first, as on GPUs where :func:`gathers_in_kernel` is false.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from tilax import _pallas
+from tilax.moe.gmm_mosaic_parts import mma_transforms, plgpu
+
+# The warpgroup's threads share a tile's rows (one or two a row), and a contraction step is
+# one 128-byte swizzle row of 16-bit values: the layout the copies below write (tiles of 8
+# rows of 128 bytes, 16-byte chunks XOR-ed by the row within its tile, as TMA and wgmma read
+# a 128-byte swizzle).
+THREADS = 128
+ROW_BYTES = 128
+CHUNK_BYTES = 16
+# A kernel gathers its rows once per column tile. On the H200 the E8 layer's SwiGLU kernel (16
+# column tiles) made the forward at 131 072 tokens 2.68 ms against 1.81 with XLA's gather
+# first; the E64 decoder's (2 column tiles) 3.16 against 3.25 ms (diagnostic A/B runs).
+MAX_COLUMN_TILES = 2
+
+
+def gathers_in_kernel(block_m: int, block_k: int, dtype) -> bool:
+    """Whether a kernel with these tiles gathers its rows itself (on a GPU, 64 or 128 rows
+    of 128 bytes a step); otherwise XLA gathers them first."""
+    return (not _pallas.interpreted() and block_m in (THREADS // 2, THREADS)
+            and block_k * jnp.dtype(dtype).itemsize == ROW_BYTES)
+
+
+def _copy_rows(x_g, index_view, slot, col_start: int) -> None:
+    """``slot[r, :] = x_g[index_view[r], col_start : col_start + block_k]`` for the tile's
+    rows, as ``cp.async`` copies of this thread's row, committed as one group."""
+    import jax.experimental.mosaic.gpu as mgpu
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, llvm, memref
+
+    tiled = plgpu.RefType(transforms=mma_transforms(slot.shape[1], slot.dtype))
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), tiled))
+    def copy(ctx, x_ref, index_ref, slot_ref):
+        del ctx
+        i32, i64 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64)
+        void = ir.Type.parse("!llvm.void")
+        block_m = ir.MemRefType(index_ref.type).shape[0]
+        chunks = ROW_BYTES // CHUNK_BYTES * block_m // THREADS  # this thread's, of its row
+        thread = arith.remui(mgpu.utils.thread_idx(), mgpu.c(THREADS, i32))
+        row = arith.remui(thread, mgpu.c(block_m, i32))
+        first = arith.muli(arith.divui(thread, mgpu.c(block_m, i32)), mgpu.c(chunks, i32))
+        num_tokens, width = ir.MemRefType(x_ref.type).shape
+        token = memref.load(index_ref, [arith.index_cast(ir.IndexType.get(), row)])
+        # In bounds by construction; clamped (unsigned) so that no index can fault.
+        token = arith.minui(token, mgpu.c(num_tokens - 1, i32))
+        row_stride = width * 2
+        source = arith.addi(
+            llvm.ptrtoint(i64, mgpu.utils.memref_ptr(x_ref)),
+            arith.addi(arith.muli(arith.extui(i64, token), mgpu.c(row_stride, i64)),
+                       mgpu.c(col_start * 2, i64)))
+        target = arith.addi(llvm.ptrtoint(i32, mgpu.utils.memref_ptr(slot_ref)),
+                            arith.muli(row, mgpu.c(ROW_BYTES, i32)))
+        swizzle = arith.andi(row, mgpu.c(7, i32))
+        for step in range(chunks):
+            chunk = arith.addi(first, mgpu.c(step, i32))
+            place = arith.shli(arith.xori(swizzle, chunk), mgpu.c(4, i32))
+            offset = arith.extui(i64, arith.shli(chunk, mgpu.c(4, i32)))
+            llvm.inline_asm(
+                void, [arith.addi(target, place), arith.addi(source, offset)],
+                f"cp.async.cg.shared.global [$0], [$1], {CHUNK_BYTES};", "r,l",
+                has_side_effects=True)
+        llvm.inline_asm(void, [], "cp.async.commit_group;", "", has_side_effects=True)
+
+    copy(x_g, index_view, slot)
+
+
+def _wait_copies(pending: int) -> None:
+    """Wait until at most ``pending`` of this thread's copy groups are in flight, then for the
+    whole warpgroup (``commit_smem``: proxy fence and barrier)."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import llvm
+
+    @plgpu.inline_mgpu()
+    def wait(ctx):
+        del ctx
+        llvm.inline_asm(ir.Type.parse("!llvm.void"), [], f"cp.async.wait_group {pending};", "",
+                        has_side_effects=True)
+
+    wait()
+    plgpu.commit_smem()
+
+
+def pipeline(step, num_steps: int, rows, operands, stages: int, mmas_per_step: int) -> None:
+    """``gmm_mosaic_parts.pipeline`` whose first operand is gathered: ``rows = (x_g,
+    index_view)`` with ``x_g: [T, K]`` in GMEM and ``index_view: [block_m]`` the tile's rows of
+    ``x_g``; ``operands`` the TMA-copied ones, ``(gmem_ref, block_shape, index_map)``;
+    ``step(k, x_smem, *smem_refs)`` issues the ``mmas_per_step`` MMAs of step ``k``."""
+    from jax.experimental import pallas as pl
+
+    x_g, index_view = rows
+    block_m, block_k = index_view.shape[0], ROW_BYTES // x_g.dtype.itemsize
+    stages = max(2, min(stages, num_steps))
+
+    def scope(x_ring, *rest):
+        *rings, ready = rest
+
+        def issue(k: int) -> None:
+            slot = k % stages
+            _copy_rows(x_g, index_view, x_ring.at[slot], k * block_k)
+            for (ref, shape, index_map), ring in zip(operands, rings, strict=True):
+                window = tuple(pl.ds(i * size, size) for i, size in zip(index_map(k), shape,
+                                                                         strict=True))
+                plgpu.copy_gmem_to_smem(ref.at[window], ring.at[slot], ready.at[slot])
+
+        for k in range(min(stages - 1, num_steps)):
+            issue(k)
+        for k in range(num_steps):
+            slot = k % stages
+            # Groups committed after step k's: those of the steps issued ahead of it.
+            _wait_copies(min(stages - 2, num_steps - 1 - k))
+            plgpu.barrier_wait(ready.at[slot])
+            step(k, x_ring.at[slot], *[ring.at[slot] for ring in rings])
+            # Step k - 1's wgmma has read its slot: refill that slot.
+            plgpu.wgmma_wait(mmas_per_step)
+            if k + stages - 1 < num_steps:
+                issue(k + stages - 1)
+        plgpu.wgmma_wait(0)
+
+    dtype = x_g.dtype
+    pl.run_scoped(
+        scope,
+        plgpu.SMEM((stages, block_m, block_k), dtype, transforms=mma_transforms(block_k, dtype)),
+        *[plgpu.SMEM((stages, *shape), ref.dtype, transforms=mma_transforms(shape[1], ref.dtype))
+          for ref, shape, _ in operands],
+        plgpu.Barrier(num_arrivals=len(operands), num_barriers=stages),
+    )
+
+
+def index_rows(index_g: jax.Array, row_start, block_m: int) -> jax.Array:
+    """The tile's ``block_m`` entries of ``index_g`` (a GMEM ref) from ``row_start``."""
+    from jax.experimental import pallas as pl
+
+    return index_g.at[pl.ds(row_start, block_m)]
