@@ -16,7 +16,7 @@ and then the warpgroup together (``commit_smem``: a proxy fence, so that ``wgmma
 see the copies, and a warpgroup barrier) before a step's ``wgmma``.
 
 JAX's GPU interpreter cannot run inlined Mosaic GPU code: there (on a CPU) the kernels keep
-the sub-tiles of :func:`gathering_tiles` but read them from XLA's gathered copy by TMA.
+the sub-tiles of :func:`gathers_in_kernel` but read them from XLA's gathered copy by TMA.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ SUB_ROWS = 64
 MAX_COLUMN_TILES = 2
 
 
-def gathering_tiles(tiles, d_dim: int, h_dim: int, dtype):
+def gathers_in_kernel(tiles, d_dim: int, h_dim: int, dtype):
     """``(rows, block_n, block_k, stages)`` of a SwiGLU kernel that gathers its own rows:
     ``SUB_ROWS``-row sub-tiles of each item, as many columns as its two float32 accumulators
     allow, one 128-byte step of ``x`` at a time; ``None`` where that does not fit or pay
@@ -66,12 +66,11 @@ def gathering_tiles(tiles, d_dim: int, h_dim: int, dtype):
 
 def _copy_rows(x_g, index_view, slot, col_start: int) -> None:
     """``slot[r, :] = x_g[index_view[r], col_start : col_start + block_k]`` for the tile's
-    rows, as ``cp.async`` copies of this thread's share of its row, committed as one group."""
+    rows, as ``cp.async`` copies of this thread's row, committed as one group."""
     import jax.experimental.mosaic.gpu as mgpu
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, llvm, memref
 
-    itemsize = jnp.dtype(x_g.dtype).itemsize
     tiled = plgpu.RefType(transforms=mma_transforms(slot.shape[1], slot.dtype))
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), tiled))
@@ -88,10 +87,11 @@ def _copy_rows(x_g, index_view, slot, col_start: int) -> None:
         token = memref.load(index_ref, [arith.index_cast(ir.IndexType.get(), row)])
         # In bounds by construction; clamped (unsigned) so that no index can fault.
         token = arith.minui(token, mgpu.c(num_tokens - 1, i32))
+        row_stride = width * 2
         source = arith.addi(
             llvm.ptrtoint(i64, mgpu.utils.memref_ptr(x_ref)),
-            arith.addi(arith.muli(arith.extui(i64, token), mgpu.c(width * itemsize, i64)),
-                       mgpu.c(col_start * itemsize, i64)))
+            arith.addi(arith.muli(arith.extui(i64, token), mgpu.c(row_stride, i64)),
+                       mgpu.c(col_start * 2, i64)))
         target = arith.addi(llvm.ptrtoint(i32, mgpu.utils.memref_ptr(slot_ref)),
                             arith.muli(row, mgpu.c(ROW_BYTES, i32)))
         swizzle = arith.andi(row, mgpu.c(7, i32))
