@@ -129,6 +129,16 @@ def pallas_call(
     raise ValueError(f"pallas_call helper serves interpret/triton, not {backend!r}")
 
 
+def transposed_ref(ref):
+    """A 2-D Mosaic GPU ref read as its transpose: ``ref.transpose`` from jax 0.11 (where
+    ``plgpu.transpose_ref`` is deprecated), ``plgpu.transpose_ref`` before."""
+    if hasattr(ref, "transpose"):
+        return ref.transpose((1, 0))
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    return plgpu.transpose_ref(ref, (1, 0))
+
+
 def round_up(value: int, multiple: int) -> int:
     """Smallest multiple of ``multiple`` that is >= ``value``."""
     return -(-value // multiple) * multiple

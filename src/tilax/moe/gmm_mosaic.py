@@ -41,7 +41,8 @@ Mosaic GPU APIs relied on, read in jax 0.10.2 (installed here) and jax-ml/jax ma
 the default (set explicitly here): ``plgpu.kernel(out_type=, grid=, grid_names=,
 kernel_name=, compiler_params=)``, ``plgpu.CompilerParams(lowering_semantics=, approx_math=)``,
 ``plgpu.nd_loop``, ``plgpu.emit_pipeline`` (static and traced grids),
-``plgpu.BlockSpec(transforms=, delay_release=)``, ``plgpu.wgmma``, ``plgpu.transpose_ref``,
+``plgpu.BlockSpec(transforms=, delay_release=)``, ``plgpu.wgmma``, ``plgpu.transpose_ref``
+(``ref.transpose`` from 0.11: ``tilax._pallas.transposed_ref``),
 ``plgpu.ACC``, ``plgpu.SMEM``, ``plgpu.Barrier``, ``plgpu.TilingTransform``,
 ``plgpu.SwizzleTransform``, ``plgpu.find_swizzle``, ``plgpu.copy_gmem_to_smem``,
 ``plgpu.barrier_wait``, ``plgpu.copy_smem_to_gmem(commit_group=)``,
@@ -60,6 +61,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from tilax import _pallas
 from tilax.moe import gmm_mosaic_gather as gather
 from tilax.moe import gmm_mosaic_parts as parts
 from tilax.moe.dispatch import GmmSchedule
@@ -153,7 +155,7 @@ def gmm(
             def run(acc):
                 def step(_, *smems):
                     for a, w in zip(smems[::2], smems[1::2], strict=True):
-                        plgpu.wgmma(acc, a, plgpu.transpose_ref(w, (1, 0)) if transpose_rhs else w)
+                        plgpu.wgmma(acc, a, _pallas.transposed_ref(w) if transpose_rhs else w)
 
                 parts.pipeline(step, k_dim // block_k, operands, stages)
 
@@ -335,7 +337,7 @@ def gmm_swiglu_bwd(
 
             def run(acc):
                 def step(_, dy_smem, w_smem):
-                    plgpu.wgmma(acc, dy_smem, plgpu.transpose_ref(w_smem, (1, 0)))
+                    plgpu.wgmma(acc, dy_smem, _pallas.transposed_ref(w_smem))
 
                 parts.pipeline(step, d_dim // block_k, operands, stages)
 
@@ -489,7 +491,7 @@ def tgmm(
                         plgpu.commit_smem()
 
                     for acc, b_smem in zip(accs, b_smems, strict=True):
-                        plgpu.wgmma(acc, plgpu.transpose_ref(a_smem, (1, 0)), b_smem)
+                        plgpu.wgmma(acc, _pallas.transposed_ref(a_smem), b_smem)
 
                 pl.when(hi > lo)(lambda: parts.pipeline(step, steps, operands, stages))
 

@@ -62,11 +62,6 @@ def runs(launch, distance: Distance, values: str, width: int) -> bool:
             and launch.block_p == BLOCK_P and launch.block_l % 64 == 0)
 
 
-def _transposed(ref):
-    """``ref`` read as its transpose (``plgpu.transpose_ref`` before jax 0.11)."""
-    return ref.transpose((1, 0)) if hasattr(ref, "transpose") else plgpu.transpose_ref(ref, (1, 0))
-
-
 def _tiles(cols: int, itemsize: int):
     swizzle = plgpu.find_swizzle(cols * itemsize * 8)
     return plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)
@@ -212,7 +207,7 @@ def kernel_matmul(
                 slot = slot_of(kv_step)
 
                 def exponents(t_ref):
-                    plgpu.wgmma(t_ref, x_smem, _transposed(y_smem.at[slot]))
+                    plgpu.wgmma(t_ref, x_smem, _pallas.transposed_ref(y_smem.at[slot]))
                     take_turn()
                     return t_ref[...]
 

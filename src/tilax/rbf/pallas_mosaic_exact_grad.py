@@ -42,7 +42,6 @@ from tilax.rbf.pallas_mosaic import (
     COMPUTE_WARPGROUPS,
     ROWS_PER_WARPGROUP,
     _tiles,
-    _transposed,
     plgpu,
     stream_tiles,
 )
@@ -320,7 +319,7 @@ def _launch_pair_sums(refs, *, per_dimension, squares_out, rows_out, valid_l):
                 def kernel_and_cotangents(uw_ref):
                     for u_part, w_part in PRODUCTS:
                         plgpu.wgmma(uw_ref, u_smem.at[3 * wg + u_part],
-                                    _transposed(w_smem.at[3 * slot + w_part]))
+                                    _pallas.transposed_ref(w_smem.at[3 * slot + w_part]))
                     t = None
                     for d in range(dims):
                         e = differences(slot, d)

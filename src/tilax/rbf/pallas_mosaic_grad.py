@@ -46,7 +46,6 @@ from tilax.rbf.pallas_mosaic import (
     MAX_WIDTH,
     ROWS_PER_WARPGROUP,
     _tiles,
-    _transposed,
     compiler_params,
     plgpu,
     stream_tiles,
@@ -238,8 +237,8 @@ def _sweep(x, y, c_parts, o_parts, u, w, *, valid_l: int, block_l: int):
                 tile = _rotated(index, full_steps, offset)
 
                 def scores(t_ref, uw_ref):
-                    plgpu.wgmma(t_ref, x_smem, _transposed(y_smem.at[slot]))
-                    plgpu.wgmma(uw_ref, u_smem, _transposed(w_smem.at[slot]))
+                    plgpu.wgmma(t_ref, x_smem, _pallas.transposed_ref(y_smem.at[slot]))
+                    plgpu.wgmma(uw_ref, u_smem, _pallas.transposed_ref(w_smem.at[slot]))
                     t = plgpu.wgmma_accumulator_load(t_ref, wait_n=1)  # uw may be in flight
                     # No clamp at 0, as in the forward: within the default fast budget a
                     # float32 kernel value exceeds 1 by less than its error bound (2^-8), and
@@ -270,7 +269,7 @@ def _sweep(x, y, c_parts, o_parts, u, w, *, valid_l: int, block_l: int):
                 def dots(*loop_accs):
                     plgpu.wgmma(sums_ref, a16, c_smem.at[slot])
                     for half, acc in enumerate(loop_accs):  # A^T: loop rows by own rows
-                        weights = _transposed(a_smem.at[:, pl.ds(half * rows, rows)])
+                        weights = _pallas.transposed_ref(a_smem.at[:, pl.ds(half * rows, rows)])
                         plgpu.wgmma(acc, weights, o_smem)
                     following = index + 1
 
