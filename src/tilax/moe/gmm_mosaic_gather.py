@@ -3,9 +3,10 @@
 Hopper's TMA copies tiles, not gathered rows, so without this the rows a kernel reads through
 ``index`` are gathered by XLA first (``gmm_mosaic_parts.gathered``): for the E64 top-8
 decoder at 131 072 tokens a copy of 1M rows of 512 bfloat16 (1 GB written, about as much
-read) that took 0.56 ms of its 3.37 ms forward on the H200. Here each thread of the warpgroup
-owns one row of the tile and copies its 128-byte slice of each contraction step with eight
-16-byte ``cp.async`` copies straight into the swizzled SMEM tile ``wgmma`` reads, as
+read) that took 0.56 ms of its 3.37 ms forward on the H200. Here the warpgroup's threads copy
+the tile's rows themselves (one thread a row of a 128-row tile, two of a 64-row one), each
+its share of the row's 128-byte slice of a contraction step as 16-byte ``cp.async`` copies,
+straight into the swizzled SMEM tile ``wgmma`` reads, as
 Triton's kernels gather (Mosaic GPU's own ``cp.async`` path is for GPUs before Hopper and
 copies tiles). The weight tiles still come by TMA.
 
@@ -49,11 +50,12 @@ def gathers_in_kernel(block_m: int, block_k: int, dtype) -> bool:
 
 def _copy_rows(x_g, index_view, slot, col_start: int) -> None:
     """``slot[r, :] = x_g[index_view[r], col_start : col_start + block_k]`` for the tile's
-    rows, as ``cp.async`` copies of this thread's row, committed as one group."""
+    rows, as ``cp.async`` copies of this thread's share of its row, committed as one group."""
     import jax.experimental.mosaic.gpu as mgpu
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, llvm, memref
 
+    itemsize = jnp.dtype(x_g.dtype).itemsize
     tiled = plgpu.RefType(transforms=mma_transforms(slot.shape[1], slot.dtype))
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), tiled))
@@ -70,11 +72,10 @@ def _copy_rows(x_g, index_view, slot, col_start: int) -> None:
         token = memref.load(index_ref, [arith.index_cast(ir.IndexType.get(), row)])
         # In bounds by construction; clamped (unsigned) so that no index can fault.
         token = arith.minui(token, mgpu.c(num_tokens - 1, i32))
-        row_stride = width * 2
         source = arith.addi(
             llvm.ptrtoint(i64, mgpu.utils.memref_ptr(x_ref)),
-            arith.addi(arith.muli(arith.extui(i64, token), mgpu.c(row_stride, i64)),
-                       mgpu.c(col_start * 2, i64)))
+            arith.addi(arith.muli(arith.extui(i64, token), mgpu.c(width * itemsize, i64)),
+                       mgpu.c(col_start * itemsize, i64)))
         target = arith.addi(llvm.ptrtoint(i32, mgpu.utils.memref_ptr(slot_ref)),
                             arith.muli(row, mgpu.c(ROW_BYTES, i32)))
         swizzle = arith.andi(row, mgpu.c(7, i32))
