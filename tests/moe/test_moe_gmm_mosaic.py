@@ -17,7 +17,14 @@ from mosaic_interpret import available, gpu_interpreter
 
 import tilax
 from tilax import _pallas
-from tilax.moe import dispatch, gmm_mosaic, gmm_mosaic_parts, reference, skew_tokens
+from tilax.moe import (
+    dispatch,
+    gmm_mosaic,
+    gmm_mosaic_gather,
+    gmm_mosaic_parts,
+    reference,
+    skew_tokens,
+)
 from tilax.moe.gmm_mosaic import Config
 
 TILES = Config(block_m=64, block_n=64, block_k=64, num_stages=2, programs_per_sm=2)
@@ -232,6 +239,32 @@ def test_gmm_swiglu_and_backward(rng, few_sms):
     assert rel_err(d_gate, d_act * up_in * sig * (1 + gate_in * (1 - sig))) < tol
     assert dw_partial.dtype == jnp.float32
     assert rel_err(dw_partial.sum(0), np.sum(dz * silu_in * up_in, axis=1)) < 1e-5
+
+
+@needs_interpreter
+def test_gmm_swiglu_forward_gathers_in_row_sub_tiles(rng, few_sms):
+    # An inference forward reading rows through the index works each 128-row item in 64-row
+    # sub-tiles of all 128 columns (on a GPU each gathers its rows: gmm_mosaic_gather; the
+    # interpreter reads XLA's copy): every kept row right, rows of no item left unwritten.
+    tiles = dataclasses.replace(TILES, block_m=128, block_n=128, num_stages=3)
+    d_dim, h_dim, tokens = 128, 128, 13
+    assert gmm_mosaic_gather.gathers_in_kernel(tiles, d_dim, h_dim, jnp.bfloat16)[:2] == (64, 128)
+    x = _bf16(rng, tokens, d_dim)
+    index = rng.integers(0, tokens, PADDED_ROWS).astype(np.int32)
+    w_gate, w_up = _bf16(rng, 6, d_dim, h_dim, scale=0.2), _bf16(rng, 6, d_dim, h_dim, scale=0.2)
+    scale = rng.standard_normal(PADDED_ROWS).astype(np.float32)
+    schedule = dispatch.gmm_schedule(_offsets(), PADDED_ROWS, 128, cover_tail=False)
+    with gpu_interpreter():
+        (act,) = gmm_mosaic.gmm_swiglu(
+            x, w_gate, w_up, schedule, tiles=tiles, backend="mosaic",
+            index=jnp.asarray(index), row_scale=jnp.asarray(scale),
+        )
+    gate_ref = _reference_gmm(_f32(x)[index], w_gate)
+    up_ref = _reference_gmm(_f32(x)[index], w_up)
+    expected = scale[:, None] * gate_ref / (1 + np.exp(-gate_ref)) * up_ref
+    out = np.asarray(act, np.float32)
+    assert rel_err(out[:NUM_ROWS], expected[:NUM_ROWS]) < 1e-2
+    assert np.isnan(out[NUM_ROWS:]).all()
 
 
 @needs_interpreter

@@ -55,6 +55,7 @@ params has no lowering rule there).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -206,34 +207,37 @@ def gmm_swiglu(
     parts.check_dtypes(x, w_gate, w_up)
     d_dim, h_dim = x.shape[1], w_gate.shape[2]
     parts.check_features(d_dim, h_dim)
-    block_m, block_n = tiles.block_m, parts.capped_block_n(tiles, h_dim, 2)
-    block_k, stages = parts.fit_pipeline(
-        tiles, parts.fit_block(tiles.block_k, d_dim), (block_m + 2 * block_n) * x.dtype.itemsize
-    )
-    # Rows gathered in the kernel need every operand tile at the 128-byte swizzle, and each
-    # column tile gathers them again (gather.MAX_COLUMN_TILES). A train step's forward
-    # (``save_preactivations``) reads XLA's copy: its backward gathers the same rows for the
-    # weight gradients, and XLA makes that copy once (gathering in the kernel as well made
-    # the E64 decoder's train step 11.82 ms against 11.26 on the H200).
-    in_kernel = (index is not None and not save_preactivations
-                 and gather.gathers_in_kernel(block_m, block_k, x.dtype)
-                 and block_n * x.dtype.itemsize >= gather.ROW_BYTES
-                 and h_dim // block_n <= gather.MAX_COLUMN_TILES)
-    if not in_kernel:
+    block_m = tiles.block_m
+    # A train step's forward (``save_preactivations``) reads XLA's gathered copy: its backward
+    # gathers the same rows for the weight gradients, and XLA makes that copy once (gathering
+    # in the kernel as well made the E64 decoder's train step 11.82 ms against 11.26 on the
+    # H200).
+    gathering = index is not None and not save_preactivations and gather.gathers_in_kernel(
+        tiles, d_dim, h_dim, x.dtype)
+    if gathering:
+        rows_m, block_n, block_k, stages = gathering
+    else:
+        rows_m, block_n = block_m, parts.capped_block_n(tiles, h_dim, 2)
+        block_k, stages = parts.fit_pipeline(
+            tiles, parts.fit_block(tiles.block_k, d_dim),
+            (block_m + 2 * block_n) * x.dtype.itemsize)
+    # JAX's GPU interpreter cannot run the copies: there the sub-tiles read XLA's copy.
+    copies_rows = bool(gathering) and not _pallas.interpreted()
+    num_rows = index.shape[0] if index is not None else x.shape[0]
+    if not copies_rows:
         x, index = parts.gathered(x, index), None
-    num_rows = x.shape[0] if index is None else index.shape[0]
 
     scaled = row_scale is not None
-    inputs = [x, w_gate, w_up] + ([index] if in_kernel else []) + ([row_scale] if scaled else [])
+    inputs = [x, w_gate, w_up] + ([index] if copies_rows else []) + ([row_scale] if scaled else [])
 
     def body(*refs):
         schedule_refs, (x_g, wg_g, wu_g) = refs[:4], refs[4:7]
-        index_g = refs[7] if in_kernel else None
-        scale_g = refs[7 + in_kernel] if scaled else None
+        index_g = refs[7] if copies_rows else None
+        scale_g = refs[7 + copies_rows] if scaled else None
         outs = refs[4 + len(inputs):]
 
-        def item_fn(item, _):
-            tile = item.row_start // block_m
+        def tile_fn(item):
+            """The item's ``[rows_m, block_n]`` tile of each output."""
             weights = [
                 (wg_g.at[item.expert], (block_k, block_n), lambda k: (k, item.n)),
                 (wu_g.at[item.expert], (block_k, block_n), lambda k: (k, item.n)),
@@ -244,15 +248,16 @@ def gmm_swiglu(
                     plgpu.wgmma(acc_gate, x_smem, wg_smem)
                     plgpu.wgmma(acc_up, x_smem, wu_smem)
 
-                if in_kernel:
-                    rows = (x_g, gather.index_rows(index_g, item.row_start, block_m))
+                if copies_rows:
+                    rows = (x_g, gather.index_rows(index_g, item.row_start, rows_m))
                     gather.pipeline(step, d_dim // block_k, rows, weights, stages, 2)
                 else:
-                    x_tiles = (x_g, (block_m, block_k), lambda k: (tile, k))
+                    tile = item.row_start // rows_m
+                    x_tiles = (x_g, (rows_m, block_k), lambda k: (tile, k))
                     parts.pipeline(step, d_dim // block_k, [x_tiles, *weights], stages)
 
             def compute(wait):
-                gate, up = parts.accumulate(2, block_m, block_n, run)
+                gate, up = parts.accumulate(2, rows_m, block_n, run)
                 (scale_smem,) = wait() if scaled else (None,)
 
                 def write(a_smem, *preactivation_smems):
@@ -265,10 +270,20 @@ def gmm_swiglu(
                                                (gate_h, up_h)[: len(outs) - 1], strict=True):
                             smem.at[rows][...] = value.astype(smem.dtype)
 
-                parts.stage_and_store(outs, item, block_m, block_n, write)
+                parts.stage_and_store(outs, item, rows_m, block_n, write)
 
-            sources = [parts.row_slice(scale_g, item, block_m)] if scaled else []
+            sources = [parts.row_slice(scale_g, item, rows_m)] if scaled else []
             parts.with_fetched(sources, compute)
+
+        def item_fn(item, _):
+            if rows_m == block_m:
+                tile_fn(item)
+                return
+            for start in range(0, block_m, rows_m):  # the item's rows, a sub-tile at a time
+                lo = jnp.maximum(item.lo - start, 0)
+                hi = jnp.minimum(item.hi - start, rows_m)
+                sub_item = parts.Item(item.expert, item.row_start + start, lo, hi, item.n)
+                pl.when(lo < hi)(functools.partial(tile_fn, sub_item))
 
         parts.for_each_item(schedule_refs, h_dim // block_n, block_m, item_fn)
 

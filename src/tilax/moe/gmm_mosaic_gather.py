@@ -4,11 +4,10 @@ Hopper's TMA copies tiles, not gathered rows, so without this the rows a kernel 
 ``index`` are gathered by XLA first (``gmm_mosaic_parts.gathered``): for the E64 top-8
 decoder at 131 072 tokens a copy of 1M rows of 512 bfloat16 (1 GB written, about as much
 read) that took 0.56 ms of its 3.37 ms forward on the H200. Here the warpgroup's threads copy
-the tile's rows themselves (one thread a row of a 128-row tile, two of a 64-row one), each
-its share of the row's 128-byte slice of a contraction step as 16-byte ``cp.async`` copies,
-straight into the swizzled SMEM tile ``wgmma`` reads, as
-Triton's kernels gather (Mosaic GPU's own ``cp.async`` path is for GPUs before Hopper and
-copies tiles). The weight tiles still come by TMA.
+the rows of the tile themselves, each thread its share of a row's 128-byte slice of each
+contraction step (16-byte ``cp.async`` copies), straight into the swizzled SMEM tile
+``wgmma`` reads, as Triton's kernels gather (Mosaic GPU's own ``cp.async`` path is for GPUs
+before Hopper and copies tiles). The weight tiles still come by TMA.
 
 :func:`pipeline` is ``gmm_mosaic_parts.pipeline`` with its first operand gathered:
 ``stages`` slots, the copies of step ``k + stages - 1`` issued once the ``wgmma`` of step
@@ -16,17 +15,18 @@ copies tiles). The weight tiles still come by TMA.
 and then the warpgroup together (``commit_smem``: a proxy fence, so that ``wgmma``'s reads
 see the copies, and a warpgroup barrier) before a step's ``wgmma``.
 
-JAX's GPU interpreter cannot run inlined Mosaic GPU code: there (on a CPU) the kernels gather
-in XLA first, as on GPUs where :func:`gathers_in_kernel` is false.
+JAX's GPU interpreter cannot run inlined Mosaic GPU code: there (on a CPU) the kernels keep
+the sub-tiles of :func:`gathers_in_kernel` but read them from XLA's gathered copy by TMA.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
-from tilax import _pallas
-from tilax.moe.gmm_mosaic_parts import mma_transforms, plgpu
+from tilax.moe.gmm_mosaic_parts import capped_block_n, fit_pipeline, mma_transforms, plgpu
 
 # The warpgroup's threads share a tile's rows (one or two a row), and a contraction step is
 # one 128-byte swizzle row of 16-bit values: the layout the copies below write (tiles of 8
@@ -35,17 +35,33 @@ from tilax.moe.gmm_mosaic_parts import mma_transforms, plgpu
 THREADS = 128
 ROW_BYTES = 128
 CHUNK_BYTES = 16
-# A kernel gathers its rows once per column tile. On the H200 the E8 layer's SwiGLU kernel (16
-# column tiles) made the forward at 131 072 tokens 2.68 ms against 1.81 with XLA's gather
-# first; the E64 decoder's (2 column tiles) 3.16 against 3.25 ms (diagnostic A/B runs).
+# A gathering kernel works each item in sub-tiles of this many rows, two threads a row, so
+# that two float32 accumulators of 128 columns fit one warpgroup's registers and the E64
+# decoder's SwiGLU kernel (128 hidden columns) gathers each row once.
+SUB_ROWS = 64
+# Each column tile gathers the rows again. On the H200 the E8 layer's SwiGLU kernel gathering
+# for each of its 16 column tiles of 128 rows made the forward at 131 072 tokens 2.68 ms
+# against 1.81 with XLA's gather first; the E64 decoder's (2 column tiles) 3.16 against 3.25
+# ms (diagnostic A/B runs).
 MAX_COLUMN_TILES = 2
 
 
-def gathers_in_kernel(block_m: int, block_k: int, dtype) -> bool:
-    """Whether a kernel with these tiles gathers its rows itself (on a GPU, 64 or 128 rows
-    of 128 bytes a step); otherwise XLA gathers them first."""
-    return (not _pallas.interpreted() and block_m in (THREADS // 2, THREADS)
-            and block_k * jnp.dtype(dtype).itemsize == ROW_BYTES)
+def gathers_in_kernel(tiles, d_dim: int, h_dim: int, dtype):
+    """``(rows, block_n, block_k, stages)`` of a SwiGLU kernel that gathers its own rows:
+    ``SUB_ROWS``-row sub-tiles of each item, as many columns as its two float32 accumulators
+    allow, one 128-byte step of ``x`` at a time; ``None`` where that does not fit or pay
+    (then XLA gathers the rows first)."""
+    itemsize = jnp.dtype(dtype).itemsize
+    if tiles.block_m % SUB_ROWS or d_dim % (ROW_BYTES // itemsize):
+        return None
+    block_n = capped_block_n(dataclasses.replace(tiles, block_m=SUB_ROWS), h_dim, 2)
+    if block_n * itemsize < ROW_BYTES or h_dim // block_n > MAX_COLUMN_TILES:
+        return None  # (every operand tile of a wgmma at the copies' 128-byte swizzle)
+    block_k, stages = fit_pipeline(tiles, ROW_BYTES // itemsize,
+                                   (SUB_ROWS + 2 * block_n) * itemsize)
+    if block_k * itemsize != ROW_BYTES:
+        return None
+    return SUB_ROWS, block_n, block_k, stages
 
 
 def _copy_rows(x_g, index_view, slot, col_start: int) -> None:
