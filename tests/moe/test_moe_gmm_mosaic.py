@@ -248,7 +248,7 @@ def test_gmm_swiglu_forward_gathers_in_row_sub_tiles(rng, few_sms):
     # interpreter reads XLA's copy): every kept row right, rows of no item left unwritten.
     tiles = dataclasses.replace(TILES, block_m=128, block_n=128, num_stages=3)
     d_dim, h_dim, tokens = 128, 128, 13
-    assert gmm_mosaic_gather.gathers_in_kernel(tiles, d_dim, h_dim, jnp.bfloat16)[:2] == (64, 128)
+    assert gmm_mosaic_gather.gathering_tiles(tiles, d_dim, h_dim, jnp.bfloat16)[:2] == (64, 128)
     x = _bf16(rng, tokens, d_dim)
     index = rng.integers(0, tokens, PADDED_ROWS).astype(np.int32)
     w_gate, w_up = _bf16(rng, 6, d_dim, h_dim, scale=0.2), _bf16(rng, 6, d_dim, h_dim, scale=0.2)

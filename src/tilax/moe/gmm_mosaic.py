@@ -212,7 +212,7 @@ def gmm_swiglu(
     # gathers the same rows for the weight gradients, and XLA makes that copy once (gathering
     # in the kernel as well made the E64 decoder's train step 11.82 ms against 11.26 on the
     # H200).
-    gathering = index is not None and not save_preactivations and gather.gathers_in_kernel(
+    gathering = index is not None and not save_preactivations and gather.gathering_tiles(
         tiles, d_dim, h_dim, x.dtype)
     if gathering:
         rows_m, block_n, block_k, stages = gathering

@@ -16,7 +16,7 @@ and then the warpgroup together (``commit_smem``: a proxy fence, so that ``wgmma
 see the copies, and a warpgroup barrier) before a step's ``wgmma``.
 
 JAX's GPU interpreter cannot run inlined Mosaic GPU code: there (on a CPU) the kernels keep
-the sub-tiles of :func:`gathers_in_kernel` but read them from XLA's gathered copy by TMA.
+the sub-tiles of :func:`gathering_tiles` but read them from XLA's gathered copy by TMA.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ SUB_ROWS = 64
 MAX_COLUMN_TILES = 2
 
 
-def gathers_in_kernel(tiles, d_dim: int, h_dim: int, dtype):
+def gathering_tiles(tiles, d_dim: int, h_dim: int, dtype):
     """``(rows, block_n, block_k, stages)`` of a SwiGLU kernel that gathers its own rows:
     ``SUB_ROWS``-row sub-tiles of each item, as many columns as its two float32 accumulators
     allow, one 128-byte step of ``x`` at a time; ``None`` where that does not fit or pay
