@@ -246,7 +246,7 @@ def test_gmm_swiglu_forward_gathers_in_row_sub_tiles(rng, few_sms):
     # An inference forward reading rows through the index works each 128-row item in 64-row
     # sub-tiles of all 128 columns (on a GPU each gathers its rows: gmm_mosaic_gather; the
     # interpreter reads XLA's copy): every kept row right, rows of no item left unwritten.
-    tiles = dataclasses.replace(TILES, block_m=128, block_n=128, num_stages=3)
+    tiles = dataclasses.replace(TILES, block_m=128, block_n=128)
     d_dim, h_dim, tokens = 128, 128, 13
     assert gmm_mosaic_gather.gathering_tiles(tiles, d_dim, h_dim, jnp.bfloat16)[:2] == (64, 128)
     x = _bf16(rng, tokens, d_dim)

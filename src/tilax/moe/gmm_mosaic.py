@@ -215,7 +215,7 @@ def gmm_swiglu(
     gathering = index is not None and not save_preactivations and gather.gathering_tiles(
         tiles, d_dim, h_dim, x.dtype)
     if gathering:
-        rows_m, block_n, block_k, stages = gathering
+        rows_m, block_n, block_k, row_stages, stages = gathering
     else:
         rows_m, block_n = block_m, parts.capped_block_n(tiles, h_dim, 2)
         block_k, stages = parts.fit_pipeline(
@@ -250,7 +250,7 @@ def gmm_swiglu(
 
                 if copies_rows:
                     rows = (x_g, gather.index_rows(index_g, item.row_start, rows_m))
-                    gather.pipeline(step, d_dim // block_k, rows, weights, stages, 2)
+                    gather.pipeline(step, d_dim // block_k, rows, weights, row_stages, stages, 2)
                 else:
                     tile = item.row_start // rows_m
                     x_tiles = (x_g, (rows_m, block_k), lambda k: (tile, k))

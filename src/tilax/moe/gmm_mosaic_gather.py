@@ -26,7 +26,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from tilax.moe.gmm_mosaic_parts import capped_block_n, fit_pipeline, mma_transforms, plgpu
+from tilax.moe.gmm_mosaic_parts import capped_block_n, mma_transforms, plgpu, smem_budget
 
 # The warpgroup's threads share a tile's rows (one or two a row), and a contraction step is
 # one 128-byte swizzle row of 16-bit values: the layout the copies below write (tiles of 8
@@ -47,21 +47,24 @@ MAX_COLUMN_TILES = 2
 
 
 def gathering_tiles(tiles, d_dim: int, h_dim: int, dtype):
-    """``(rows, block_n, block_k, stages)`` of a SwiGLU kernel that gathers its own rows:
-    ``SUB_ROWS``-row sub-tiles of each item, as many columns as its two float32 accumulators
-    allow, one 128-byte step of ``x`` at a time; ``None`` where that does not fit or pay
-    (then XLA gathers the rows first)."""
+    """``(rows, block_n, block_k, row_stages, stages)`` of a SwiGLU kernel that gathers its
+    own rows: ``SUB_ROWS``-row sub-tiles of each item, as many columns as its two float32
+    accumulators allow, one 128-byte step of ``x`` at a time; two stages of weight tiles
+    (each expert's, read by all its row tiles, mostly come from L2) and the rest of the
+    program's shared memory for the gathered rows (from anywhere in HBM: the deeper ring);
+    ``None`` where that does not fit or pay (then XLA gathers the rows first)."""
     itemsize = jnp.dtype(dtype).itemsize
-    if tiles.block_m % SUB_ROWS or d_dim % (ROW_BYTES // itemsize):
+    block_k = ROW_BYTES // itemsize
+    if tiles.block_m % SUB_ROWS or d_dim % block_k:
         return None
     block_n = capped_block_n(dataclasses.replace(tiles, block_m=SUB_ROWS), h_dim, 2)
     if block_n * itemsize < ROW_BYTES or h_dim // block_n > MAX_COLUMN_TILES:
         return None  # (every operand tile of a wgmma at the copies' 128-byte swizzle)
-    block_k, stages = fit_pipeline(tiles, ROW_BYTES // itemsize,
-                                   (SUB_ROWS + 2 * block_n) * itemsize)
-    if block_k * itemsize != ROW_BYTES:
+    stages, weight_bytes, row_bytes = 2, 2 * block_k * block_n * itemsize, SUB_ROWS * ROW_BYTES
+    row_stages = (smem_budget(tiles) - stages * weight_bytes) // row_bytes
+    if row_stages < 2:
         return None
-    return SUB_ROWS, block_n, block_k, stages
+    return SUB_ROWS, block_n, block_k, min(row_stages, d_dim // block_k), stages
 
 
 def _copy_rows(x_g, index_view, slot, col_start: int) -> None:
@@ -124,46 +127,55 @@ def _wait_copies(pending: int) -> None:
     plgpu.commit_smem()
 
 
-def pipeline(step, num_steps: int, rows, operands, stages: int, mmas_per_step: int) -> None:
+def pipeline(step, num_steps: int, rows, operands, row_stages: int, stages: int,
+             mmas_per_step: int) -> None:
     """``gmm_mosaic_parts.pipeline`` whose first operand is gathered: ``rows = (x_g,
     index_view)`` with ``x_g: [T, K]`` in GMEM and ``index_view: [block_m]`` the tile's rows of
-    ``x_g``; ``operands`` the TMA-copied ones, ``(gmem_ref, block_shape, index_map)``;
-    ``step(k, x_smem, *smem_refs)`` issues the ``mmas_per_step`` MMAs of step ``k``."""
+    ``x_g``, in a ring of ``row_stages`` slots; ``operands`` the TMA-copied ones,
+    ``(gmem_ref, block_shape, index_map)``, in rings of ``stages``; ``step(k, x_smem,
+    *smem_refs)`` issues the ``mmas_per_step`` MMAs of step ``k``. Each ring's slot of step
+    ``k - 1`` is refilled once that step's MMAs are done, with the step a ring's depth ahead."""
     from jax.experimental import pallas as pl
 
     x_g, index_view = rows
     block_m, block_k = index_view.shape[0], ROW_BYTES // x_g.dtype.itemsize
+    row_stages = max(2, min(row_stages, num_steps))
     stages = max(2, min(stages, num_steps))
 
     def scope(x_ring, *rest):
         *rings, ready = rest
 
-        def issue(k: int) -> None:
-            slot = k % stages
-            _copy_rows(x_g, index_view, x_ring.at[slot], k * block_k)
+        def issue_rows(k: int) -> None:
+            _copy_rows(x_g, index_view, x_ring.at[k % row_stages], k * block_k)
+
+        def issue_operands(k: int) -> None:
             for (ref, shape, index_map), ring in zip(operands, rings, strict=True):
                 window = tuple(pl.ds(i * size, size) for i, size in zip(index_map(k), shape,
                                                                          strict=True))
-                plgpu.copy_gmem_to_smem(ref.at[window], ring.at[slot], ready.at[slot])
+                plgpu.copy_gmem_to_smem(ref.at[window], ring.at[k % stages], ready.at[k % stages])
 
+        for k in range(min(row_stages - 1, num_steps)):
+            issue_rows(k)
         for k in range(min(stages - 1, num_steps)):
-            issue(k)
+            issue_operands(k)
         for k in range(num_steps):
-            slot = k % stages
-            # Groups committed after step k's: those of the steps issued ahead of it.
-            _wait_copies(min(stages - 2, num_steps - 1 - k))
-            plgpu.barrier_wait(ready.at[slot])
-            step(k, x_ring.at[slot], *[ring.at[slot] for ring in rings])
-            # Step k - 1's wgmma has read its slot: refill that slot.
+            # Row groups committed after step k's: those of the steps issued ahead of it.
+            _wait_copies(min(row_stages - 2, num_steps - 1 - k))
+            plgpu.barrier_wait(ready.at[k % stages])
+            step(k, x_ring.at[k % row_stages], *[ring.at[k % stages] for ring in rings])
+            # Step k - 1's wgmma has read its slots: refill them.
             plgpu.wgmma_wait(mmas_per_step)
+            if k + row_stages - 1 < num_steps:
+                issue_rows(k + row_stages - 1)
             if k + stages - 1 < num_steps:
-                issue(k + stages - 1)
+                issue_operands(k + stages - 1)
         plgpu.wgmma_wait(0)
 
     dtype = x_g.dtype
     pl.run_scoped(
         scope,
-        plgpu.SMEM((stages, block_m, block_k), dtype, transforms=mma_transforms(block_k, dtype)),
+        plgpu.SMEM((row_stages, block_m, block_k), dtype,
+                   transforms=mma_transforms(block_k, dtype)),
         *[plgpu.SMEM((stages, *shape), ref.dtype, transforms=mma_transforms(shape[1], ref.dtype))
           for ref, shape, _ in operands],
         plgpu.Barrier(num_arrivals=len(operands), num_barriers=stages),
