@@ -4,8 +4,8 @@ Hopper's TMA copies tiles, not gathered rows, so without this the rows a kernel 
 ``index`` are gathered by XLA first (``gmm_mosaic_parts.gathered``): for the E64 top-8
 decoder at 131 072 tokens a copy of 1M rows of 512 bfloat16 (1 GB written, about as much
 read) that took 0.56 ms of its 3.37 ms forward on the H200. Here the warpgroup's threads copy
-the rows of the tile themselves, each thread its share of a row's 128-byte slice of each
-contraction step (16-byte ``cp.async`` copies), straight into the swizzled SMEM tile
+the rows of the tile themselves, eight lanes a row's 128-byte slice of each contraction step
+(16-byte ``cp.async`` copies, coalesced along the row), straight into the swizzled SMEM tile
 ``wgmma`` reads, as Triton's kernels gather (Mosaic GPU's own ``cp.async`` path is for GPUs
 before Hopper and copies tiles). The weight tiles still come by TMA.
 
@@ -28,7 +28,7 @@ import jax.numpy as jnp
 
 from tilax.moe.gmm_mosaic_parts import capped_block_n, mma_transforms, plgpu, smem_budget
 
-# The warpgroup's threads share a tile's rows (one or two a row), and a contraction step is
+# The warpgroup's threads share a tile's rows (eight lanes a row), and a contraction step is
 # one 128-byte swizzle row of 16-bit values: the layout the copies below write (tiles of 8
 # rows of 128 bytes, 16-byte chunks XOR-ed by the row within its tile, as TMA and wgmma read
 # a 128-byte swizzle).
@@ -69,13 +69,18 @@ def gathering_tiles(tiles, d_dim: int, h_dim: int, dtype):
 
 def _copy_rows(x_g, index_view, slot, col_start: int) -> None:
     """``slot[r, :] = x_g[index_view[r], col_start : col_start + block_k]`` for the tile's
-    rows, as ``cp.async`` copies of this thread's share of its row, committed as one group."""
+    rows, as ``cp.async`` copies committed as one group. Eight neighbouring lanes copy the
+    eight 16-byte chunks of one row (one 128-byte line a row, four a warp's copy), and a
+    thread the same chunk of every sixteenth row: a lane a row would make each copy
+    instruction touch 32 lines."""
     import jax.experimental.mosaic.gpu as mgpu
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, llvm, memref
 
     itemsize = jnp.dtype(x_g.dtype).itemsize
     tiled = plgpu.RefType(transforms=mma_transforms(slot.shape[1], slot.dtype))
+    lanes_per_row = ROW_BYTES // CHUNK_BYTES
+    rows_per_copy = THREADS // lanes_per_row
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), tiled))
     def copy(ctx, x_ref, index_ref, slot_ref):
@@ -83,27 +88,29 @@ def _copy_rows(x_g, index_view, slot, col_start: int) -> None:
         i32, i64 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64)
         void = ir.Type.parse("!llvm.void")
         block_m = ir.MemRefType(index_ref.type).shape[0]
-        chunks = ROW_BYTES // CHUNK_BYTES * block_m // THREADS  # this thread's, of its row
-        thread = arith.remui(mgpu.utils.thread_idx(), mgpu.c(THREADS, i32))
-        row = arith.remui(thread, mgpu.c(block_m, i32))
-        first = arith.muli(arith.divui(thread, mgpu.c(block_m, i32)), mgpu.c(chunks, i32))
         num_tokens, width = ir.MemRefType(x_ref.type).shape
-        token = memref.load(index_ref, [arith.index_cast(ir.IndexType.get(), row)])
-        # In bounds by construction; clamped (unsigned) so that no index can fault.
-        token = arith.minui(token, mgpu.c(num_tokens - 1, i32))
+        thread = arith.remui(mgpu.utils.thread_idx(), mgpu.c(THREADS, i32))
+        chunk = arith.remui(thread, mgpu.c(lanes_per_row, i32))
+        first_row = arith.divui(thread, mgpu.c(lanes_per_row, i32))
+        # The 128-byte swizzle puts chunk c of row r at chunk c ^ (r % 8): rows_per_copy is a
+        # multiple of 8, so that is the same for all of this thread's rows.
+        place = arith.shli(arith.xori(chunk, arith.andi(first_row, mgpu.c(7, i32))),
+                           mgpu.c(4, i32))
         source = arith.addi(
             llvm.ptrtoint(i64, mgpu.utils.memref_ptr(x_ref)),
-            arith.addi(arith.muli(arith.extui(i64, token), mgpu.c(width * itemsize, i64)),
-                       mgpu.c(col_start * itemsize, i64)))
-        target = arith.addi(llvm.ptrtoint(i32, mgpu.utils.memref_ptr(slot_ref)),
-                            arith.muli(row, mgpu.c(ROW_BYTES, i32)))
-        swizzle = arith.andi(row, mgpu.c(7, i32))
-        for step in range(chunks):
-            chunk = arith.addi(first, mgpu.c(step, i32))
-            place = arith.shli(arith.xori(swizzle, chunk), mgpu.c(4, i32))
-            offset = arith.extui(i64, arith.shli(chunk, mgpu.c(4, i32)))
+            arith.extui(i64, arith.addi(arith.shli(chunk, mgpu.c(4, i32)),
+                                        mgpu.c(col_start * itemsize, i32))))
+        target = arith.addi(llvm.ptrtoint(i32, mgpu.utils.memref_ptr(slot_ref)), place)
+        for first in range(0, block_m, rows_per_copy):
+            row = arith.addi(first_row, mgpu.c(first, i32))
+            token = memref.load(index_ref, [arith.index_cast(ir.IndexType.get(), row)])
+            # In bounds by construction; clamped (unsigned) so that no index can fault.
+            token = arith.minui(token, mgpu.c(num_tokens - 1, i32))
+            row_source = arith.addi(
+                source, arith.muli(arith.extui(i64, token), mgpu.c(width * itemsize, i64)))
+            row_target = arith.addi(target, arith.muli(row, mgpu.c(ROW_BYTES, i32)))
             llvm.inline_asm(
-                void, [arith.addi(target, place), arith.addi(source, offset)],
+                void, [row_target, row_source],
                 f"cp.async.cg.shared.global [$0], [$1], {CHUNK_BYTES};", "r,l",
                 has_side_effects=True)
         llvm.inline_asm(void, [], "cp.async.commit_group;", "", has_side_effects=True)
