@@ -9,11 +9,12 @@ the rows of the tile themselves, eight lanes a row's 128-byte slice of each cont
 ``wgmma`` reads, as Triton's kernels gather (Mosaic GPU's own ``cp.async`` path is for GPUs
 before Hopper and copies tiles). The weight tiles still come by TMA.
 
-:func:`pipeline` is ``gmm_mosaic_parts.pipeline`` with its first operand gathered:
-``stages`` slots, the copies of step ``k + stages - 1`` issued once the ``wgmma`` of step
-``k - 1`` has read its slot, each thread waiting for its own copies (``cp.async.wait_group``)
-and then the warpgroup together (``commit_smem``: a proxy fence, so that ``wgmma``'s reads
-see the copies, and a warpgroup barrier) before a step's ``wgmma``.
+:func:`pipeline` is ``gmm_mosaic_parts.pipeline`` with its first operand gathered into
+its own ring of ``row_stages`` slots beside the ``stages`` of the TMA-copied weight tiles, the
+copies of step ``k + row_stages - 1`` issued once the ``wgmma`` of step ``k - 1`` has read
+its slot, each thread waiting for its own copies (``cp.async.wait_group``) and then the
+warpgroup together (``commit_smem``: a proxy fence, so that ``wgmma``'s reads see the copies,
+and a warpgroup barrier) before a step's ``wgmma``.
 
 JAX's GPU interpreter cannot run inlined Mosaic GPU code: there (on a CPU) the kernels keep
 the sub-tiles of :func:`gathering_tiles` but read them from XLA's gathered copy by TMA.
@@ -35,24 +36,28 @@ from tilax.moe.gmm_mosaic_parts import capped_block_n, mma_transforms, plgpu, sm
 THREADS = 128
 ROW_BYTES = 128
 CHUNK_BYTES = 16
-# A gathering kernel works each item in sub-tiles of this many rows, two threads a row, so
-# that two float32 accumulators of 128 columns fit one warpgroup's registers and the E64
-# decoder's SwiGLU kernel (128 hidden columns) gathers each row once.
+# A gathering kernel works each item in sub-tiles of this many rows, so that two float32
+# accumulators of 128 columns fit one warpgroup's registers and the E64 decoder's SwiGLU
+# kernel (128 hidden columns) gathers each row once.
 SUB_ROWS = 64
 # Each column tile gathers the rows again. On the H200 the E8 layer's SwiGLU kernel gathering
 # for each of its 16 column tiles of 128 rows made the forward at 131 072 tokens 2.68 ms
-# against 1.81 with XLA's gather first; the E64 decoder's (2 column tiles) 3.16 against 3.25
-# ms (diagnostic A/B runs).
+# against 1.81 with XLA's gather first (diagnostic A/B run, copies of a lane a row).
 MAX_COLUMN_TILES = 2
+# Slots of gathered rows in flight. E64 decoder forward on the H200 (diagnostic A/B, medians
+# of 5 rounds, same process): 131 072 tokens 2.95 / 2.85 / 2.88 ms with 2 / 3 / 5 slots
+# (Triton 3.04, XLA's gather first 3.27); 16 384 tokens 0.477 / 0.472 / 0.479 ms (Triton
+# 0.494). Copies of a lane a row instead of eight lanes a row: 3.08 and 0.505 ms.
+ROW_STAGES = 3
 
 
 def gathering_tiles(tiles, d_dim: int, h_dim: int, dtype):
     """``(rows, block_n, block_k, row_stages, stages)`` of a SwiGLU kernel that gathers its
     own rows: ``SUB_ROWS``-row sub-tiles of each item, as many columns as its two float32
     accumulators allow, one 128-byte step of ``x`` at a time; two stages of weight tiles
-    (each expert's, read by all its row tiles, mostly come from L2) and the rest of the
-    program's shared memory for the gathered rows (from anywhere in HBM: the deeper ring);
-    ``None`` where that does not fit or pay (then XLA gathers the rows first)."""
+    (each expert's, read by all its row tiles, mostly come from L2) and up to ``ROW_STAGES``
+    of the gathered rows (from anywhere in HBM: the deeper ring); ``None`` where that does not
+    fit or pay (then XLA gathers the rows first)."""
     itemsize = jnp.dtype(dtype).itemsize
     block_k = ROW_BYTES // itemsize
     if tiles.block_m % SUB_ROWS or d_dim % block_k:
@@ -61,7 +66,7 @@ def gathering_tiles(tiles, d_dim: int, h_dim: int, dtype):
     if block_n * itemsize < ROW_BYTES or h_dim // block_n > MAX_COLUMN_TILES:
         return None  # (every operand tile of a wgmma at the copies' 128-byte swizzle)
     stages, weight_bytes, row_bytes = 2, 2 * block_k * block_n * itemsize, SUB_ROWS * ROW_BYTES
-    row_stages = (smem_budget(tiles) - stages * weight_bytes) // row_bytes
+    row_stages = min(ROW_STAGES, (smem_budget(tiles) - stages * weight_bytes) // row_bytes)
     if row_stages < 2:
         return None
     return SUB_ROWS, block_n, block_k, min(row_stages, d_dim // block_k), stages
