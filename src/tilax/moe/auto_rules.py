@@ -37,16 +37,19 @@ _E8_LAYER_34E4F92 = (
     "h200-20261201-34e4f92-layer-mosaic-T32768.json",
 )
 
-_E8_LAYER_E6271EA = ("h200-20261201-e6271ea-layer-gf.json", "h200-20261202-ee91e69-layer-gf.json")
+_E8_LAYER_GATHER_FUSED = (
+    "h200-20261201-e6271ea-layer-gf.json",
+    "h200-20261202-ee91e69-layer-gf.json",
+)
+_E8_LAYER_SORTED = _E8_LAYER_34E4F92 + ("h200-20261202-ee91e69-layer.json",)
 _E64_DECODER_24F4F42 = ("h200-20261201-24f4f42-decoder-T131072.json",)
 _E64_DECODER_29D021F = ("h200-20261202-29d021f-decoder.json",)
 
 RULES: tuple[AutoRule, ...] = (
-    AutoRule("NVIDIA H200", "bfloat16", "sorted", 8, 2, "mosaic",
-             _E8_LAYER_34E4F92 + ("h200-20261202-ee91e69-layer.json",)),
+    AutoRule("NVIDIA H200", "bfloat16", "sorted", 8, 2, "mosaic", _E8_LAYER_SORTED),
     AutoRule("NVIDIA H200", "bfloat16", "fused_gsum", 8, 2, "mosaic", _E8_LAYER_34E4F92),
-    AutoRule("NVIDIA H200", "bfloat16", "gather", 8, 2, "mosaic", _E8_LAYER_E6271EA),
-    AutoRule("NVIDIA H200", "bfloat16", "fused", 8, 2, "mosaic", _E8_LAYER_E6271EA),
+    AutoRule("NVIDIA H200", "bfloat16", "gather", 8, 2, "mosaic", _E8_LAYER_GATHER_FUSED),
+    AutoRule("NVIDIA H200", "bfloat16", "fused", 8, 2, "mosaic", _E8_LAYER_GATHER_FUSED),
     AutoRule("NVIDIA H200", "bfloat16", "sorted", 64, 8, "mosaic", _E64_DECODER_24F4F42),
     AutoRule("NVIDIA H200", "bfloat16", "fused", 64, 8, "mosaic", _E64_DECODER_29D021F),
 )
