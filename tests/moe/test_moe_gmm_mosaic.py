@@ -241,6 +241,22 @@ def test_gmm_swiglu_and_backward(rng, few_sms):
     assert rel_err(dw_partial.sum(0), np.sum(dz * silu_in * up_in, axis=1)) < 1e-5
 
 
+@pytest.mark.parametrize(("d_dim", "h_dim", "dtype", "programs_per_sm", "expected"), [
+    (512, 128, jnp.bfloat16, 2, (64, 128, 64, 3, 2)),  # the E64 decoder: 1 column tile
+    (512, 128, jnp.float16, 2, (64, 128, 64, 3, 2)),
+    (512, 256, jnp.bfloat16, 2, (64, 128, 64, 3, 2)),  # 2 column tiles, each gathers
+    (128, 128, jnp.bfloat16, 2, (64, 128, 64, 2, 2)),  # no more row slots than steps
+    (512, 384, jnp.bfloat16, 2, None),  # 3 column tiles: XLA gathers once instead
+    (512, 1024, jnp.bfloat16, 2, None),  # the E8 layer (measured slower gathering)
+    (200, 128, jnp.bfloat16, 2, None),  # no whole 128-byte steps
+    (512, 128, jnp.bfloat16, 3, None),  # two slots of rows do not fit beside the weights
+])  # fmt: skip
+def test_gathering_tiles(d_dim, h_dim, dtype, programs_per_sm, expected):
+    tiles = dataclasses.replace(gmm_mosaic_parts.default_config(dtype),
+                                programs_per_sm=programs_per_sm)
+    assert gmm_mosaic_gather.gathering_tiles(tiles, d_dim, h_dim, dtype) == expected
+
+
 @needs_interpreter
 def test_gmm_swiglu_forward_gathers_in_row_sub_tiles(rng, few_sms):
     # An inference forward reading rows through the index works each 128-row item in 64-row

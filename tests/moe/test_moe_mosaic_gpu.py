@@ -68,16 +68,17 @@ def test_mosaic_fine_grained_decoder(dispatch):
 
 @needs_mosaic
 @pytest.mark.parametrize("dispatch", ["fused", "fused_gsum"])
-@pytest.mark.parametrize(("tokens", "skew", "tiles"), [
-    (1500, 0.0, {}),  # 128-row tiles, one thread a row
-    (1500, 0.0, dict(block_m=64, block_n=128)),  # 64-row tiles, two threads a row
-    (5, 0.0, {}),  # 40 copies: most experts empty, partial row tiles
-    (2049, 0.9, {}),  # a few experts hold nearly every copy
+@pytest.mark.parametrize(("tokens", "skew", "dtype", "tiles"), [
+    (1500, 0.0, "bfloat16", {}),  # 128-row items, two 64-row sub-tiles each
+    (1500, 0.0, "bfloat16", dict(block_m=64, block_n=128)),  # 64-row items, one sub-tile
+    (1500, 0.0, "float16", {}),
+    (5, 0.0, "bfloat16", {}),  # 40 copies: most experts empty, partial sub-tiles
+    (2049, 0.9, "bfloat16", {}),  # a few experts hold nearly every copy
 ])  # fmt: skip
-def test_mosaic_forward_gathers_rows_in_the_kernel(dispatch, tokens, skew, tiles):
-    # the decoder's SwiGLU kernel has 2 column tiles: an inference forward gathers x's rows
-    # itself (tilax.moe.gmm_mosaic_gather), where a train step reads XLA's copy
-    compare_forward(DECODER, tokens, "bfloat16", skew=skew, impl="mosaic", dispatch=dispatch,
+def test_mosaic_forward_gathers_rows_in_the_kernel(dispatch, tokens, skew, dtype, tiles):
+    # the decoder's SwiGLU kernel has 1 column tile of 128: an inference forward gathers x's
+    # rows itself (tilax.moe.gmm_mosaic_gather), where a train step reads XLA's copy
+    compare_forward(DECODER, tokens, dtype, skew=skew, impl="mosaic", dispatch=dispatch,
                     **tiles)
 
 

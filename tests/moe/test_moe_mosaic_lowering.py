@@ -89,8 +89,8 @@ def lower_forward(config, tokens: int) -> str:
 
 
 @pytest.mark.parametrize(("dims", "block_m", "in_kernel"), [
-    (DECODER, None, True),  # 2 column tiles of the SwiGLU kernel, 128-row tiles
-    (DECODER, 64, True),  # 1 column tile (block_n 128), 64-row tiles: two threads a row
+    (DECODER, None, True),  # 128-row items in 64-row sub-tiles, 1 column tile
+    (DECODER, 64, True),  # 64-row items (block_n 128): one sub-tile each
     (LAYER, None, False),  # 16 column tiles: each would gather the rows again
 ])  # fmt: skip
 def test_fused_forward_gathers_rows_in_the_kernel(monkeypatch, dims, block_m, in_kernel):
