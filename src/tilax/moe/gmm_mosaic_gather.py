@@ -69,7 +69,7 @@ def gathering_tiles(tiles, d_dim: int, h_dim: int, dtype):
     row_stages = min(ROW_STAGES, (smem_budget(tiles) - stages * weight_bytes) // row_bytes)
     if row_stages < 2:
         return None
-    return SUB_ROWS, block_n, block_k, min(row_stages, d_dim // block_k), stages
+    return SUB_ROWS, block_n, block_k, row_stages, stages  # (pipeline caps both by the steps)
 
 
 def _copy_rows(x_g, index_view, slot, col_start: int) -> None:
