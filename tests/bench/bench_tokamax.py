@@ -8,7 +8,8 @@ side by side, then gather each token's copies back and sum them weighted (XLA, f
 way tilax's own XLA glue combines. Gradients come from tokamax's own ``ragged_dot`` VJP; the
 two row permutations take gathers backward too (``bench_gather.gather_rows``), as tilax's glue
 does, not the scatter-adds that differentiating ``jnp.take`` gives (on the H200 the decoder's
-train step at 131k tokens took 37.0 ms with the gathers, 43.3 ms with the scatter-adds).
+train step at 131k tokens took 37.0 ms with the gathers, 43.3 ms with the scatter-adds), and
+plain gathers without jnp's fill mask (18.8 ms against 37.5 ms with it: see ``bench_gather``).
 
 tokamax 0.0.17 is the first release that runs on jax 0.11.2 (0.0.12 fails there); its import
 needs xprof, which the GPU host lacks, hence ``_stub_xprof``. Only the benchmark uses this; it
