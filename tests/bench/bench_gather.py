@@ -33,7 +33,8 @@ def _gather_rows_fwd(x, rows_of, back_index):
 
 def _gather_rows_bwd(residuals, g):
     rows_of, back_index = residuals
-    grad = jnp.take(g, back_index, axis=0, mode="clip").astype(jnp.float32).sum(axis=1).astype(g.dtype)
+    copies = jnp.take(g, back_index, axis=0, mode="clip")
+    grad = copies.astype(jnp.float32).sum(axis=1).astype(g.dtype)
     return grad, None, None
 
 
