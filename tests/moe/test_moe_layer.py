@@ -190,3 +190,27 @@ def test_capacity_drops_exactly_the_documented_tokens(impl, dispatch):
     np.testing.assert_allclose(y_cap[[0, 1, 2, 5]], y_all[[0, 1, 2, 5]], rtol=1e-6, atol=1e-7)
     assert np.all(np.abs(y_all[3:5]) > 0)
     assert float(aux["dropped_frac"]) == pytest.approx(2 / 6)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_shared_expert_backward_multiplies_16bit_operands(dtype):
+    """Every product of the shared expert's train step, the transposed ones included, takes
+    16-bit operands: float32 cotangents would make XLA upcast the weights (on the H200 that
+    tripled the shared expert's time in the E64 decoder's step)."""
+    tokens, d_model, width = 64, 32, 48
+    keys = jax.random.split(jax.random.key(0), 4)
+    x = jax.random.normal(keys[0], (tokens, d_model), dtype)
+    shared = {
+        "w_gate": jax.random.normal(keys[1], (d_model, width), dtype),
+        "w_up": jax.random.normal(keys[2], (d_model, width), dtype),
+        "w_down": jax.random.normal(keys[3], (width, d_model), dtype),
+    }
+
+    def loss(x, shared):
+        return jnp.sum(reference.shared_expert(x, shared).astype(jnp.float32) ** 2)
+
+    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(x, shared)
+    dots = [e for e in jaxpr.eqns if e.primitive.name == "dot_general"]
+    assert len(dots) >= 5  # forward gate/up and down, and their transposes
+    for eqn in dots:
+        assert [v.aval.dtype for v in eqn.invars] == [dtype, dtype], eqn
