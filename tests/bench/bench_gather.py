@@ -9,8 +9,8 @@ The indices are permutations, in bounds by construction, so the gathers use ``mo
 (XLA's plain gather, as ``tilax.moe.dispatch.take_rows`` does). jnp's default ``"fill"`` masks
 every row with a select, and under it XLA gave the combine's gather a transposed layout: on the
 H200 the E64 decoder's tokamax train step at 131k tokens took 37.5 ms with ``"fill"`` and
-18.8 ms with ``"clip"`` (diagnostic, run ``a84ba7d``; the peer's stored rows before
-``h200-20261203`` carry the slow gather).
+18.8 ms with ``"clip"`` (diagnostic, run ``a84ba7d``; the peer's rows stored before run
+``9cd4196`` carry the slow gather).
 """
 
 from __future__ import annotations
