@@ -22,6 +22,7 @@ from tilax.moe import (
     gmm_mosaic,
     gmm_mosaic_gather,
     gmm_mosaic_parts,
+    gmm_mosaic_ws,
     reference,
     skew_tokens,
 )
@@ -71,6 +72,23 @@ def test_default_tiles_and_overrides():
 def test_bad_tiles(overrides, match):
     with pytest.raises(ValueError, match=match):
         gmm_mosaic.tiles_for(_layer_config(**overrides))
+
+
+def test_warp_specialised_layout():
+    """Ring slots and contraction steps of the warp-specialised plain grouped matmul, and
+    where it does not apply (long contractions, columns that do not split in two tiles)."""
+    tiles = gmm_mosaic.default_config(jnp.bfloat16)
+    layout = gmm_mosaic_ws.layout
+    # 48 KiB a slot next to two 32 KiB staging tiles: three slots
+    assert layout(tiles, 128, 512, 1, jnp.bfloat16) == (64, 128, 3)
+    # two operand pairs: 32-wide steps keep three slots
+    assert layout(tiles, 128, 512, 2, jnp.bfloat16) == (32, 128, 3)
+    # float32 staging tiles (64 KiB each)
+    assert layout(tiles, 256, 512, 1, jnp.float32) == (32, 128, 4)
+    assert layout(tiles, 512, 512, 1, jnp.bfloat16) is None  # longer than MAX_CONTRACTION
+    assert layout(tiles, 128, 384, 1, jnp.bfloat16) is None  # 384 = 1.5 item tiles
+    narrow = dataclasses.replace(tiles, block_n=64)
+    assert layout(narrow, 128, 384, 1, jnp.bfloat16) == (64, 64, 4)
 
 
 def test_epilogue_register_cap():

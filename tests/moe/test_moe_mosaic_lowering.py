@@ -10,6 +10,7 @@ sizes, so every kernel is lowered with the tiles it gets there. What lowering ca
 from __future__ import annotations
 
 import dataclasses
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -21,8 +22,10 @@ import tilax
 from tilax import _pallas
 from tilax.moe import gmm_mosaic_gather as gather
 from tilax.moe import gmm_mosaic_parts as parts
+from tilax.moe import gmm_mosaic_ws as warp_specialised
 
 MOSAIC_CALL = "stablehlo.custom_call @mosaic_gpu_v2"
+WS_KERNEL = "moe_gmm_ws_mosaic_mosaic_gpu"  # the symbol in each serialized kernel
 # Kernels per train step: forward (gate, up and down projections; gate/up/SwiGLU fused in one
 # kernel for the fused dispatches) and backward (SwiGLU backward, dx, two weight gradients).
 KERNELS = {"sorted": 3 + 4, "gather": 3 + 4, "fused": 2 + 4, "fused_gsum": 2 + 4}
@@ -36,19 +39,28 @@ def as_on_hopper(monkeypatch):
 
 
 def lower_train_step(config, tokens: int) -> str:
-    """The CUDA module of a train step; every kernel must fit the shared memory its program
-    gets (two programs share an SM by default: half of it, less the 1 KiB CUDA keeps)."""
+    """The CUDA module of a train step. Every kernel must fit the shared memory its program
+    gets: lowered once with the warp-specialised plain grouped matmul (one program per SM)
+    replaced by the per-item kernel, within what one of ``programs_per_sm`` programs gets (by
+    default half an SM, less the 1 KiB CUDA keeps), and once as it runs, within a block's
+    limit."""
     params = tilax.moe_init(jax.random.key(0), config)
     x = jax.ShapeDtypeStruct((tokens, config.d_model), config.dtype)
 
     def loss(params, x):
         return jnp.sum(tilax.moe_apply(params, x, config)[0].astype(jnp.float32))
 
-    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+    def lower():
+        step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+        return export.export(step, platforms=["cuda"])(params, x).mlir_module()
+
     programs = parts.tiles_for(config).programs_per_sm
     limit = min(parts.SMEM_PER_BLOCK, parts.SMEM_PER_SM // programs - 1024)
-    with mosaic_core.artificial_shared_memory_limit(limit):
-        return export.export(step, platforms=["cuda"])(params, x).mlir_module()
+    with mock.patch.object(warp_specialised, "layout", lambda *args: None):
+        with mosaic_core.artificial_shared_memory_limit(limit):
+            lower()
+    with mosaic_core.artificial_shared_memory_limit(parts.SMEM_PER_BLOCK):
+        return lower()
 
 
 @pytest.mark.parametrize("dispatch", list(KERNELS))
@@ -111,3 +123,20 @@ def test_train_step_reads_xlas_copy(monkeypatch):
     gathers = lower_train_step(config, 2048).count("stablehlo.gather")
     monkeypatch.setattr(gather, "gathering_tiles", lambda *args: None)
     assert lower_train_step(config, 2048).count("stablehlo.gather") == gathers
+
+
+@pytest.mark.parametrize(("dims", "dispatch", "launches", "narrow_launches"), [
+    (DECODER, "fused", 2, 0),  # down projection and dx: contractions of 128
+    (DECODER, "fused_gsum", 2, 0),  # the combine's down projection (unscaled rows) and dx
+    (DECODER, "sorted", 2, 0),  # not gate and up: their contraction is d_model = 512
+    (LAYER, "sorted", 0, 2),  # contractions of 512 and 1024; with d_model 192, gate and up
+])  # fmt: skip
+def test_short_plain_grouped_matmuls_are_warp_specialised(dims, dispatch, launches,
+                                                          narrow_launches):
+    """Unscaled plain grouped matmuls over a short contraction, whose columns split over two
+    warpgroups' tiles, run the warp-specialised kernel; the others the per-item kernel."""
+    config = tilax.MoEConfig(**dims, impl="mosaic", dispatch=dispatch)
+    assert lower_train_step(config, 2048).count(WS_KERNEL) == launches
+    # d_model 192: the down projection and dx have three 64-column tiles
+    narrow = tilax.MoEConfig(**{**dims, "d_model": 192}, impl="mosaic", dispatch=dispatch)
+    assert lower_train_step(narrow, 2048).count(WS_KERNEL) == narrow_launches

@@ -21,7 +21,9 @@ column tiles, which gathers them with per-thread copies (``gmm_mosaic_gather``).
 Kernels (each wrapper launches one):
 
 - :func:`gmm`: ``out[r] = scale[r] * (lhs[r] @ rhs[e(r)] (+ lhs2[r] @ rhs2[e(r)]))``, the
-  weights optionally transposed (``wgmma`` reads the transposed SMEM tile).
+  weights optionally transposed (``wgmma`` reads the transposed SMEM tile); without a scale,
+  for short contractions whose output columns split over two warpgroups, the
+  warp-specialised kernel of ``gmm_mosaic_ws``.
 - :func:`gmm_swiglu`: gate and up projections sharing the ``x`` tiles, SwiGLU (optionally
   scaled per row by the combine weights) in the epilogue.
 - :func:`gmm_swiglu_bwd`: the down projection's input gradient with the SwiGLU backward in the
@@ -31,9 +33,11 @@ Kernels (each wrapper launches one):
 - :func:`tgmm`: ``lhs[rows_e].T @ rhs[rows_e]`` (weight gradients); the first and last row
   chunk of each expert have the other rows zeroed in SMEM.
 
-Not warp-specialised: the contractions are short (``d_model`` or ``d_hidden``: a few
-``block_k`` steps), where two programs per SM already overlap loads, MMAs and epilogues; the
-first H200 measurements should say whether a producer warpgroup pays on top. ``impl="auto"``
+The other kernels are not warp-specialised: two programs per SM overlap one's loads and
+epilogue with the other's MMAs. The plain grouped matmul over a short contraction is
+(``gmm_mosaic_ws``): its epilogue (a whole output tile stored) is then most of its time, and
+one memory warpgroup fetching across items hides it better (on the H200 at the E64
+decoder's shapes, 0.41 against 0.60 ms). ``impl="auto"``
 picks this backend where ``tilax.moe.auto_rules`` holds a measured win.
 
 Mosaic GPU APIs relied on, read in jax 0.10.2 (installed here) and jax-ml/jax main at
@@ -65,6 +69,7 @@ from jax.experimental import pallas as pl
 from tilax import _pallas
 from tilax.moe import gmm_mosaic_gather as gather
 from tilax.moe import gmm_mosaic_parts as parts
+from tilax.moe import gmm_mosaic_ws as warp_specialised
 from tilax.moe.dispatch import GmmSchedule
 from tilax.moe.gmm_mosaic_parts import Config, default_config, plgpu, tiles_for
 
@@ -133,6 +138,13 @@ def gmm(
     out_dtype = jnp.dtype(out_dtype or lhs.dtype)
     block_m, block_n = tiles.block_m, parts.fit_block(tiles.block_n, n_dim)
     pairs = [(lhs, rhs)] + ([(lhs2, rhs2)] if lhs2 is not None else [])
+    # Warp-specialised where it applies (not for scaled rows; not in JAX's GPU interpreter).
+    ws_shapes = None
+    if row_scale is None and not _pallas.interpreted():
+        ws_shapes = warp_specialised.layout(tiles, k_dim, n_dim, len(pairs), out_dtype)
+    if ws_shapes is not None:
+        return warp_specialised.gmm(pairs, schedule, tiles=tiles, shapes=ws_shapes,
+                                    transpose_rhs=transpose_rhs, out_dtype=out_dtype)
     block_k, stages = parts.fit_pipeline(
         tiles, parts.fit_block(tiles.block_k, k_dim),
         len(pairs) * (block_m + block_n) * lhs.dtype.itemsize, live_bytes=block_m * 4,
