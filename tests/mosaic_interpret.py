@@ -5,8 +5,9 @@ simulates SMs, SMEM, TMA copies, barriers and ``wgmma`` on the CPU, on logical a
 what a kernel computes (indices, masks, the stored rows, the epilogues), not layouts, swizzles,
 register pressure or timing, which only the GPU tests do. Its ``wgmma`` reads operands through
 index transforms only; :func:`gpu_interpreter` teaches it transposed operands
-(``plgpu.transpose_ref``) by transposing what it reads, an operand A held in registers, and TMA
-stores that add into their destination (``reduction_op="add"``).
+(``plgpu.transpose_ref``) by transposing what it reads, an operand A held in registers, TMA
+stores that add into their destination (``reduction_op="add"``) and stores into a ``wgmma``
+accumulator (``acc_ref[...] = value``).
 Used by the MoE and RBF Mosaic GPU tests.
 """
 
@@ -87,7 +88,8 @@ def gpu_interpreter():
     numpy_view.matmul = matmul
     gpu_callbacks.wgmma, gpu_callbacks.np = wgmma, numpy_view
     try:
-        with params.force_gpu_interpret_mode(params.InterpretGPUParams()), _adding_stores():
+        with (params.force_gpu_interpret_mode(params.InterpretGPUParams()), _adding_stores(),
+              _accumulator_stores()):
             yield
     finally:
         gpu_callbacks.wgmma, gpu_callbacks.np = original_wgmma, original_np
@@ -129,6 +131,41 @@ def _adding_stores():
     finally:
         gpu_callbacks.copy_smem_to_gmem = original_copy
         GPUSharedMemory.store_buffer_content = original_store
+
+
+@contextlib.contextmanager
+def _accumulator_stores():
+    """Stores into a ``wgmma`` accumulator (``wgmma_accumulator_store_p``, which the interpreter
+    has no rule for) as what they are there: a swap of the accumulator's whole buffer. Every
+    jaxpr the interpreter runs has those equations rewritten first (sub-jaxprs too: the
+    interpreter runs them through the same method)."""
+    import jax
+    from jax._src import core as jax_core
+    from jax._src.pallas.mosaic_gpu import primitives as gpu_primitives
+    from jax._src.pallas.mosaic_gpu.interpret.jaxpr_interpret import JaxprInterpreter
+    from jax._src.state import primitives as state_primitives
+
+    original = JaxprInterpreter.interpret
+    store = gpu_primitives.wgmma_accumulator_store_p
+
+    def as_swap(eqn):
+        if eqn.primitive is not store:
+            return eqn
+        acc, value = eqn.invars
+        dropped = jax_core.DropVar(value.aval)
+        return eqn.replace(primitive=state_primitives.swap_p, outvars=[dropped],
+                           params={"tree": jax.tree.structure(())})
+
+    def interpret(self, jaxpr, token, *args):
+        if any(eqn.primitive is store for eqn in jaxpr.eqns):
+            jaxpr = jaxpr.replace(eqns=[as_swap(eqn) for eqn in jaxpr.eqns])
+        return original(self, jaxpr, token, *args)
+
+    JaxprInterpreter.interpret = interpret
+    try:
+        yield
+    finally:
+        JaxprInterpreter.interpret = original
 
 
 def interpreter_for_loads():

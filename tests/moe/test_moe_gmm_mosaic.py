@@ -203,6 +203,33 @@ def test_gmm(rng, few_sms, variant):
 
 
 @needs_interpreter
+@pytest.mark.parametrize(("variant", "cover_tail"), [
+    ("plain", True), ("transposed_dual", True), ("plain", False)])
+def test_gmm_warp_specialised(rng, few_sms, variant, cover_tail):
+    # 256 columns: two items of two 64-column warpgroup tiles; every program walks several
+    # items through one ring, the accumulator zeroed at each item's first step. Without
+    # cover_tail the rows past the groups must keep the interpreter's NaN.
+    k_dim, n_dim = (192, 256) if variant == "plain" else (128, 256)
+    pairs = 1 if variant == "plain" else 2
+    assert gmm_mosaic_ws.layout(TILES, k_dim, n_dim, pairs, jnp.float32) is not None
+    lhs = _bf16(rng, PADDED_ROWS, k_dim)
+    if variant == "plain":
+        rhs = _bf16(rng, len(GROUP_SIZES), k_dim, n_dim)
+        kwargs, expected = {}, _reference_gmm(lhs, rhs)
+    else:
+        lhs2 = _bf16(rng, PADDED_ROWS, k_dim)
+        rhs, rhs2 = (_bf16(rng, len(GROUP_SIZES), n_dim, k_dim) for _ in range(2))
+        kwargs = dict(transpose_rhs=True, lhs2=lhs2, rhs2=rhs2)
+        expected = _reference_gmm(lhs, rhs, True) + _reference_gmm(lhs2, rhs2, True)
+    with gpu_interpreter():
+        out = gmm_mosaic.gmm(lhs, rhs, _schedule(cover_tail=cover_tail), tiles=TILES,
+                             backend="mosaic", out_dtype=jnp.float32, **kwargs)
+    out, rows = np.asarray(out), PADDED_ROWS if cover_tail else NUM_ROWS
+    assert np.isnan(out[rows:]).all()
+    assert rel_err(out[:rows], expected[:rows]) < 1e-5
+
+
+@needs_interpreter
 def test_gmm_stores_exactly_the_scheduled_rows(rng, few_sms):
     # Without cover_tail the rows past the groups belong to no item: the interpreter's
     # uninitialised memory (NaN) must survive there, and every other row must be right.

@@ -138,9 +138,8 @@ def gmm(
     out_dtype = jnp.dtype(out_dtype or lhs.dtype)
     block_m, block_n = tiles.block_m, parts.fit_block(tiles.block_n, n_dim)
     pairs = [(lhs, rhs)] + ([(lhs2, rhs2)] if lhs2 is not None else [])
-    # Warp-specialised where it applies (not for scaled rows; not in JAX's GPU interpreter).
-    ws_shapes = None
-    if row_scale is None and not _pallas.interpreted():
+    ws_shapes = None  # warp-specialised where it applies (not for scaled rows)
+    if row_scale is None:
         ws_shapes = warp_specialised.layout(tiles, k_dim, n_dim, len(pairs), out_dtype)
     if ws_shapes is not None:
         return warp_specialised.gmm(pairs, schedule, tiles=tiles, shapes=ws_shapes,

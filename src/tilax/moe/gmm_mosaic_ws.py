@@ -15,9 +15,8 @@ stores. This kernel takes 0.41-0.42 ms (0.60 with two stages, which leave the me
 warpgroup nothing to fetch during an epilogue). Only short contractions take it
 (``MAX_CONTRACTION``): with long ones the MMAs, not the epilogues, are the time.
 
-The accumulator is a value carried through the pipeline (``pl.run_state`` around each step's
-``wgmma``, zeroed at an item's first step), since one pipeline spans many items. JAX's GPU
-interpreter cannot run ``run_state``: there ``gmm_mosaic.gmm`` runs its per-item kernel.
+One pipeline spans many items, so each compute warpgroup's accumulator lives through all of
+them (the pipeline's carry) and is zeroed at an item's first step.
 """
 
 from __future__ import annotations
@@ -132,18 +131,20 @@ def gmm(
             columns = pl.ds(wg * block_n, block_n)
 
             def step_fn(indices, *smems_and_acc):
-                *smems, acc = smems_and_acc
+                *smems, acc_ref = smems_and_acc
                 (step,) = indices
                 k = step % k_steps
-                acc = jnp.where(lax.broadcast(k == 0, acc.shape), jnp.zeros_like(acc), acc)
 
-                def mma(acc_ref):
-                    for a_smem, w_smem in zip(smems[::2], smems[1::2], strict=True):
-                        w = (_pallas.transposed_ref(w_smem.at[columns]) if transpose_rhs
-                             else w_smem.at[:, columns])
-                        plgpu.wgmma(acc_ref, a_smem, w)
+                @pl.when(k == 0)
+                def _zero():
+                    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
-                acc = pl.run_state(mma)(plgpu.ACC.init(acc))
+                for a_smem, w_smem in zip(smems[::2], smems[1::2], strict=True):
+                    w = (_pallas.transposed_ref(w_smem.at[columns]) if transpose_rhs
+                         else w_smem.at[:, columns])
+                    plgpu.wgmma(acc_ref, a_smem, w)
+                # The ring slot is released when this returns: the MMAs must have read it.
+                plgpu.wgmma_wait(0)
 
                 @pl.when(k == k_steps - 1)
                 def _epilogue():
@@ -153,15 +154,15 @@ def gmm(
                     o_smem = staging.at[wg]
                     # The previous item's stores must have read the staging tile.
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                    o_smem[...] = acc.astype(o_smem.dtype)
+                    o_smem[...] = acc_ref[...].astype(o_smem.dtype)
                     plgpu.commit_smem()
                     parts.store_rows(o_smem, out_g, item, n * item_n + wg * block_n)
                     plgpu.commit_smem_to_gmem_group()
 
-                return acc
+                return acc_ref
 
             def context(run):
-                run(jnp.zeros((block_m, block_n), jnp.float32))
+                pl.run_scoped(run, plgpu.ACC((block_m, block_n)))
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
             pipeline(step_fn, context)(*operand_refs, allocations=allocations)
