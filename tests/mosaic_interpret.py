@@ -151,8 +151,7 @@ def _accumulator_stores():
     def as_swap(eqn):
         if eqn.primitive is not store:
             return eqn
-        acc, value = eqn.invars
-        dropped = jax_core.DropVar(value.aval)
+        dropped = jax_core.DropVar(eqn.invars[1].aval)  # (accumulator, value)
         return eqn.replace(primitive=state_primitives.swap_p, outvars=[dropped],
                            params={"tree": jax.tree.structure(())})
 
