@@ -242,21 +242,8 @@ def test_gmm_stores_exactly_the_scheduled_rows(rng, few_sms):
     assert rel_err(out[:NUM_ROWS], _reference_gmm(lhs, rhs)[:NUM_ROWS]) < 1e-5
 
 
-@pytest.fixture(params=["warp_specialised", "per_item"])
-def swiglu_kernels(request, monkeypatch):
-    """The SwiGLU kernels' two forms: warp-specialised where the layout applies (it does at
-    the tests' shapes), or the per-item kernels."""
-    if request.param == "per_item":
-        for layout in ("swiglu_layout", "swiglu_bwd_layout"):
-            monkeypatch.setattr(gmm_mosaic_ws, layout, lambda *args: None)
-    else:
-        assert gmm_mosaic_ws.swiglu_layout(TILES, 64, 128, jnp.bfloat16, 3, False)
-        assert gmm_mosaic_ws.swiglu_bwd_layout(TILES, 64, 128, jnp.bfloat16)
-    return request.param
-
-
 @needs_interpreter
-def test_gmm_swiglu_and_backward(rng, few_sms, swiglu_kernels):
+def test_gmm_swiglu_and_backward(rng, few_sms):
     d_dim, h_dim, tokens = 64, 128, 13
     x = _bf16(rng, tokens, d_dim)
     index = rng.integers(0, tokens, PADDED_ROWS).astype(np.int32)
@@ -274,16 +261,13 @@ def test_gmm_swiglu_and_backward(rng, few_sms, swiglu_kernels):
     assert rel_err(gate, gate_ref) < tol and rel_err(up, up_ref) < tol
     assert rel_err(act, silu * up_ref) < tol
 
-    # Scaled rows: through the index (an inference forward; it gathers rows itself on a
-    # GPU), and from rows gathered before (the warp-specialised kernel where it applies).
     scale = rng.standard_normal(PADDED_ROWS).astype(np.float32)
-    for source, rows in ((x, index), (_f32(x)[index].astype(jnp.bfloat16), None)):
-        with gpu_interpreter():
-            (act_scaled,) = gmm_mosaic.gmm_swiglu(
-                source, w_gate, w_up, _schedule(), tiles=TILES, backend="mosaic",
-                index=None if rows is None else jnp.asarray(rows), row_scale=jnp.asarray(scale),
-            )
-        assert rel_err(act_scaled, scale[:, None] * silu * up_ref) < tol
+    with gpu_interpreter():
+        (act_scaled,) = gmm_mosaic.gmm_swiglu(
+            x, w_gate, w_up, _schedule(), tiles=TILES, backend="mosaic",
+            index=jnp.asarray(index), row_scale=jnp.asarray(scale),
+        )
+    assert rel_err(act_scaled, scale[:, None] * silu * up_ref) < tol
 
     dy = _bf16(rng, tokens, d_dim)
     with gpu_interpreter():

@@ -9,7 +9,6 @@ sizes, so every kernel is lowered with the tiles it gets there. What lowering ca
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from unittest import mock
 
@@ -27,8 +26,6 @@ from tilax.moe import gmm_mosaic_ws as warp_specialised
 
 MOSAIC_CALL = "stablehlo.custom_call @mosaic_gpu_v2"
 WS_KERNEL = "moe_gmm_ws_mosaic_mosaic_gpu"  # the symbol in each serialized kernel
-# The warp-specialised kernels' layouts (None: the per-item kernel runs instead).
-WS_LAYOUTS = ("layout", "swiglu_layout", "swiglu_bwd_layout")
 # Kernels per train step: forward (gate, up and down projections; gate/up/SwiGLU fused in one
 # kernel for the fused dispatches) and backward (SwiGLU backward, dx, two weight gradients).
 KERNELS = {"sorted": 3 + 4, "gather": 3 + 4, "fused": 2 + 4, "fused_gsum": 2 + 4}
@@ -43,8 +40,8 @@ def as_on_hopper(monkeypatch):
 
 def lower_train_step(config, tokens: int) -> str:
     """The CUDA module of a train step. Every kernel must fit the shared memory its program
-    gets: lowered once with the warp-specialised kernels (one program per SM) replaced by the
-    per-item kernels, within what one of ``programs_per_sm`` programs gets (by
+    gets: lowered once with the warp-specialised plain grouped matmul (one program per SM)
+    replaced by the per-item kernel, within what one of ``programs_per_sm`` programs gets (by
     default half an SM, less the 1 KiB CUDA keeps), and once as it runs, within a block's
     limit."""
     params = tilax.moe_init(jax.random.key(0), config)
@@ -59,10 +56,7 @@ def lower_train_step(config, tokens: int) -> str:
 
     programs = parts.tiles_for(config).programs_per_sm
     limit = min(parts.SMEM_PER_BLOCK, parts.SMEM_PER_SM // programs - 1024)
-    with contextlib.ExitStack() as per_item_kernels:
-        for layout in WS_LAYOUTS:
-            per_item_kernels.enter_context(
-                mock.patch.object(warp_specialised, layout, lambda *args: None))
+    with mock.patch.object(warp_specialised, "layout", lambda *args: None):
         with mosaic_core.artificial_shared_memory_limit(limit):
             lower()
     with mosaic_core.artificial_shared_memory_limit(parts.SMEM_PER_BLOCK):
@@ -146,18 +140,3 @@ def test_short_plain_grouped_matmuls_are_warp_specialised(dims, dispatch, launch
     # d_model 192: the down projection and dx have three 64-column tiles
     narrow = tilax.MoEConfig(**{**dims, "d_model": 192}, impl="mosaic", dispatch=dispatch)
     assert lower_train_step(narrow, 2048).count(WS_KERNEL) == narrow_launches
-
-
-@pytest.mark.parametrize(("dims", "dispatch", "forward"), [
-    (DECODER, "fused", 1),  # the train step's SwiGLU forward reads XLA's gathered rows
-    (DECODER, "sorted", 0),  # gate and up as plain grouped matmuls, no SwiGLU kernel
-    (LAYER, "fused", 1),
-])  # fmt: skip
-def test_swiglu_kernels_are_warp_specialised(dims, dispatch, forward):
-    """A train step's SwiGLU kernels (forward and backward) run warp-specialised where both
-    warpgroups get a tile of the hidden columns; with d_hidden 192 they cannot."""
-    module = lower_train_step(tilax.MoEConfig(**dims, impl="mosaic", dispatch=dispatch), 2048)
-    assert module.count("moe_gmm_swiglu_ws_mosaic_mosaic_gpu") == forward
-    assert module.count("moe_gmm_swiglu_bwd_ws_mosaic_mosaic_gpu") == 1
-    narrow = tilax.MoEConfig(**{**dims, "d_hidden": 192}, impl="mosaic", dispatch=dispatch)
-    assert "_ws_mosaic_mosaic_gpu" not in lower_train_step(narrow, 2048).replace(WS_KERNEL, "")

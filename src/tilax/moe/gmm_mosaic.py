@@ -25,21 +25,19 @@ Kernels (each wrapper launches one):
   for short contractions whose output columns split over two warpgroups, the
   warp-specialised kernel of ``gmm_mosaic_ws``.
 - :func:`gmm_swiglu`: gate and up projections sharing the ``x`` tiles, SwiGLU (optionally
-  scaled per row by the combine weights) in the epilogue; on rows XLA gathered, and where the
-  hidden columns split over two warpgroups, ``gmm_mosaic_ws``'s kernel.
+  scaled per row by the combine weights) in the epilogue.
 - :func:`gmm_swiglu_bwd`: the down projection's input gradient with the SwiGLU backward in the
-  epilogue; the combine weights' gradient leaves as per-item row sums, added up in XLA; where
-  the hidden columns split over two warpgroups, ``gmm_mosaic_ws``'s kernel.
+  epilogue; the combine weights' gradient leaves as per-item row sums, added up in XLA.
 - :func:`gmm_combine`: the down projection with scaled float32 rows (:func:`gmm`), added into
   their tokens by an XLA scatter-add.
 - :func:`tgmm`: ``lhs[rows_e].T @ rhs[rows_e]`` (weight gradients); the first and last row
   chunk of each expert have the other rows zeroed in SMEM.
 
-The per-item kernels are not warp-specialised: two programs per SM overlap one's loads and
-epilogue with the other's MMAs. Where an epilogue (whole output tiles stored) is much of a
-kernel's time, one memory warpgroup fetching across items hides it better
-(``gmm_mosaic_ws``; on the H200 at the E64 decoder's shapes the plain grouped matmul took
-0.41 against 0.60 ms). ``impl="auto"``
+The other kernels are not warp-specialised: two programs per SM overlap one's loads and
+epilogue with the other's MMAs. The plain grouped matmul over a short contraction is
+(``gmm_mosaic_ws``): its epilogue (a whole output tile stored) is then most of its time, and
+one memory warpgroup fetching across items hides it better (on the H200 at the E64
+decoder's shapes, 0.41 against 0.60 ms). ``impl="auto"``
 picks this backend where ``tilax.moe.auto_rules`` holds a measured win.
 
 Mosaic GPU APIs relied on, read in jax 0.10.2 (installed here) and jax-ml/jax main at
@@ -94,14 +92,6 @@ def _swiglu_parts(gate, up):
     sig = _sigmoid(gate)
     silu = gate * sig
     return sig, silu, silu * up
-
-
-def _swiglu_grads(dz, gate, up, weight):
-    """float32 gradients of ``weight * silu(gate) * up`` given ``dz``: ``d_gate``, ``d_up``
-    and the row weights' ``sum(dz * silu(gate) * up)`` per row."""
-    sig, silu, act = _swiglu_parts(gate, up)
-    d_act = dz * weight
-    return d_act * up * (sig * (1.0 + gate * (1.0 - sig))), d_act * silu, jnp.sum(dz * act, axis=1)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -247,14 +237,8 @@ def gmm_swiglu(
     num_rows = index.shape[0] if index is not None else x.shape[0]
     if not copies_rows:
         x, index = parts.gathered(x, index), None
-    outputs = 3 if save_preactivations else 1
+
     scaled = row_scale is not None
-    ws_shapes = None if gathering else warp_specialised.swiglu_layout(
-        tiles, d_dim, h_dim, x.dtype, outputs, scaled)
-    if ws_shapes is not None:
-        return tuple(warp_specialised.gmm_swiglu(
-            x, w_gate, w_up, row_scale, schedule, tiles=tiles, shapes=ws_shapes,
-            outputs=outputs, swiglu=lambda gate, up: _swiglu_parts(gate, up)[2]))
     inputs = [x, w_gate, w_up] + ([index] if copies_rows else []) + ([row_scale] if scaled else [])
 
     def body(*refs):
@@ -315,7 +299,7 @@ def gmm_swiglu(
         parts.for_each_item(schedule_refs, h_dim // block_n, block_m, item_fn)
 
     out = jax.ShapeDtypeStruct((num_rows, h_dim), x.dtype)
-    outs = [out] * outputs
+    outs = [out] * (3 if save_preactivations else 1)
     kernel = parts.launch(body, outs, "moe_gmm_swiglu_mosaic", tiles)
     return tuple(kernel(*schedule, *inputs))
 
@@ -356,12 +340,6 @@ def gmm_swiglu_bwd(
     parts.check_features(d_dim, h_dim)
     # dz, gate and up are live through the epilogue: budgeted as two tiles, since the
     # epilogue's values die as it goes and ptxas reuses their registers.
-    ws_shapes = warp_specialised.swiglu_bwd_layout(tiles, d_dim, h_dim, gate.dtype)
-    if ws_shapes is not None:
-        d_gate, d_up, dw_items = warp_specialised.gmm_swiglu_bwd(
-            dy, w_down, gate, up, row_scale, schedule, tiles=tiles, shapes=ws_shapes,
-            swiglu_grads=_swiglu_grads)
-        return d_gate, d_up, _owned_rows(dw_items.sum(0), schedule, num_rows)[None]
     block_m, block_n = tiles.block_m, parts.capped_block_n(tiles, h_dim, 2)
     n_tiles, num_items = h_dim // block_n, schedule.expert.shape[0]
     block_k, stages = parts.fit_pipeline(
@@ -397,13 +375,15 @@ def gmm_swiglu_bwd(
                 def write(dg_smem, du_smem):
                     row_sums = []
                     for rows, dz_h in parts.row_blocks(dz):
-                        d_gate, d_up, sums = _swiglu_grads(
-                            dz_h, g_smem.at[rows][...].astype(jnp.float32),
-                            u_smem.at[rows][...].astype(jnp.float32),
-                            parts.rows_to_tile(scale_smem[rows], dz_h.shape))
-                        du_smem.at[rows][...] = d_up.astype(du_smem.dtype)
+                        weight = parts.rows_to_tile(scale_smem[rows], dz_h.shape)
+                        gate_t = g_smem.at[rows][...].astype(jnp.float32)
+                        up_t = u_smem.at[rows][...].astype(jnp.float32)
+                        sig, silu, act = _swiglu_parts(gate_t, up_t)
+                        row_sums.append((rows, jnp.sum(dz_h * act, axis=1)))
+                        d_act = dz_h * weight
+                        du_smem.at[rows][...] = (d_act * silu).astype(du_smem.dtype)
+                        d_gate = d_act * up_t * (sig * (1.0 + gate_t * (1.0 - sig)))
                         dg_smem.at[rows][...] = d_gate.astype(dg_smem.dtype)
-                        row_sums.append((rows, sums))
                     parts.store_vector(row_sums, block_m, dw_items_g.at[item.n, item_index])
 
                 parts.stage_and_store([dg_g, du_g], item, block_m, block_n, write)
