@@ -176,9 +176,14 @@ def gathered(x: jax.Array | None, index: jax.Array | None) -> jax.Array | None:
     return x if x is None or index is None else take_rows(x, index)
 
 
+def sm_count() -> int:
+    """This GPU's SMs (``DEFAULT_SMS`` where JAX does not say: off GPU)."""
+    return _pallas.gpu_core_count() or DEFAULT_SMS
+
+
 def num_programs(tiles: Config) -> int:
     """Programs of a persistent kernel: ``programs_per_sm`` per SM."""
-    return tiles.programs_per_sm * (_pallas.gpu_core_count() or DEFAULT_SMS)
+    return tiles.programs_per_sm * sm_count()
 
 
 def compiler_params():

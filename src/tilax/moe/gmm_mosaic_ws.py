@@ -64,11 +64,6 @@ def layout(tiles: Config, k_dim: int, n_dim: int, pairs: int, out_dtype) -> tupl
     return None
 
 
-def num_programs() -> int:
-    """One program per SM."""
-    return _pallas.gpu_core_count() or parts.DEFAULT_SMS
-
-
 def gmm(
     pairs: list[tuple[jax.Array, jax.Array]],
     schedule: GmmSchedule,
@@ -88,7 +83,7 @@ def gmm(
     item_n = COMPUTE_WARPGROUPS * block_n
     k_steps, n_tiles = k_dim // block_k, n_dim // item_n
     total = schedule.expert.shape[0] * n_tiles
-    programs = num_programs()
+    programs = parts.sm_count()  # one program per SM
     w_shape = (item_n, block_k) if transpose_rhs else (block_k, item_n)
     swizzle = plgpu.find_swizzle(block_k * pairs[0][0].dtype.itemsize * 8)
 
