@@ -22,6 +22,7 @@ from tilax.moe import (
     gmm_mosaic,
     gmm_mosaic_gather,
     gmm_mosaic_parts,
+    gmm_mosaic_rows,
     gmm_mosaic_ws,
     reference,
     skew_tokens,
@@ -327,6 +328,34 @@ def test_gmm_swiglu_forward_gathers_in_row_sub_tiles(rng, few_sms):
     assert np.isnan(out[NUM_ROWS:]).all()
 
 
+@pytest.mark.parametrize(("tokens", "width", "itemsize", "top_k", "expected"), [
+    (131072, 512, 2, 8, 32),  # the E64 decoder: 32 tokens (32 KiB) a slot
+    (1000, 512, 2, 3, 8),  # the largest power of two dividing the tokens
+    (1024, 2048, 2, 2, 8),  # 4 KiB rows: two programs' slots fit an SM at 8 tokens
+    (1024, 4096, 2, 2, None),  # 8 KiB rows: not even at 8 tokens
+    (100, 512, 2, 2, None),  # blocks of 4 copy too little a step
+])  # fmt: skip
+def test_copy_rows_blocks(tokens, width, itemsize, top_k, expected):
+    assert gmm_mosaic_rows.block_tokens(tokens, width, itemsize, top_k) == expected
+
+
+@needs_interpreter
+@pytest.mark.parametrize(("tokens", "top_k", "num_experts", "row_multiple"), [
+    (64, 2, 6, 64),  # blocks of 32 over two programs, no padding
+    (96, 3, 5, 64),  # 32 padding rows (token 0's, as the gather gives them)
+    (40, 2, 4, 16),  # blocks of 8
+    (30, 2, 4, 16),  # blocks of 2: XLA's gather
+])  # fmt: skip
+def test_copy_rows_is_the_gather(rng, few_sms, tokens, top_k, num_experts, row_multiple):
+    expert_ids = np.argsort(rng.random((tokens, num_experts)), axis=1)[:, :top_k]
+    layout = dispatch.sort_by_expert(jnp.asarray(expert_ids, jnp.int32), num_experts,
+                                     row_multiple=row_multiple)
+    x = _bf16(rng, tokens, 64)
+    with gpu_interpreter():
+        copied = jax.jit(gmm_mosaic_rows.copy_rows)(x, layout)
+    np.testing.assert_array_equal(_f32(copied), _f32(x)[np.asarray(layout.row_token)])
+
+
 @needs_interpreter
 @pytest.mark.parametrize("gathered", [False, True])
 def test_tgmm_ragged_contraction(rng, few_sms, gathered):
@@ -382,7 +411,9 @@ def test_layer_matches_oracle(few_sms, monkeypatch, top_k, dispatch_name, routin
     config = tilax.MoEConfig(**math, impl="mosaic", dispatch=dispatch_name, recompute=recompute,
                              recompute_rows=128)
     params = tilax.moe_init(jax.random.key(0), config)
-    x = jax.random.normal(jax.random.key(1), (150, DIMS["d_model"]))
+    # 152 tokens: dropless train steps read sorted copies made by gmm_mosaic_rows (blocks of
+    # 8) with padding rows after the copies
+    x = jax.random.normal(jax.random.key(1), (152, DIMS["d_model"]))
     if skew:
         x = skew_tokens(x, params["router"], skew)
     x = x.astype(jnp.bfloat16)

@@ -14,11 +14,15 @@ On the H200 (jax 0.11.2, commit 2452d44) the 20 tests then there passed in 115 s
 """
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 from moe_gpu_testing import DECODER, DISPATCHES, LAYER, check_deterministic, compare_forward
 from moe_gpu_testing import compare as _compare
 
 from tilax import _pallas
+from tilax.moe import dispatch as row_dispatch
+from tilax.moe import gmm_mosaic_rows
 
 pytestmark = [
     pytest.mark.gpu,
@@ -37,6 +41,37 @@ needs_mosaic = pytest.mark.skipif(
 def test_mosaic_matches_oracle(dispatch, routing):
     _compare(LAYER, 3001, "bfloat16", impl="mosaic", dispatch=dispatch, routing=routing,
              capacity_factor=0.8)
+
+
+@needs_mosaic
+@pytest.mark.parametrize("dispatch", DISPATCHES)
+def test_mosaic_train_step_on_copied_rows(dispatch):
+    # 2048 tokens: blocks of 32, so the train step's sorted copies of x and dy come from
+    # gmm_mosaic_rows (the token counts above fall back to XLA's gather)
+    _compare(LAYER, 2048, "bfloat16", impl="mosaic", dispatch=dispatch)
+
+
+@needs_mosaic
+def test_mosaic_decoder_train_step_on_copied_rows_with_padding():
+    # 1000 tokens x 8 copies: blocks of 8, and 64 padding rows up to the row tile
+    _compare(DECODER, 1000, "bfloat16", impl="mosaic", dispatch="fused")
+
+
+@needs_mosaic
+@pytest.mark.parametrize(("tokens", "top_k", "experts", "width", "dtype"), [
+    (2048, 8, 64, 512, "bfloat16"),  # blocks of 32, no padding
+    (1000, 3, 7, 512, "bfloat16"),  # blocks of 8, 3 copies a token, 72 padding rows
+    (4104, 8, 64, 256, "float16"),  # blocks of 8
+    (1024, 2, 8, 2048, "bfloat16"),  # 4 KiB rows: blocks of 8
+    (100, 2, 8, 512, "bfloat16"),  # blocks of 4: XLA's gather instead
+])  # fmt: skip
+def test_mosaic_copy_rows_is_the_gather(tokens, top_k, experts, width, dtype):
+    rng = np.random.default_rng(tokens)
+    ids = np.argsort(rng.random((tokens, experts)), axis=1)[:, :top_k].astype(np.int32)
+    layout = row_dispatch.sort_by_expert(jnp.asarray(ids), experts, row_multiple=128)
+    x = jnp.asarray(rng.standard_normal((tokens, width)), dtype)
+    copied = jax.jit(gmm_mosaic_rows.copy_rows)(x, layout)
+    assert np.array_equal(np.asarray(copied), np.asarray(x[layout.row_token]))
 
 
 @needs_mosaic
@@ -77,7 +112,7 @@ def test_mosaic_fine_grained_decoder(dispatch):
 ])  # fmt: skip
 def test_mosaic_forward_gathers_rows_in_the_kernel(dispatch, tokens, skew, dtype, tiles):
     # the decoder's SwiGLU kernel has 1 column tile of 128: an inference forward gathers x's
-    # rows itself (tilax.moe.gmm_mosaic_gather), where a train step reads XLA's copy
+    # rows itself (tilax.moe.gmm_mosaic_gather), where a train step reads a sorted copy
     compare_forward(DECODER, tokens, dtype, skew=skew, impl="mosaic", dispatch=dispatch,
                     **tiles)
 

@@ -20,15 +20,19 @@ from jax.experimental.mosaic.gpu import core as mosaic_core
 
 import tilax
 from tilax import _pallas
+from tilax.moe import gmm_mosaic
 from tilax.moe import gmm_mosaic_gather as gather
 from tilax.moe import gmm_mosaic_parts as parts
 from tilax.moe import gmm_mosaic_ws as warp_specialised
 
 MOSAIC_CALL = "stablehlo.custom_call @mosaic_gpu_v2"
 WS_KERNEL = "moe_gmm_ws_mosaic_mosaic_gpu"  # the symbol in each serialized kernel
+COPY_KERNEL = "moe_copy_rows_mosaic_mosaic_gpu"
 # Kernels per train step: forward (gate, up and down projections; gate/up/SwiGLU fused in one
 # kernel for the fused dispatches) and backward (SwiGLU backward, dx, two weight gradients).
 KERNELS = {"sorted": 3 + 4, "gather": 3 + 4, "fused": 2 + 4, "fused_gsum": 2 + 4}
+# Plus, where every copy has a row, the sorted copies of x (forward) and dy (backward).
+ROW_COPIES = 2
 LAYER = dict(d_model=512, d_hidden=1024, num_experts=8, top_k=2)
 DECODER = dict(d_model=512, d_hidden=128, num_experts=64, top_k=8, shared_hidden=1024)
 
@@ -66,13 +70,13 @@ def lower_train_step(config, tokens: int) -> str:
 @pytest.mark.parametrize("dispatch", list(KERNELS))
 def test_train_step_lowers(dispatch):
     config = tilax.MoEConfig(**LAYER, impl="mosaic", dispatch=dispatch)
-    assert lower_train_step(config, 4096).count(MOSAIC_CALL) == KERNELS[dispatch]
+    assert lower_train_step(config, 4096).count(MOSAIC_CALL) == KERNELS[dispatch] + ROW_COPIES
 
 
 @pytest.mark.parametrize("dispatch", ["sorted", "fused_gsum"])
 def test_fine_grained_decoder_lowers(dispatch):
     config = tilax.MoEConfig(**DECODER, impl="mosaic", dispatch=dispatch)
-    assert lower_train_step(config, 2048).count(MOSAIC_CALL) == KERNELS[dispatch]
+    assert lower_train_step(config, 2048).count(MOSAIC_CALL) == KERNELS[dispatch] + ROW_COPIES
 
 
 @pytest.mark.parametrize("overrides", [
@@ -90,7 +94,8 @@ def test_one_program_per_sm_lowers(monkeypatch):
     whole_sm = dataclasses.replace(parts.default_config(jnp.bfloat16), programs_per_sm=1)
     monkeypatch.setattr(parts, "default_config", lambda dtype: whole_sm)
     config = tilax.MoEConfig(**LAYER, impl="mosaic", dispatch="fused_gsum")
-    assert lower_train_step(config, 4096).count(MOSAIC_CALL) == KERNELS["fused_gsum"]
+    expected = KERNELS["fused_gsum"] + ROW_COPIES
+    assert lower_train_step(config, 4096).count(MOSAIC_CALL) == expected
 
 
 def lower_forward(config, tokens: int) -> str:
@@ -116,13 +121,29 @@ def test_fused_forward_gathers_rows_in_the_kernel(monkeypatch, dims, block_m, in
     assert gathers_by_xla > gathers if in_kernel else gathers_by_xla == gathers
 
 
-def test_train_step_reads_xlas_copy(monkeypatch):
-    """A train step's forward reads XLA's gathered rows (its backward needs that copy anyway):
-    the same XLA gathers with the in-kernel gather allowed or not."""
+def test_train_step_reads_copied_rows(monkeypatch):
+    """A dropless train step's kernels read sorted copies of ``x`` and ``dy`` that
+    ``gmm_mosaic_rows`` makes (each token read once), not XLA's gathers of them, and its
+    forward never gathers in the kernel (the backward reads the same copy)."""
     config = tilax.MoEConfig(**DECODER, impl="mosaic", dispatch="fused")
-    gathers = lower_train_step(config, 2048).count("stablehlo.gather")
+    module = lower_train_step(config, 2048)
+    assert module.count(COPY_KERNEL) == ROW_COPIES
+    gathers = module.count("stablehlo.gather")
     monkeypatch.setattr(gather, "gathering_tiles", lambda *args: None)
     assert lower_train_step(config, 2048).count("stablehlo.gather") == gathers
+    # The kernels gathering through XLA instead: XLA's gathers of x and dy come back (four
+    # in jax 0.10.2's module, one per kernel reading them; two in jax 0.11.2's).
+    monkeypatch.setattr(gmm_mosaic, "GATHERS_IN_TRAINING", True)
+    module = lower_train_step(config, 2048)
+    assert module.count(COPY_KERNEL) == 0
+    assert module.count("stablehlo.gather") >= gathers + 2
+
+
+def test_capacity_drops_gather_in_xla():
+    """With copies dropped by capacity some copies have no row: XLA gathers instead."""
+    config = tilax.MoEConfig(**DECODER, impl="mosaic", dispatch="fused", routing="capacity",
+                             capacity_factor=0.5)
+    assert lower_train_step(config, 2048).count(COPY_KERNEL) == 0
 
 
 @pytest.mark.parametrize(("dims", "dispatch", "launches", "narrow_launches"), [

@@ -78,6 +78,11 @@ class GmmKernels(Protocol):
     instead of from a sorted copy. All accumulate in float32. The Pallas path's custom VJP
     (``pallas.py``) is written against exactly these functions:
 
+    - ``copy_rows(x, layout)``: ``x[layout.row_token]``, a sorted copy for its kernels, for a
+      layout in which every copy has a row (no capacity drops; the path gathers in XLA
+      otherwise).
+    - ``GATHERS_IN_TRAINING``: whether a train step's kernels gather rows through ``index``;
+      where not, the path hands them copies of ``x`` and ``dy`` made by ``copy_rows``.
     - ``gmm(lhs, rhs, schedule, *, tiles, backend, index=None, transpose_rhs=False,
       lhs2=None, rhs2=None, row_scale=None, out_dtype=None)``:
       ``out[r] = scale[r] * (lhs[r] @ rhs[e(r)] + lhs2[r] @ rhs2[e(r)])``.
@@ -100,6 +105,10 @@ class GmmKernels(Protocol):
       ``block_m``, ``row_multiple`` and ``feature_multiple``: the layer pads ``d_model`` and
       ``d_hidden`` to a multiple of it, 16 for Triton, 64 for Mosaic GPU's 128-byte rows).
     """
+
+    GATHERS_IN_TRAINING: bool
+
+    def copy_rows(self, x, layout) -> jax.Array: ...
 
     def gmm(self, lhs, rhs, schedule: GmmSchedule, **kwargs) -> jax.Array: ...
 

@@ -16,10 +16,13 @@ tile is staged in SMEM and only its rows ``[lo, hi)`` are stored, by one TMA sto
 of ``hi - lo`` (a TMA store has no row mask), so every row is written by exactly one program.
 Rows a kernel reads through ``index`` are gathered in XLA first (Hopper's TMA copies tiles,
 not gathered rows; Blackwell's can gather), except in a forward's :func:`gmm_swiglu` with few
-column tiles, which gathers them with per-thread copies (``gmm_mosaic_gather``).
+column tiles, which gathers them with per-thread copies (``gmm_mosaic_gather``). A train step
+reads sorted copies of ``x`` and ``dy`` that :func:`copy_rows` makes (``gmm_mosaic_rows``:
+each token read once, not once per copy as by a gather).
 
 Kernels (each wrapper launches one):
 
+- :func:`copy_rows`: ``x[row_token]``, each token's row written to its copies' rows.
 - :func:`gmm`: ``out[r] = scale[r] * (lhs[r] @ rhs[e(r)] (+ lhs2[r] @ rhs2[e(r)]))``, the
   weights optionally transposed (``wgmma`` reads the transposed SMEM tile); without a scale,
   for short contractions whose output columns split over two warpgroups, the
@@ -73,9 +76,14 @@ from tilax.moe import gmm_mosaic_parts as parts
 from tilax.moe import gmm_mosaic_ws as warp_specialised
 from tilax.moe.dispatch import GmmSchedule
 from tilax.moe.gmm_mosaic_parts import Config, default_config, plgpu, tiles_for
+from tilax.moe.gmm_mosaic_rows import copy_rows
 
-__all__ = ["Config", "default_config", "tiles_for", "gmm", "gmm_swiglu", "gmm_swiglu_bwd",
-           "gmm_combine", "tgmm"]
+__all__ = ["Config", "default_config", "tiles_for", "copy_rows", "gmm", "gmm_swiglu",
+           "gmm_swiglu_bwd", "gmm_combine", "tgmm"]
+
+# A train step's kernels read sorted copies of x and dy (copy_rows); only an inference
+# forward's SwiGLU kernel gathers rows itself.
+GATHERS_IN_TRAINING = False
 
 
 def _sigmoid(x):

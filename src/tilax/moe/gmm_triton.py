@@ -22,6 +22,7 @@ Kernels (each wrapper below builds one ``pallas_call``):
 - :func:`gmm_swiglu_bwd`: the down projection's input gradient fused with the SwiGLU backward.
 - :func:`gmm_combine`: the down projection with the weighted combine in its epilogue, summed
   into the tokens' float32 outputs with atomic adds.
+- :func:`copy_rows`: the sorted copy of ``x`` (XLA's gather; the sorted dispatch's).
 - :func:`tgmm`: the "transposed" grouped matmul ``lhs[rows_e].T @ rhs[rows_e]`` for weight
   gradients (ragged contraction over each expert's rows), one program per output tile.
 
@@ -41,7 +42,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from tilax import _pallas
-from tilax.moe.dispatch import GmmSchedule
+from tilax.moe.dispatch import GmmSchedule, RowLayout, take_rows
+
+# The kernels gather rows through ``index`` themselves, in a train step too: only the sorted
+# dispatch reads copies (``copy_rows``).
+GATHERS_IN_TRAINING = True
 
 # tl.dot needs every block dimension >= 16.
 MIN_BLOCK = _pallas.MIN_BLOCK
@@ -103,6 +108,11 @@ def tiles_for(config) -> Tiles:
         name: getattr(config, name) for name in TILE_FIELDS if getattr(config, name) is not None
     }
     return dataclasses.replace(default_tiles(config.dtype), **overrides)
+
+
+def copy_rows(x: jax.Array, layout: RowLayout) -> jax.Array:
+    """``x[layout.row_token]``, ``[R_pad, d]``: XLA's gather."""
+    return take_rows(x, layout.row_token)
 
 
 def _capped_block_n(tiles: Tiles, per_thread: int) -> int:

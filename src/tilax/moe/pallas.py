@@ -16,9 +16,11 @@ of Hopper). Per ``dispatch``:
 - backward, shared by all dispatches: the down projection's input gradient with the SwiGLU
   backward and the combine weights' gradient fused into its epilogue, ``dx`` by a grouped
   matmul against the transposed gate/up weights, and the weight gradients by the transposed
-  grouped matmul (ragged contraction over each expert's rows). ``sorted`` feeds the kernels
-  permuted copies of ``x`` and ``dy``; the other dispatches gather rows through the sort index
-  inside the kernels.
+  grouped matmul (ragged contraction over each expert's rows).
+
+Where the kernels read sorted copies of ``x`` and ``dy`` (the ``sorted`` dispatch, and a train
+step on a backend whose kernels do not gather rows in training: Mosaic GPU), the backend's
+``copy_rows`` makes them; elsewhere the kernels gather rows through the sort index.
 
 With ``MoEConfig.recompute`` the experts run over slices of the row space instead
 (``pallas_slices.py``): nothing of size ``[rows, d_hidden]`` is saved for the backward, which
@@ -60,6 +62,8 @@ class Plan:
         slice_rows: ``None``: one pass over the row space, saving the hidden activations for
             the backward; else recompute them in slices of this many rows.
         cover_tail: compute the rows past the kept copies too (``dispatch.gmm_schedule``).
+        copies_have_rows: every token copy has a row (no capacity drops): the row space is a
+            permutation of the copies, which the backend's ``copy_rows`` can fill.
     """
 
     dispatch: str
@@ -68,10 +72,24 @@ class Plan:
     num_tokens: int
     slice_rows: int | None = None
     cover_tail: bool = True
+    copies_have_rows: bool = False
 
     @property
     def kernels(self):
         return KERNELS[self.backend]
+
+    def row_copy(self, x: jax.Array, layout) -> jax.Array:
+        """``x[layout.row_token]``: by the backend's ``copy_rows`` where every copy has a
+        row, else by XLA's gather."""
+        if self.copies_have_rows:
+            return self.kernels.copy_rows(x, layout)
+        return dispatch.take_rows(x, layout.row_token)
+
+    def copies_rows(self, save: bool) -> bool:
+        """Whether the kernels read sorted copies of ``x`` (and in the backward of ``dy``):
+        the sorted dispatch's always, a train step's where the backend's kernels do not
+        gather in training."""
+        return self.dispatch == "sorted" or (save and not self.kernels.GATHERS_IN_TRAINING)
 
     def schedule(self, group_offsets: jax.Array, num_rows: int) -> dispatch.GmmSchedule:
         return dispatch.gmm_schedule(
@@ -89,27 +107,26 @@ def pallas_experts(plan, x, w_gate, w_up, w_down, weights, layout, schedule):
 
 def _forward(plan, x, w_gate, w_up, w_down, weights, layout, schedule, save):
     """The forward for ``plan.dispatch``; returns ``(y, residuals)`` (``None`` unless ``save``):
-    the permuted ``x`` (``sorted`` only), the gate/up pre-activations and the activation
-    scaled by the combine weights."""
+    the sorted copy of ``x`` (where the kernels read one: ``Plan.copies_rows``), the gate/up
+    pre-activations and the activation scaled by the combine weights."""
     kernels = plan.kernels
     kw = dict(tiles=plan.tiles, backend=plan.backend)
-    tokens = layout.row_token
     w_rows = dispatch.row_weights(weights, layout)
+    if plan.copies_rows(save):
+        lhs, index = plan.row_copy(x, layout), None
+    else:
+        lhs, index = x, layout.row_token
     if plan.dispatch in ("sorted", "gather"):
-        if plan.dispatch == "sorted":
-            lhs, index = dispatch.permute(x, layout), None
-        else:
-            lhs, index = x, tokens
         gate = kernels.gmm(lhs, w_gate, schedule, index=index, **kw)
         up = kernels.gmm(lhs, w_up, schedule, index=index, **kw)
         act = reference.swiglu_activation(gate, up, w_rows)
-        pre = (lhs if index is None else None, gate, up)
+        pre = (gate, up)
     else:
         act, *pre = kernels.gmm_swiglu(
-            x, w_gate, w_up, schedule, index=tokens, row_scale=w_rows,
+            lhs, w_gate, w_up, schedule, index=index, row_scale=w_rows,
             save_preactivations=save, **kw,
         )
-        pre = (None, *pre)
+    pre = (lhs if index is None else None, *pre)
     if plan.dispatch == "fused_gsum":
         y = kernels.gmm_combine(
             act, w_down, None, layout.row_target, schedule, num_tokens=plan.num_tokens, **kw
@@ -129,16 +146,16 @@ def _pallas_experts_fwd(plan, x, w_gate, w_up, w_down, weights, layout, schedule
 
 def _pallas_experts_bwd(plan, residuals, dy):
     """Backward: the SwiGLU backward is fused into the down projection's input-gradient kernel
-    for every dispatch; ``sorted`` feeds the kernels permuted copies of ``x`` and ``dy``, the
-    others gather rows through the sort index inside the kernels."""
+    for every dispatch; where the forward saved a sorted copy of ``x`` the kernels get one of
+    ``dy`` too, elsewhere they gather rows through the sort index themselves."""
     if plan.slice_rows is not None:
         return (*pallas_slices.backward(plan, residuals[:-2], dy), None, None)
     x, w_gate, w_up, w_down, weights, layout, schedule, (xs, gate, up, act_scaled) = residuals
     kernels = plan.kernels
     kw = dict(tiles=plan.tiles, backend=plan.backend)
     offsets = layout.group_offsets
-    if plan.dispatch == "sorted":
-        dy_src, x_src, index = dispatch.permute(dy, layout), xs, None
+    if xs is not None:
+        dy_src, x_src, index = plan.row_copy(dy, layout), xs, None
     else:
         dy_src, x_src, index = dy, x, layout.row_token
     w_rows = dispatch.row_weights(weights, layout)
@@ -205,7 +222,8 @@ class PallasExperts:
             row_multiple=slices or tiles.row_multiple,
         )
         plan = Plan(config.dispatch, self.backend, tiles, num_tokens, slices,
-                    cover_tail=not copies.sparse_rows)
+                    cover_tail=not copies.sparse_rows,
+                    copies_have_rows=rows == num_tokens * top_k)
         schedule = plan.schedule(layout.group_offsets, layout.row_token.shape[0])
         padded = pad_features(config, tiles, x, w_gate, w_up, w_down)
         y = pallas_experts(plan, *padded, copies.weights, layout, schedule)
