@@ -334,6 +334,7 @@ def test_gmm_swiglu_forward_gathers_in_row_sub_tiles(rng, few_sms):
     (1024, 2048, 2, 2, 8),  # 4 KiB rows: two programs' slots fit an SM at 8 tokens
     (1024, 4096, 2, 2, None),  # 8 KiB rows: not even at 8 tokens
     (100, 512, 2, 2, None),  # blocks of 4 copy too little a step
+    (0, 512, 2, 2, None),  # no tokens: no blocks
 ])  # fmt: skip
 def test_copy_rows_blocks(tokens, width, itemsize, top_k, expected):
     assert gmm_mosaic_rows.block_tokens(tokens, width, itemsize, top_k) == expected

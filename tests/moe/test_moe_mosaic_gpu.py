@@ -9,8 +9,7 @@ spread over a few workers, with XLA's autotuning off (see test_moe_gpu.py)::
     XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_FLAGS=--xla_gpu_autotune_level=0 PYTHONPATH=src \\
         python -m pytest tests/moe/test_moe_mosaic_gpu.py -q -n 4
 
-On the H200 (jax 0.11.2, commit 2452d44) the 20 tests then there passed in 115 s with
-``-n 4``.
+On the H200 (jax 0.11.2, commit 37bb3bf) the 40 tests passed in 139 s with ``-n 4``.
 """
 
 import jax

@@ -228,10 +228,10 @@ def gmm_swiglu(
     d_dim, h_dim = x.shape[1], w_gate.shape[2]
     parts.check_features(d_dim, h_dim)
     block_m = tiles.block_m
-    # A train step's forward (``save_preactivations``) reads XLA's gathered copy: its backward
-    # gathers the same rows for the weight gradients, and XLA makes that copy once (gathering
-    # in the kernel as well made the E64 decoder's train step 11.82 ms against 11.26 on the
-    # H200).
+    # A train step's forward (``save_preactivations``) reads a sorted copy: its backward reads
+    # the same rows for the weight gradients (the Pallas path makes the copy once, with
+    # ``copy_rows``; gathering in the kernel as well made the E64 decoder's train step 11.82 ms
+    # against 11.26 on the H200).
     gathering = index is not None and not save_preactivations and gather.gathering_tiles(
         tiles, d_dim, h_dim, x.dtype)
     if gathering:

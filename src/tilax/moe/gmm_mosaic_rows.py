@@ -39,7 +39,9 @@ PROGRAMS_PER_SM = 2
 def block_tokens(num_tokens: int, width: int, itemsize: int, top_k: int) -> int | None:
     """Tokens per block: the largest power of two up to ``BLOCK_TOKENS`` dividing
     ``num_tokens`` whose slots (rows and their copies' row numbers) fit the shared memory
-    of ``PROGRAMS_PER_SM`` programs; ``None`` below ``MIN_BLOCK_TOKENS``."""
+    of ``PROGRAMS_PER_SM`` programs; ``None`` below ``MIN_BLOCK_TOKENS`` or with no tokens."""
+    if num_tokens == 0:
+        return None
     block = BLOCK_TOKENS
     while block >= MIN_BLOCK_TOKENS:
         slots = SLOTS * block * (width * itemsize + top_k * 4)
