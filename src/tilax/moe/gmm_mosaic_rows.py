@@ -54,8 +54,10 @@ def block_tokens(num_tokens: int, width: int, itemsize: int, top_k: int) -> int 
 
 def copy_rows(x: jax.Array, layout: RowLayout) -> jax.Array:
     """``x[layout.row_token]``, ``[R_pad, d]``, for a layout in which every copy has a row
-    (``sort_by_expert`` without ``capacity``, or with one every copy fits): rows past the
-    copies (padding) hold ``x[0]``, as the gather gives them."""
+    (``sort_by_expert`` without ``capacity``, or with one that keeps a row for every copy):
+    rows past the copies (padding) hold ``x[0]``, as the gather gives them. XLA gathers
+    instead where the tokens have no block of ``MIN_BLOCK_TOKENS`` (``block_tokens``), rows
+    are not whole 16-byte chunks, or copies have no row."""
     num_tokens, width = x.shape
     num_rows = layout.row_token.shape[0]
     copy_row = layout.copy_row
