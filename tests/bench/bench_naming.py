@@ -62,13 +62,25 @@ def nvidia_smi_gpu_name() -> str | None:
 MEASURED_PATHS = ("src", "tests/bench")
 
 
+FULL_SHA = re.compile(r"[0-9a-f]{40}")
+
+
+def short_form(commit: str) -> str:
+    """A full sha (``git rev-parse HEAD``, "+dirty" allowed) as git's 7-character short sha,
+    so that files named from it join the run of files named from ``--commit``; anything else
+    as given."""
+    sha, plus, rest = commit.partition("+")
+    return sha[:7] + plus + rest if FULL_SHA.fullmatch(sha) else commit
+
+
 def short_commit(repo: Path = REPO_ROOT) -> str:
-    """``TILAX_BENCH_COMMIT`` if set (for copies of the tree without .git), else the short sha
+    """``TILAX_BENCH_COMMIT`` if set (for copies of the tree without .git; a full sha is
+    shortened), else the short sha
     of the last commit that changed ``MEASURED_PATHS``, with "+dirty" when tracked files there
     have uncommitted changes, else "nogit"."""
     override = os.environ.get("TILAX_BENCH_COMMIT")
     if override:
-        return override
+        return short_form(override)
     try:
         sha = subprocess.run(
             ["git", "-C", str(repo), "log", "-1", "--format=%h", "--", *MEASURED_PATHS],

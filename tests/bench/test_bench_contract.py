@@ -145,3 +145,18 @@ def test_results_are_filed_under_the_commit_of_the_measured_code(tmp_path, monke
     assert short_commit(tmp_path) == measured
     (tmp_path / "src" / "kernel.py").write_text("x = 2\n")
     assert short_commit(tmp_path) == f"{measured}+dirty"
+
+
+def test_a_full_sha_override_is_filed_under_its_short_form(tmp_path, monkeypatch):
+    from bench_naming import result_path, short_commit
+
+    sha = "81f437f913ad1e46f220186eb2fd4fa4123f8606"
+    monkeypatch.setenv("TILAX_BENCH_COMMIT", sha)
+    assert short_commit() == "81f437f"
+    assert result_path(tmp_path, "decoder", gpu="NVIDIA H200").name.startswith(
+        "h200-") and result_path(tmp_path, "decoder", gpu="NVIDIA H200").name.endswith(
+        "-81f437f-decoder.json")
+    monkeypatch.setenv("TILAX_BENCH_COMMIT", sha + "+dirty")
+    assert short_commit() == "81f437f+dirty"
+    monkeypatch.setenv("TILAX_BENCH_COMMIT", "test")  # not a sha: as given
+    assert short_commit() == "test"

@@ -68,6 +68,23 @@ def test_files_of_one_commit_on_one_gpu_are_one_run(tmp_path, data_dir):
     assert ranked["source_file"].str.endswith("-moe.json").all()
 
 
+def test_a_file_filed_under_the_full_sha_joins_its_run(tmp_path, data_dir):
+    # TILAX_BENCH_COMMIT given as `git rev-parse HEAD` (a full sha) on a host without .git
+    doc = json.loads(PYTEST_BENCHMARK_FIXTURE.read_text())
+    folder = data_copy(tmp_path, data_dir)
+    for index, commit in enumerate(("0a1b2c3", "0a1b2c3" + "d4e5f6" * 5 + "a7b")):
+        part = dict(doc, datetime=f"2026-01-{15 + index}T10:00:00+00:00",
+                    machine_info=dict(doc["machine_info"], commit=commit),
+                    commit_info={"id": "unknown"})
+        (folder / "results" / f"h200-2026011{5 + index}-{commit}-part{index}.json").write_text(
+            json.dumps(part))
+    table = analysis.with_labels(load_results(folder).table)
+    ours = table[table["source_format"] == "pytest_benchmark"]
+    assert set(ours["commit"]) == {"0a1b2c3"}
+    assert set(ours["run"]) == {"h200-20260115-0a1b2c3"}
+    assert len(runs.catalogue(table).set_index("run").loc["h200-20260115-0a1b2c3", "files"]) == 2
+
+
 def test_skips_are_not_failures(with_h200):
     files = with_h200.files.set_index("source_file")
     # Stored: 181 of the MoE file's 194 rows without a time and 190 of the RBF file's 192 were

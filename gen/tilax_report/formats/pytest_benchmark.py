@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from typing import Any
 
 from ._common import FormatError, as_list, as_mapping, require, split_rel_err, status_of
@@ -21,6 +22,7 @@ NAME = "pytest_benchmark"
 
 FAMILIES = ("moe", "rbf")
 REQUIRED = ["family", "suite", "impl", "dtype", "op"]
+FULL_SHA = re.compile(r"[0-9a-f]{40}")
 # extra_info keys copied under the same name.
 SAME_NAME = [
     "family", "suite", "impl", "dtype", "op", "compile_s", "sync_call_s", "error",
@@ -81,7 +83,9 @@ def _environment(doc: dict[str, Any], file_stem: str) -> dict[str, Any]:
     commit_info = doc.get("commit_info") or {}
     # commit_info is "unknown" when the bench ran from a copy without .git; machine_info's
     # commit comes from TILAX_BENCH_COMMIT then.
-    commit = machine.get("commit") or str(commit_info.get("id") or "")[:7]
+    commit = str(machine.get("commit") or "") or str(commit_info.get("id") or "")[:7]
+    if FULL_SHA.fullmatch(commit):  # TILAX_BENCH_COMMIT given as a full sha: one run all the same
+        commit = commit[:7]
     suites = machine.get("bench_suites")
     started = str(doc["datetime"]) if doc.get("datetime") else None
     return {
