@@ -75,9 +75,8 @@ def short_form(commit: str) -> str:
 
 def short_commit(repo: Path = REPO_ROOT) -> str:
     """``TILAX_BENCH_COMMIT`` if set (for copies of the tree without .git; a full sha is
-    shortened), else the short sha
-    of the last commit that changed ``MEASURED_PATHS``, with "+dirty" when tracked files there
-    have uncommitted changes, else "nogit"."""
+    shortened), else the short sha of the last commit that changed ``MEASURED_PATHS``, with
+    "+dirty" when tracked files there have uncommitted changes, else "nogit"."""
     override = os.environ.get("TILAX_BENCH_COMMIT")
     if override:
         return short_form(override)
