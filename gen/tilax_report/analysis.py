@@ -139,6 +139,10 @@ def rank_within_run(frame: pd.DataFrame, case: Sequence[str]) -> pd.DataFrame:
     runner-up, their ratio and whether the noise allows calling it (``clear``, ``method``;
     see `verdict`). Failed and skipped labels of the case are counted, not ranked."""
     keys = [*RUN_KEYS, *case]
+    # Only the columns read below: picking rows of the whole tidy table is most of the cost.
+    needed = [*keys, "code", "config", "label", "status", "median_ms", "q1_ms", "q3_ms",
+              "rounds", "round_ms"]
+    frame = frame[list(dict.fromkeys(c for c in needed if c in frame))]
     out = []
     for key, rows in _group(frame, keys):
         good = timed(rows).sort_values("median_ms")

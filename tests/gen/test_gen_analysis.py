@@ -5,18 +5,19 @@ import json
 import math
 import re
 
+import altair as alt
 import pandas as pd
 import pytest
 from tilax_report import analysis, headlines, runs, schema, verdict
 from tilax_report.pages import _shared
 from tilax_report.render import (
     Page,
+    chart_spec,
     fmt_ms,
     fmt_ratio,
     fmt_size,
     fmt_time,
     short_error,
-    slim_datasets,
     verdict_phrase,
 )
 
@@ -144,10 +145,18 @@ def test_chart_blocks_carry_their_spec_and_source(table):
     assert "{: .tilax-source }" in text
 
 
-def test_slim_datasets_keeps_fields_used_in_filters():
-    spec = {"transform": [{"filter": "datum.status == 'ok'"}],
-            "datasets": {"d": [{"status": "ok", "unused": 1, "gone": None}]}}
-    assert slim_datasets(spec)["datasets"]["d"] == [{"status": "ok"}]
+def test_chart_spec_embeds_each_frame_once_with_the_fields_the_chart_uses():
+    frame = pd.DataFrame({"status": ["ok", "bad"], "x": [1.0, 2.0], "unused": [1, 2],
+                          "colour": ["a", None]})
+    base = alt.Chart(frame).transform_filter("datum.status == 'ok'")
+    chart = base.mark_point().encode(x="x:Q", color="colour:N") + base.mark_line().encode(x="x:Q")
+    spec = chart_spec(chart)
+    assert list(spec["datasets"].values()) == [
+        [{"status": "ok", "x": 1.0, "colour": "a"}, {"status": "bad", "x": 2.0}]]
+    assert {layer.get("data", spec.get("data"))["name"] for layer in spec["layer"]} == set(
+        spec["datasets"])
+    # Altair's own data transformer is back for everything else.
+    assert alt.data_transformers.active == "default"
 
 
 def timed_row(rounds, median=None):
