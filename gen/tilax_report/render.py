@@ -148,21 +148,22 @@ def chart_spec(chart: alt.TopLevelMixin) -> dict:
     alt.data_transformers.register(_NAMED_FRAMES, name_frame)
     with alt.data_transformers.enable(_NAMED_FRAMES):
         spec = chart.to_dict(validate=False)
-    used = {name: used_columns(frame, spec) for name, frame in frames.items()}
-    for name, frame in frames.items():  # beside Altair's own (inline values it named)
-        spec.setdefault("datasets", {})[name] = _records(frame[used[name]])
+    if frames:
+        named = json.dumps({k: v for k, v in spec.items() if k != "datasets"})
+        datasets = spec.setdefault("datasets", {})  # beside Altair's own (inline values)
+        for name, frame in frames.items():
+            datasets[name] = _records(frame[used_columns(frame, named)])
     return spec
 
 
 _NAMED_FRAMES = "tilax_named_frames"
 
 
-def used_columns(frame: pd.DataFrame, spec: dict) -> list[str]:
-    """The columns of ``frame`` that ``spec`` (its datasets aside) names: as a field, or in an
-    expression (``datum.x``, ``datum['x']``)."""
-    rest = json.dumps({k: v for k, v in spec.items() if k != "datasets"})
-    return [name for name in frame.columns
-            if f'"{name}"' in rest or f"datum.{name}" in rest or f"datum['{name}']" in rest]
+def used_columns(frame: pd.DataFrame, spec_text: str) -> list[str]:
+    """The columns of ``frame`` that ``spec_text`` (a spec as JSON) names: as a field, or in
+    an expression (``datum.x``, ``datum['x']``)."""
+    return [name for name in frame.columns if f'"{name}"' in spec_text
+            or f"datum.{name}" in spec_text or f"datum['{name}']" in spec_text]
 
 
 def _records(frame: pd.DataFrame) -> list[dict]:
