@@ -154,9 +154,10 @@ def test_raw_data_link_downloads_the_stored_bytes(browser, stored_server):
 
 # The hand-written pages (docs/), as the built site names them.
 DOC_PAGES = [
-    "index.html", "getting-started.html", "guides/moe.html", "guides/rbf.html",
-    "guides/benchmarks.html", "contributing.html", "api/index.html", "api/moe.html",
-    "api/rbf.html", "methodology.html", "reports/schema.html",
+    "index.html", "getting-started.html", "guides/moe.html", "guides/scaling.html",
+    "guides/rbf.html", "guides/benchmarks.html", "contributing.html", "api/index.html",
+    "api/moe.html", "api/rbf.html", "methodology.html", "performance/rbf-kernels.html",
+    "performance/moe-h200.html", "reports/schema.html",
 ]
 
 

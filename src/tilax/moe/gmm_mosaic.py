@@ -38,7 +38,7 @@ Kernels (each wrapper launches one):
 
 The other kernels are not warp-specialised: two programs per SM overlap one's loads and
 epilogue with the other's MMAs (the SwiGLU kernels warp-specialised were no faster on the
-H200: see the methodology page). The plain grouped matmul over a short contraction is
+H200: see docs/performance/moe-h200.md). The plain grouped matmul over a short contraction is
 (``gmm_mosaic_ws``): its epilogue (a whole output tile stored) is then most of its time, and
 one memory warpgroup fetching across items hides it better (on the H200 at the E64
 decoder's shapes, 0.41 against 0.60 ms). ``impl="auto"``

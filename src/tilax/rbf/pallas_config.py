@@ -438,7 +438,8 @@ def _mosaic_exact(config: PathConfig, batch: int, n: int, m: int, dim: int) -> P
     the H200 at N = M = 65536, D = 8, O = 16 the forward took 7.56 ms on it against 11.0 ms on
     the Triton difference kernel, and forward + backward 35.1 ms against 50.7 ms with the Triton
     sweeps when the Mosaic GPU backward was two sweeps (the ``kernel_mv`` and
-    ``kernel_mv_launches`` bench suites' ``"highest"`` rows; see the methodology page)."""
+    ``kernel_mv_launches`` bench suites' ``"highest"`` rows; see
+    docs/performance/rbf-kernels.md)."""
     distance = Difference(difference_dims(dim), per_dimension=True)
 
     def fits(launch, size, programs):
