@@ -1,6 +1,7 @@
 """Sessions: tests, tests_jax011, docs, serve, lint, bench, wheelhouse, dist, release_docs,
 release_notes (``nox -l`` lists them)."""
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -8,7 +9,7 @@ import re
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import nox
@@ -48,15 +49,17 @@ def tests(session: nox.Session) -> None:
     # One worker per core, at most 4: beyond that the site and bench groups, each pinned to one
     # worker, set the wall time. (A third worker on 2 cores: 665 and 700 s against 705, no clear
     # difference.)
-    with tempfile.TemporaryDirectory(prefix="tilax-tests-jax-cache-") as cache:
+    with shared_compilation_cache() as env:
         session.run(
             "pytest", "-n", "logical", "--maxprocesses", "4", "--dist", "loadgroup",
-            *session.posargs, env=shared_compilation_cache(cache),
+            *session.posargs, env=env,
         )
 
 
-def shared_compilation_cache(folder: str) -> dict[str, str]:
-    """JAX settings that make the test processes share compiled programs through ``folder``.
+@contextlib.contextmanager
+def shared_compilation_cache() -> Iterator[dict[str, str]]:
+    """JAX settings that make the test processes share compiled programs through a temporary
+    folder, removed afterwards.
 
     Many tests compile the same program (the same layer, kernel or reference at the same small
     shapes, from a new closure); JAX's persistent cache serves the repeats from disk, in every
@@ -65,13 +68,14 @@ def shared_compilation_cache(folder: str) -> dict[str, str]:
     reads another run's programs. The docs examples drop every ``JAX_`` setting, so their
     CPU-time limit still measures a fresh reader.
     """
-    return {
-        "JAX_COMPILATION_CACHE_DIR": folder,
-        # Cache every program: the tests' compiles are many and short (the default keeps only
-        # those over a second).
-        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
-    }
+    with tempfile.TemporaryDirectory(prefix="tilax-tests-jax-cache-") as folder:
+        yield {
+            "JAX_COMPILATION_CACHE_DIR": folder,
+            # Cache every program: the tests' compiles are many and short (the default keeps
+            # only those over a second).
+            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+        }
 
 
 @nox.session(python="3.12")
@@ -85,9 +89,8 @@ def tests_jax011(session: nox.Session) -> None:
     """
     session.install("-e", ".", "jax==0.11.2", "jaxlib==0.11.2", "pytest>=8", "pytest-xdist>=3.5",
                     "hypothesis>=6.100", "scipy>=1.11")
-    with tempfile.TemporaryDirectory(prefix="tilax-tests-jax-cache-") as cache:
-        session.run("pytest", "tests/moe", "tests/rbf", "-n", "2", *session.posargs,
-                    env=shared_compilation_cache(cache))
+    with shared_compilation_cache() as env:
+        session.run("pytest", "tests/moe", "tests/rbf", "-n", "2", *session.posargs, env=env)
 
 
 @nox.session
