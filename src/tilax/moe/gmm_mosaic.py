@@ -440,9 +440,10 @@ def gmm_combine(
     ``[T, d]`` float32.
 
     The scaled rows come from :func:`gmm` (float32) and are added into their tokens by an XLA
-    scatter-add (a target of ``num_tokens`` is dropped). Not in the kernel's epilogue: a
-    reduce-add into a zeroed output needs the output to alias an input, and jax 0.11 lowers
-    Mosaic GPU kernels only through ``plgpu.kernel``, which takes no aliases.
+    scatter-add (a target of ``num_tokens`` is dropped). Not in the kernel's epilogue: TMA
+    reduce-adds of each row into its token (into a zeroed ``jax.new_ref`` operand that
+    ``pl.kernel`` writes) made the E64 decoder's train step slower on the H200, one copy per
+    row being the epilogue's pace (docs/performance/moe-h200.md, "Token order and L2").
     """
     rows = gmm(hidden, w_down, schedule, tiles=tiles, backend=backend, row_scale=row_scale,
                out_dtype=jnp.float32)
