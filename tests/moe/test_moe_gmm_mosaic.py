@@ -25,6 +25,8 @@ from tilax.moe import (
     gmm_mosaic_rows,
     gmm_mosaic_ws,
     reference,
+    router,
+    router_mosaic,
     skew_tokens,
 )
 from tilax.moe.gmm_mosaic import Config
@@ -355,6 +357,66 @@ def test_copy_rows_is_the_gather(rng, few_sms, tokens, top_k, num_experts, row_m
     with gpu_interpreter():
         copied = jax.jit(gmm_mosaic_rows.copy_rows)(x, layout)
     np.testing.assert_array_equal(_f32(copied), _f32(x)[np.asarray(layout.row_token)])
+
+
+@pytest.mark.parametrize(("tokens", "experts", "top_k", "expected"), [
+    (131072, 64, 8, 128),
+    (4160, 64, 8, 64),  # 65 blocks of 64
+    (1000, 64, 8, None),  # no block of 64 divides it: XLA ranks
+    (1024, 6, 2, None),  # experts not a multiple of the register layout's 8 columns
+    (1024, 8, 9, None),  # more choices than experts
+])  # fmt: skip
+def test_router_top_k_blocks(tokens, experts, top_k, expected):
+    assert router_mosaic.block_tokens(tokens, experts, top_k) == expected
+
+
+@needs_interpreter
+@pytest.mark.parametrize(("tokens", "experts", "top_k"), [
+    (256, 64, 8),  # two blocks of 128
+    (320, 16, 4),  # five blocks of 64 over four programs: one program takes two
+    (192, 8, 8),  # every expert ranked
+])  # fmt: skip
+def test_router_top_k_is_xlas(rng, few_sms, tokens, experts, top_k):
+    """The kernel's experts are XLA's argmax passes': best first, ties to the lower expert
+    (a tenth of the tokens on a coarse grid of probabilities), a NaN ranked first."""
+    logits = jnp.asarray(rng.standard_normal((tokens, experts)) * 3, jnp.float32)
+    probs = np.array(jax.nn.softmax(logits, axis=-1))
+    probs[: tokens // 10] = np.round(probs[: tokens // 10] * 20) / 20
+    probs[tokens // 2, experts // 2] = np.nan
+    probs = jnp.asarray(probs)
+    with gpu_interpreter():
+        ids = jax.jit(router_mosaic.top_k_experts, static_argnums=1)(probs, top_k)
+    expected = router.top_k_experts(probs, top_k)[1]
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(expected))
+    assert np.asarray(ids)[tokens // 2, 0] == experts // 2
+
+
+def test_router_top_k_leaves_other_inputs_to_xla():
+    assert router_mosaic.top_k_experts(jnp.zeros((1000, 64), jnp.float32), 8) is None
+    assert router_mosaic.top_k_experts(jnp.zeros((1024, 64), jnp.bfloat16), 8) is None
+
+
+@needs_interpreter
+def test_route_on_mosaic_matches_xla(rng, few_sms):
+    """``router.route`` with the Mosaic GPU top-k: the same experts and weights, and the same
+    gradients, as XLA's."""
+    x = jnp.asarray(rng.standard_normal((256, 64)), jnp.bfloat16)
+    weights = jnp.asarray(rng.standard_normal((64, 16)) * 0.1, jnp.float32)
+    cotangent = jnp.asarray(rng.standard_normal((256, 4)), jnp.float32)
+
+    def loss(x, weights, backend):
+        routed = router.route(x, weights, 4, True, backend=backend)
+        return jnp.sum(routed.weights * cotangent), routed.expert_ids
+
+    with gpu_interpreter():
+        (value, ids), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(
+            x, weights, "mosaic")
+    (value_x, ids_x), grads_x = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(
+        x, weights, None)
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(ids_x))
+    np.testing.assert_allclose(float(value), float(value_x), rtol=1e-6)
+    for grad, grad_x in zip(grads, grads_x, strict=True):
+        np.testing.assert_allclose(_f32(grad), _f32(grad_x), rtol=1e-5, atol=1e-6)
 
 
 @needs_interpreter

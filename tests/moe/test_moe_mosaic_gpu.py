@@ -21,7 +21,7 @@ from moe_gpu_testing import compare as _compare
 
 from tilax import _pallas
 from tilax.moe import dispatch as row_dispatch
-from tilax.moe import gmm_mosaic_rows
+from tilax.moe import gmm_mosaic_rows, router, router_mosaic
 
 pytestmark = [
     pytest.mark.gpu,
@@ -71,6 +71,28 @@ def test_mosaic_copy_rows_is_the_gather(tokens, top_k, experts, width, dtype):
     x = jnp.asarray(rng.standard_normal((tokens, width)), dtype)
     copied = jax.jit(gmm_mosaic_rows.copy_rows)(x, layout)
     assert np.array_equal(np.asarray(copied), np.asarray(x[layout.row_token]))
+
+
+def _probabilities(rng, tokens: int, experts: int) -> jax.Array:
+    """Router probabilities with ties (a coarse grid for a tenth of the tokens) and a NaN."""
+    logits = rng.standard_normal((tokens, experts)).astype(np.float32) * 3
+    probs = np.array(jax.nn.softmax(jnp.asarray(logits), axis=-1))
+    probs[: tokens // 10] = np.round(probs[: tokens // 10] * 20) / 20
+    probs[tokens // 2, experts // 2] = np.nan
+    return jnp.asarray(probs)
+
+
+@needs_mosaic
+@pytest.mark.parametrize(("tokens", "experts", "top_k"), [
+    (131072, 64, 8),  # the E64 decoder at the benchmark's size: 1024 blocks of 128
+    (4096 + 64, 64, 8),  # blocks of 64
+    (1024, 8, 2),
+    (512, 16, 16),  # every expert ranked
+])  # fmt: skip
+def test_mosaic_router_top_k_is_xlas(tokens, experts, top_k):
+    probs = _probabilities(np.random.default_rng(tokens), tokens, experts)
+    ids = jax.jit(router_mosaic.top_k_experts, static_argnums=1)(probs, top_k)
+    assert np.array_equal(np.asarray(ids), np.asarray(router.top_k_experts(probs, top_k)[1]))
 
 
 @needs_mosaic

@@ -33,6 +33,9 @@ COPY_KERNEL = "moe_copy_rows_mosaic_mosaic_gpu"
 KERNELS = {"sorted": 3 + 4, "gather": 3 + 4, "fused": 2 + 4, "fused_gsum": 2 + 4}
 # Plus, where every copy has a row, the sorted copies of x (forward) and dy (backward).
 ROW_COPIES = 2
+# Plus the router's top-k (router_mosaic), where a block of its tokens divides the tokens.
+ROUTER = 1
+ROUTER_KERNEL = "moe_router_top_k_mosaic_mosaic_gpu"
 LAYER = dict(d_model=512, d_hidden=1024, num_experts=8, top_k=2)
 DECODER = dict(d_model=512, d_hidden=128, num_experts=64, top_k=8, shared_hidden=1024)
 
@@ -70,13 +73,15 @@ def lower_train_step(config, tokens: int) -> str:
 @pytest.mark.parametrize("dispatch", list(KERNELS))
 def test_train_step_lowers(dispatch):
     config = tilax.MoEConfig(**LAYER, impl="mosaic", dispatch=dispatch)
-    assert lower_train_step(config, 4096).count(MOSAIC_CALL) == KERNELS[dispatch] + ROW_COPIES
+    expected = KERNELS[dispatch] + ROW_COPIES + ROUTER
+    assert lower_train_step(config, 4096).count(MOSAIC_CALL) == expected
 
 
 @pytest.mark.parametrize("dispatch", ["sorted", "fused_gsum"])
 def test_fine_grained_decoder_lowers(dispatch):
     config = tilax.MoEConfig(**DECODER, impl="mosaic", dispatch=dispatch)
-    assert lower_train_step(config, 2048).count(MOSAIC_CALL) == KERNELS[dispatch] + ROW_COPIES
+    expected = KERNELS[dispatch] + ROW_COPIES + ROUTER
+    assert lower_train_step(config, 2048).count(MOSAIC_CALL) == expected
 
 
 @pytest.mark.parametrize("overrides", [
@@ -94,8 +99,23 @@ def test_one_program_per_sm_lowers(monkeypatch):
     whole_sm = dataclasses.replace(parts.default_config(jnp.bfloat16), programs_per_sm=1)
     monkeypatch.setattr(parts, "default_config", lambda dtype: whole_sm)
     config = tilax.MoEConfig(**LAYER, impl="mosaic", dispatch="fused_gsum")
-    expected = KERNELS["fused_gsum"] + ROW_COPIES
+    expected = KERNELS["fused_gsum"] + ROW_COPIES + ROUTER
     assert lower_train_step(config, 4096).count(MOSAIC_CALL) == expected
+
+
+@pytest.mark.parametrize(("tokens", "ranked_by_kernel"), [(2048, True), (1000, False)])
+def test_router_ranks_with_the_kernel_where_blocks_divide_the_tokens(tokens, ranked_by_kernel):
+    """The router's top-k runs as one kernel (``router_mosaic``) where a block of 64 or 128
+    tokens divides the token count; XLA's argmax passes (reductions) rank the others."""
+    config = tilax.MoEConfig(**DECODER, impl="mosaic", dispatch="fused")
+    module = lower_forward(config, tokens)
+    assert module.count(ROUTER_KERNEL) == int(ranked_by_kernel)
+    reductions = module.count("stablehlo.reduce")
+    triton = lower_forward(dataclasses.replace(config, impl="triton"), tokens)
+    # Triton's layer never uses the kernel: XLA's argmax passes are the reductions it has more
+    assert triton.count(ROUTER_KERNEL) == 0
+    more = triton.count("stablehlo.reduce") - reductions
+    assert more > 0 if ranked_by_kernel else more == 0
 
 
 def lower_forward(config, tokens: int) -> str:

@@ -410,7 +410,8 @@ def moe_apply(
         return y, aux
 
     x2 = jnp.reshape(x, (num_tokens, config.d_model))
-    routed = router.route(x2, params["router"], config.top_k, config.renormalize)
+    routed = router.route(x2, params["router"], config.top_k, config.renormalize,
+                          backend=_router_backend(experts))
     dtype = config.dtype
     xc = x2.astype(dtype)
     w_gate, w_up, w_down = (params[n].astype(dtype) for n in ("w_gate", "w_up", "w_down"))
@@ -425,6 +426,11 @@ def moe_apply(
         y = y + shared_expert(params, xc, config)
     aux = router.router_aux(routed, config.num_experts, kept)
     return y.reshape(jnp.shape(x)[:-1] + (config.d_model,)).astype(dtype), aux
+
+
+def _router_backend(experts) -> str | None:
+    """The Pallas backend of ``experts`` (the router ranks with its kernel), or ``None``."""
+    return experts.backend if isinstance(experts, pallas.PallasExperts) else None
 
 
 def shared_expert(params: dict, x: jax.Array, config: MoEConfig) -> jax.Array:

@@ -19,7 +19,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from tilax.moe import dispatch
+from tilax.moe import dispatch, router_mosaic
 
 # The router's matmul decides which experts run: keep it at full float32 precision on every
 # device (GPUs would otherwise use TF32 and may flip near-ties between implementations).
@@ -43,15 +43,25 @@ class RouterOutput(NamedTuple):
     weights: jax.Array
 
 
-def route(x: jax.Array, router: jax.Array, top_k: int, renormalize: bool) -> RouterOutput:
+def route(
+    x: jax.Array, router: jax.Array, top_k: int, renormalize: bool, backend: str | None = None
+) -> RouterOutput:
     """Route tokens ``x: [T, d_model]`` with ``router: [d_model, E]`` to their top-k experts.
 
     Ties between equal probabilities go to the lower expert index (``jax.lax.top_k``).
-    Differentiable with respect to ``x`` and ``router`` through the weights.
+    Differentiable with respect to ``x`` and ``router`` through the weights. ``backend``
+    ``"mosaic"`` ranks the experts with the Mosaic GPU kernel of ``router_mosaic`` where it
+    applies (the same experts); otherwise XLA ranks them (:func:`top_k_experts`).
     """
     logits = router_logits(x, router)
     probs = jax.nn.softmax(logits, axis=-1)
-    top_probs, expert_ids = top_k_experts(probs, top_k)
+    expert_ids = None
+    if backend == "mosaic":
+        expert_ids = router_mosaic.top_k_experts(jax.lax.stop_gradient(probs), top_k)
+    if expert_ids is None:
+        top_probs, expert_ids = top_k_experts(probs, top_k)
+    else:
+        top_probs = jnp.take_along_axis(probs, expert_ids, axis=-1)
     if renormalize:
         top_probs = top_probs / jnp.sum(top_probs, axis=-1, keepdims=True)
     return RouterOutput(logits, probs, expert_ids, top_probs)
