@@ -5,7 +5,8 @@ rank experts reliably. The matmul is small (``[T, d_model] x [d_model, E]``) but
 token, so its speed matters: for bfloat16 tokens :func:`router_logits` computes the float32
 products exactly on the tensor cores (the router split into three bfloat16 pieces) instead of
 a float32 matmul, and :func:`top_k_experts` picks a few experts by repeated ``argmax`` rather
-than a sort.
+than a sort (for ``impl="mosaic"`` on Hopper one kernel picks the same experts:
+``router_mosaic``).
 
 :func:`skew_tokens` is the benchmark/test knob that makes routing skewed. It moves the *inputs*
 along a direction the router maps onto a fixed per-expert bias, so the layer itself and its

@@ -50,7 +50,7 @@ def block_tokens(num_tokens: int, num_experts: int, top_k: int) -> int | None:
     return None
 
 
-def top_k_experts(probs: jax.Array, top_k: int) -> jax.Array:
+def top_k_experts(probs: jax.Array, top_k: int) -> jax.Array | None:
     """``[T, k]`` int32: each token's ``top_k`` experts by ``probs: [T, E]`` float32 (>= 0),
     best first, ties to the lower expert; ``None`` where :func:`block_tokens` says the
     kernel does not apply."""
