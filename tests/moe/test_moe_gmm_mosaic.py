@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from moe_testing import rel_err
+from moe_testing import rel_err, router_logit_parts
 from mosaic_interpret import available, gpu_interpreter
 
 import tilax
@@ -360,57 +360,97 @@ def test_copy_rows_is_the_gather(rng, few_sms, tokens, top_k, num_experts, row_m
 
 
 @pytest.mark.parametrize(("tokens", "experts", "top_k", "expected"), [
-    (131072, 64, 8, 128),
-    (4160, 64, 8, 64),  # 65 blocks of 64
-    (1000, 64, 8, None),  # no block of 64 divides it: XLA ranks
+    (131072, 64, 8, 64),
+    (4160, 64, 8, 64),  # 65 blocks
+    (1000, 64, 8, None),  # no block of 64 divides it: XLA routes
     (1024, 6, 2, None),  # experts not a multiple of the register layout's 8 columns
     (1024, 8, 9, None),  # more choices than experts
 ])  # fmt: skip
-def test_router_top_k_blocks(tokens, experts, top_k, expected):
+def test_router_blocks(tokens, experts, top_k, expected):
     assert router_mosaic.block_tokens(tokens, experts, top_k) == expected
 
 
 @needs_interpreter
 @pytest.mark.parametrize(("tokens", "experts", "top_k"), [
-    (256, 64, 8),  # two blocks of 128
-    (320, 16, 4),  # five blocks of 64 over four programs: one program takes two
+    (256, 64, 8),  # four blocks over four programs
+    (320, 16, 4),  # five blocks over four programs: one program takes two
     (192, 8, 8),  # every expert ranked
 ])  # fmt: skip
-def test_router_top_k_is_xlas(rng, few_sms, tokens, experts, top_k):
-    """The kernel's experts are XLA's argmax passes': best first, ties to the lower expert
-    (a tenth of the tokens on a coarse grid of probabilities), a NaN ranked first."""
-    logits = jnp.asarray(rng.standard_normal((tokens, experts)) * 3, jnp.float32)
-    probs = np.array(jax.nn.softmax(logits, axis=-1))
-    probs[: tokens // 10] = np.round(probs[: tokens // 10] * 20) / 20
-    probs[tokens // 2, experts // 2] = np.nan
-    probs = jnp.asarray(probs)
+def test_router_rank_is_xlas(rng, few_sms, tokens, experts, top_k):
+    """The kernel's logits and softmax are XLA's (to rounding), and its experts XLA's argmax
+    passes': best first, ties to the lower expert, NaNs ranked first."""
+    parts = router_logit_parts(rng, tokens, experts)
     with gpu_interpreter():
-        ids = jax.jit(router_mosaic.top_k_experts, static_argnums=1)(probs, top_k)
-    expected = router.top_k_experts(probs, top_k)[1]
-    np.testing.assert_array_equal(np.asarray(ids), np.asarray(expected))
-    assert np.asarray(ids)[tokens // 2, 0] == experts // 2
-
-
-def test_router_top_k_leaves_other_inputs_to_xla():
-    assert router_mosaic.top_k_experts(jnp.zeros((1000, 64), jnp.float32), 8) is None
-    assert router_mosaic.top_k_experts(jnp.zeros((1024, 64), jnp.bfloat16), 8) is None
+        logits, probs, ids, top = jax.jit(router_mosaic.rank, static_argnums=1)(parts, top_k)
+    expected_logits = router._sum_thirds(parts)
+    np.testing.assert_array_equal(np.asarray(logits), np.asarray(expected_logits))
+    expected_probs = jax.nn.softmax(expected_logits, axis=-1)
+    np.testing.assert_allclose(np.asarray(probs), np.asarray(expected_probs), rtol=1e-6, atol=0)
+    expected_top, expected_ids = router.top_k_experts(probs, top_k)
+    np.testing.assert_array_equal(np.asarray(ids).T, np.asarray(expected_ids))
+    np.testing.assert_array_equal(np.asarray(top).T, np.asarray(expected_top))
+    # a NaN logit makes its token's probabilities all NaN: the first k experts, in order
+    np.testing.assert_array_equal(np.asarray(ids)[:, tokens // 2], np.arange(top_k))
 
 
 @needs_interpreter
-def test_route_on_mosaic_matches_xla(rng, few_sms):
-    """``router.route`` with the Mosaic GPU top-k: the same experts and weights, and the same
-    gradients, as XLA's."""
+@pytest.mark.parametrize("dense", [(), ("probs",), ("probs", "logits")])
+def test_router_logit_grad_pieces(rng, few_sms, dense):
+    """The softmax's backward from the top probabilities' gradient (and dense ones), as three
+    bfloat16 pieces that add up to XLA's gradient exactly."""
+    tokens, experts, top_k = 320, 16, 4
+    probs = jax.nn.softmax(jnp.asarray(rng.standard_normal((tokens, experts)), jnp.float32))
+    ids = router.top_k_experts(probs, top_k)[1]
+    d_top = jnp.asarray(rng.standard_normal((tokens, top_k)), jnp.float32)
+    d_dense = {name: jnp.asarray(rng.standard_normal((tokens, experts)), jnp.float32)
+               for name in dense}
+
+    def loss(probs):
+        top = jnp.take_along_axis(probs, ids, axis=-1)
+        return jnp.sum(top * d_top) + jnp.sum(probs * d_dense.get("probs", 0.0))
+
+    expected = jax.vjp(jax.nn.softmax, jnp.log(probs))[1](jax.grad(loss)(probs))[0]
+    expected = expected + d_dense.get("logits", 0.0)
+    with gpu_interpreter():
+        d_pieces, dx_pieces = jax.jit(router_mosaic.logit_grad_pieces)(
+            probs, ids.T, d_top.T, d_dense.get("probs"), d_dense.get("logits"))
+    d_pieces, dx_pieces = _f32(d_pieces), _f32(dx_pieces)
+    thirds = [d_pieces[:, i * experts : (i + 1) * experts] for i in range(3)]
+    np.testing.assert_allclose((thirds[2] + thirds[1]) + thirds[0], np.asarray(expected),
+                               rtol=1e-5, atol=1e-7)
+    expected_pieces = router._bf16_pieces(jnp.asarray((thirds[2] + thirds[1]) + thirds[0]))
+    for third, piece in zip(thirds, expected_pieces, strict=True):
+        np.testing.assert_array_equal(third, _f32(piece))
+    np.testing.assert_array_equal(dx_pieces, np.concatenate([thirds[0], thirds[0], thirds[1]], 1))
+
+
+def test_router_kernels_leave_other_inputs_to_xla():
+    assert router_mosaic.rank(jnp.zeros((1000, 192), jnp.float32), 8) is None
+    assert router_mosaic.rank(jnp.zeros((1024, 192), jnp.bfloat16), 8) is None
+    assert router_mosaic.logit_grad_pieces(
+        jnp.zeros((1000, 64)), jnp.zeros((8, 1000), jnp.int32), jnp.zeros((8, 1000))) is None
+
+
+@needs_interpreter
+@pytest.mark.parametrize("aux", [False, True])
+def test_route_on_mosaic_matches_xla(rng, few_sms, aux):
+    """``router.route`` on the Mosaic GPU kernels: the same experts, weights and gradients as
+    XLA's, with and without the aux losses' dense gradients."""
     x = jnp.asarray(rng.standard_normal((256, 64)), jnp.bfloat16)
     weights = jnp.asarray(rng.standard_normal((64, 16)) * 0.1, jnp.float32)
     cotangent = jnp.asarray(rng.standard_normal((256, 4)), jnp.float32)
 
     def loss(x, weights, backend):
         routed = router.route(x, weights, 4, True, backend=backend)
-        return jnp.sum(routed.weights * cotangent), routed.expert_ids
+        value = jnp.sum(routed.weights * cotangent)
+        if aux:
+            losses = router.router_aux(routed, 16)
+            value = value + losses["router_z_loss"] + losses["load_balance_loss"]
+        return value, routed.expert_ids
 
     with gpu_interpreter():
-        (value, ids), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(
-            x, weights, "mosaic")
+        (value, ids), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True),
+                                      static_argnums=2)(x, weights, "mosaic")
     (value_x, ids_x), grads_x = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(
         x, weights, None)
     np.testing.assert_array_equal(np.asarray(ids), np.asarray(ids_x))

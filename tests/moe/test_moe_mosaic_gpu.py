@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from moe_gpu_testing import DECODER, DISPATCHES, LAYER, check_deterministic, compare_forward
 from moe_gpu_testing import compare as _compare
+from moe_testing import rel_err, router_logit_parts
 
 from tilax import _pallas
 from tilax.moe import dispatch as row_dispatch
@@ -73,26 +74,55 @@ def test_mosaic_copy_rows_is_the_gather(tokens, top_k, experts, width, dtype):
     assert np.array_equal(np.asarray(copied), np.asarray(x[layout.row_token]))
 
 
-def _probabilities(rng, tokens: int, experts: int) -> jax.Array:
-    """Router probabilities with ties (a coarse grid for a tenth of the tokens) and a NaN."""
-    logits = rng.standard_normal((tokens, experts)).astype(np.float32) * 3
-    probs = np.array(jax.nn.softmax(jnp.asarray(logits), axis=-1))
-    probs[: tokens // 10] = np.round(probs[: tokens // 10] * 20) / 20
-    probs[tokens // 2, experts // 2] = np.nan
-    return jnp.asarray(probs)
-
-
 @needs_mosaic
 @pytest.mark.parametrize(("tokens", "experts", "top_k"), [
-    (131072, 64, 8),  # the E64 decoder at the benchmark's size: 1024 blocks of 128
-    (4096 + 64, 64, 8),  # blocks of 64
+    (131072, 64, 8),  # the E64 decoder at the benchmark's size: 2048 blocks
+    (4096 + 64, 64, 8),  # 65 blocks
     (1024, 8, 2),
     (512, 16, 16),  # every expert ranked
 ])  # fmt: skip
-def test_mosaic_router_top_k_is_xlas(tokens, experts, top_k):
-    probs = _probabilities(np.random.default_rng(tokens), tokens, experts)
-    ids = jax.jit(router_mosaic.top_k_experts, static_argnums=1)(probs, top_k)
-    assert np.array_equal(np.asarray(ids), np.asarray(router.top_k_experts(probs, top_k)[1]))
+def test_mosaic_router_rank_is_xlas(tokens, experts, top_k):
+    """Logits as XLA adds the pieces, the softmax within the GPU's approximate ``exp`` and
+    division of XLA's, and the experts of XLA's argmax passes over the kernel's probabilities
+    (ties to the lower expert, NaNs first)."""
+    parts = router_logit_parts(np.random.default_rng(tokens), tokens, experts)
+    logits, probs, ids, top = jax.jit(router_mosaic.rank, static_argnums=1)(parts, top_k)
+    expected_logits = router._sum_thirds(parts)
+    np.testing.assert_array_equal(np.asarray(logits), np.asarray(expected_logits))
+    np.testing.assert_allclose(np.asarray(probs), np.asarray(jax.nn.softmax(expected_logits)),
+                               rtol=2e-6, atol=1e-30)
+    expected_top, expected_ids = router.top_k_experts(probs, top_k)
+    np.testing.assert_array_equal(np.asarray(ids).T, np.asarray(expected_ids))
+    np.testing.assert_array_equal(np.asarray(top).T, np.asarray(expected_top))
+
+
+@needs_mosaic
+@pytest.mark.parametrize("aux", [False, True])
+def test_mosaic_route_matches_xla(aux):
+    """``router.route`` on the kernels at the E64 decoder's width: XLA's experts, and its
+    weights and gradients to float32 rounding, with and without the aux losses."""
+    rng = np.random.default_rng(7)
+    tokens, experts, top_k = 8192, 64, 8
+    x = jnp.asarray(rng.standard_normal((tokens, 512)), jnp.bfloat16)
+    weights = jnp.asarray(rng.standard_normal((512, experts)) * 0.05, jnp.float32)
+    cotangent = jnp.asarray(rng.standard_normal((tokens, top_k)), jnp.float32)
+
+    def loss(x, weights, backend):
+        routed = router.route(x, weights, top_k, True, backend=backend)
+        value = jnp.sum(routed.weights * cotangent)
+        if aux:
+            losses = router.router_aux(routed, experts)
+            value = value + losses["router_z_loss"] + losses["load_balance_loss"]
+        return value, (routed.expert_ids, routed.weights)
+
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True), static_argnums=2)
+    (value, (ids, w)), grads = step(x, weights, "mosaic")
+    (value_x, (ids_x, w_x)), grads_x = step(x, weights, None)
+    assert np.array_equal(np.asarray(ids), np.asarray(ids_x))
+    np.testing.assert_allclose(np.asarray(w), np.asarray(w_x), rtol=2e-6, atol=1e-7)
+    np.testing.assert_allclose(float(value), float(value_x), rtol=1e-5)
+    for grad, grad_x in zip(grads, grads_x, strict=True):
+        assert rel_err(grad, grad_x) < 1e-5
 
 
 @needs_mosaic

@@ -33,9 +33,10 @@ COPY_KERNEL = "moe_copy_rows_mosaic_mosaic_gpu"
 KERNELS = {"sorted": 3 + 4, "gather": 3 + 4, "fused": 2 + 4, "fused_gsum": 2 + 4}
 # Plus, where every copy has a row, the sorted copies of x (forward) and dy (backward).
 ROW_COPIES = 2
-# Plus the router's top-k (router_mosaic), where a block of its tokens divides the tokens.
-ROUTER = 1
-ROUTER_KERNEL = "moe_router_top_k_mosaic_mosaic_gpu"
+# Plus the router's softmax and top-k, and their backward (router_mosaic), where a block of
+# its tokens divides the tokens.
+ROUTER = 2
+ROUTER_KERNEL = "moe_router_rank_mosaic_mosaic_gpu"
 LAYER = dict(d_model=512, d_hidden=1024, num_experts=8, top_k=2)
 DECODER = dict(d_model=512, d_hidden=128, num_experts=64, top_k=8, shared_hidden=1024)
 
@@ -105,8 +106,8 @@ def test_one_program_per_sm_lowers(monkeypatch):
 
 @pytest.mark.parametrize(("tokens", "ranked_by_kernel"), [(2048, True), (1000, False)])
 def test_router_ranks_with_the_kernel_where_blocks_divide_the_tokens(tokens, ranked_by_kernel):
-    """The router's top-k runs as one kernel (``router_mosaic``) where a block of 64 or 128
-    tokens divides the token count; XLA's argmax passes (reductions) rank the others."""
+    """The router's softmax and top-k run as one kernel (``router_mosaic``) where blocks of 64
+    tokens divide the token count; XLA's softmax and argmax passes (reductions) the others."""
     config = tilax.MoEConfig(**DECODER, impl="mosaic", dispatch="fused")
     module = lower_forward(config, tokens)
     assert module.count(ROUTER_KERNEL) == int(ranked_by_kernel)

@@ -5,8 +5,8 @@ rank experts reliably. The matmul is small (``[T, d_model] x [d_model, E]``) but
 token, so its speed matters: for bfloat16 tokens :func:`router_logits` computes the float32
 products exactly on the tensor cores (the router split into three bfloat16 pieces) instead of
 a float32 matmul, and :func:`top_k_experts` picks a few experts by repeated ``argmax`` rather
-than a sort (for ``impl="mosaic"`` on Hopper one kernel picks the same experts:
-``router_mosaic``).
+than a sort. For ``impl="mosaic"`` on Hopper the softmax, the top-k and their gradient run as
+two Mosaic GPU kernels instead of XLA's chain of small ones (``router_mosaic``).
 
 :func:`skew_tokens` is the benchmark/test knob that makes routing skewed. It moves the *inputs*
 along a direction the router maps onto a fixed per-expert bias, so the layer itself and its
@@ -15,6 +15,7 @@ router weights are untouched: the same parameters and the same math, only a diff
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -50,19 +51,22 @@ def route(
     """Route tokens ``x: [T, d_model]`` with ``router: [d_model, E]`` to their top-k experts.
 
     Ties between equal probabilities go to the lower expert index (``jax.lax.top_k``).
-    Differentiable with respect to ``x`` and ``router`` through the weights. ``backend``
-    ``"mosaic"`` ranks the experts with the Mosaic GPU kernel of ``router_mosaic`` where it
-    applies (the same experts); otherwise XLA ranks them (:func:`top_k_experts`).
+    Differentiable with respect to ``x`` and ``router`` through the logits, the probabilities
+    and the weights. ``backend`` ``"mosaic"`` takes the Mosaic GPU kernels of
+    ``router_mosaic`` for bfloat16 ``x`` where they apply (the same math; the softmax's
+    ``exp`` and division are the GPU's approximate ones, so the probabilities may differ from
+    XLA's in their last bits); otherwise XLA routes.
     """
-    logits = router_logits(x, router)
-    probs = jax.nn.softmax(logits, axis=-1)
-    expert_ids = None
-    if backend == "mosaic":
-        expert_ids = router_mosaic.top_k_experts(jax.lax.stop_gradient(probs), top_k)
-    if expert_ids is None:
+    ranked = None
+    if backend == "mosaic" and x.dtype == jnp.bfloat16:
+        if router_mosaic.block_tokens(x.shape[0], router.shape[1], top_k) is not None:
+            ranked = _ranked_on_mosaic(top_k, x, router.astype(jnp.float32))
+    if ranked is None:
+        logits = router_logits(x, router)
+        probs = jax.nn.softmax(logits, axis=-1)
         top_probs, expert_ids = top_k_experts(probs, top_k)
     else:
-        top_probs = jnp.take_along_axis(probs, expert_ids, axis=-1)
+        logits, probs, expert_ids, top_probs = ranked
     if renormalize:
         top_probs = top_probs / jnp.sum(top_probs, axis=-1, keepdims=True)
     return RouterOutput(logits, probs, expert_ids, top_probs)
@@ -116,19 +120,26 @@ def _bf16_logits_fwd(x, router32):
 
 def _bf16_logits_bwd(residuals, d_logits):
     x, router32 = residuals
-    d_pieces = _bf16_pieces(d_logits)
+    d0, d1, d2 = _bf16_pieces(d_logits)
+    return _logits_grads(x, router32, jnp.concatenate([d0, d1, d2], axis=1),
+                         jnp.concatenate([d0, d0, d1], axis=1))
+
+
+def _logits_grads(x, router32, d_pieces, dx_pieces):
+    """The gradients of ``x @ router32`` (bfloat16 ``x``) from the logits' gradient as its
+    bfloat16 pieces ``d_pieces = [g0 | g1 | g2]`` and ``dx_pieces = [g0 | g0 | g1]``."""
     # d_router = x^T @ d_logits: exact products again (x is bfloat16).
     d_router = _sum_thirds(
         jax.lax.dot_general(
-            x, jnp.concatenate(d_pieces, axis=1), (((0,), (0,)), ((), ())),
-            preferred_element_type=jnp.float32,
+            x, d_pieces, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32
         )
     )
     # d_x = d_logits @ router^T, rounded to bfloat16: the three largest of the nine piece
-    # products (relative error ~2**-16) are far more than its 8 bits need.
+    # products, g0 r0 + g0 r1 + g1 r0 (relative error ~2**-16), are far more than its 8 bits
+    # need.
     r_pieces = _bf16_pieces(router32.T)
     d_x = jnp.dot(
-        jnp.concatenate([d_pieces[0], d_pieces[0], d_pieces[1]], axis=1),
+        dx_pieces,
         jnp.concatenate([r_pieces[0], r_pieces[1], r_pieces[0]], axis=0),
         preferred_element_type=jnp.float32,
     )
@@ -136,6 +147,45 @@ def _bf16_logits_bwd(residuals, d_logits):
 
 
 _bf16_logits.defvjp(_bf16_logits_fwd, _bf16_logits_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _ranked_on_mosaic(top_k, x, router32):
+    """``(logits, probs, expert_ids, top_probs)`` of bfloat16 ``x`` by the kernels of
+    ``router_mosaic``: the logits' pieces by XLA's bfloat16 matmul (:func:`_bf16_logits`), the
+    rest by one kernel forward and one backward."""
+    return _ranked_on_mosaic_fwd(top_k, x, router32)[0]
+
+
+def _ranked_on_mosaic_fwd(top_k, x, router32):
+    pieces = jnp.concatenate(_bf16_pieces(router32), axis=1)
+    parts = jnp.dot(x, pieces, preferred_element_type=jnp.float32)
+    logits, probs, expert_ids, top_probs = router_mosaic.rank(parts, top_k)
+    outputs = (logits, probs, expert_ids.T, top_probs.T)
+    return outputs, (x, router32, probs, expert_ids)
+
+
+def _ranked_on_mosaic_bwd(top_k, residuals, cotangents):
+    del top_k
+    x, router32, probs, expert_ids = residuals
+    d_logits, d_probs, _, d_top = cotangents
+    # Dense gradients of the logits and probabilities come only from aux losses.
+    dense = [None if _zero(g) else g for g in (d_probs, d_logits)]
+    d_top = jnp.zeros(expert_ids.shape, jnp.float32) if _zero(d_top) else d_top.T
+    d_pieces, dx_pieces = router_mosaic.logit_grad_pieces(probs, expert_ids, d_top, *dense)
+    return _logits_grads(x, router32, d_pieces, dx_pieces)
+
+
+def _zero(cotangent) -> bool:
+    return isinstance(cotangent, jax.custom_derivatives.SymbolicZero)
+
+
+def _ranked_on_mosaic_fwd_symbolic(top_k, x, router32):
+    return _ranked_on_mosaic_fwd(top_k, x.value, router32.value)
+
+
+_ranked_on_mosaic.defvjp(_ranked_on_mosaic_fwd_symbolic, _ranked_on_mosaic_bwd,
+                         symbolic_zeros=True)
 
 # Up to this many experts per token, top_k_experts takes that many argmax passes over the
 # probabilities instead of XLA's sort of every row (0.08 ms for [131072, 8] on the H200; at

@@ -1,19 +1,26 @@
-"""The router's top-k on Hopper: one Mosaic GPU pass over the probabilities.
+"""The router's softmax, top-k and their gradient on Hopper: two Mosaic GPU passes.
 
-``router.top_k_experts`` in XLA takes ``k`` argmax passes over the ``[T, E]`` probabilities,
-each its own reduction kernel: at the E64 top-8 decoder's 131 072 tokens 0.153 ms on the H200,
-0.040 ms with this kernel (reading the probabilities once takes about 0.01 ms). XLA's own
-alternatives were slower there (``jax.lax.top_k`` and a row sort, 0.47 and 0.46 ms against
-0.28 ms for the router's forward; the argmax passes over an expert-major layout, 0.61 against
-0.57 ms forward and backward). Here a program brings a block of tokens' probabilities into
-shared memory by one TMA copy, runs the ``k`` rounds of "largest, then the lowest expert
-holding it, then mask it" in registers (a warpgroup's row reductions) and writes the
-``k`` experts of each token.
+For bfloat16 tokens ``router.route`` computes the float32 logits as one bfloat16 matmul against
+the router's three bfloat16 pieces (``router._bf16_logits``): ``parts = x @ [r0 | r1 | r2]``,
+``[T, 3E]`` float32, whose thirds add up to the logits. In XLA what follows is a chain of small
+kernels: the thirds' sum, the softmax's two, ``k`` argmax reductions and the gather of the
+top probabilities forward; a scatter, the softmax's backward, three conversions to the
+gradient's bfloat16 pieces and their concatenations backward. On the H200 at the E64 top-8
+decoder's 131 072 tokens those took about 0.25 ms of a 7.5 ms train step. Here each direction
+is one kernel over blocks of tokens, a program bringing a block into shared memory by TMA
+(two slots, the next block landing while one is worked on) and working in a warpgroup's
+registers (row reductions):
 
-:func:`top_k_experts` gives exactly ``router.top_k_experts``'s experts (ties to the lower
-expert index; a NaN ranks above every number). Used for ``impl="mosaic"``; token counts
-without a block of ``MIN_BLOCK_TOKENS`` and expert counts that are not a multiple of 8 (the
-register layout's column tile) take the XLA passes.
+- :func:`rank`: ``parts`` to the logits, the probabilities (softmax), each token's ``k``
+  experts (``k`` rounds of "largest, then the lowest expert holding it, then mask it": the
+  experts of ``router.top_k_experts``, ties to the lower expert, a NaN ranked first) and
+  their probabilities;
+- :func:`logit_grad_pieces`: from the top probabilities' gradient (and any dense gradient of
+  the probabilities or logits), the logits' gradient through the softmax, written as the
+  bfloat16 pieces that the router's two gradient products read.
+
+Used for ``impl="mosaic"`` (``router.route(..., backend="mosaic")``); :func:`block_tokens` says
+where (token counts that blocks of ``BLOCK_TOKENS`` divide, expert counts a multiple of 8).
 """
 
 from __future__ import annotations
@@ -27,96 +34,235 @@ from tilax import _pallas
 from tilax.moe import gmm_mosaic_parts as parts
 from tilax.moe.gmm_mosaic_parts import plgpu
 
-# Tokens per block: the warpgroup's register layout (``WGMMA``) holds rows in tiles of 64.
-BLOCK_TOKENS = 128
-MIN_BLOCK_TOKENS = 64
+# Tokens per block: one tile of the warpgroup's register layout (``WGMMA``), whose rows come
+# in tiles of 64; a block's three float32 pieces of the logits take 48 KiB of shared memory.
+BLOCK_TOKENS = 64
 SLOTS = 2
-# Programs per SM: while one waits for its block, another ranks. On the H200 at 131 072 x 64
-# (medians of 15 rounds of 50 calls) blocks of 128 took 0.054, 0.040, 0.043 and 0.038 ms
-# with 1, 2, 3 and 6 programs per SM, blocks of 64 0.041-0.054 ms.
+# Programs per SM: while one waits for its block, another computes. On the H200 at 131 072 x 64
+# (medians of 15 rounds of 50 calls) a top-k kernel alone over blocks of 128 took 0.054, 0.040,
+# 0.043 and 0.038 ms with 1, 2, 3 and 6 programs per SM, over blocks of 64 0.041-0.054 ms.
 PROGRAMS_PER_SM = 2
+# The logits' three bfloat16 pieces (router._bf16_pieces).
+PIECES = 3
 
 
 def block_tokens(num_tokens: int, num_experts: int, top_k: int) -> int | None:
-    """The largest block of ``MIN_BLOCK_TOKENS`` to ``BLOCK_TOKENS`` tokens dividing
-    ``num_tokens``, or ``None`` where the kernel does not apply (then XLA ranks)."""
-    if num_experts % 8 or top_k > num_experts:
+    """``BLOCK_TOKENS``, or ``None`` where the kernels do not apply (then XLA routes): a token
+    count it does not divide, an expert count that is not a multiple of the register layout's
+    8 columns, more choices than experts."""
+    if num_tokens % BLOCK_TOKENS or num_experts % 8 or top_k > num_experts:
         return None
-    block = BLOCK_TOKENS
-    while block >= MIN_BLOCK_TOKENS:
-        if num_tokens % block == 0:
-            return block
-        block //= 2
-    return None
+    return BLOCK_TOKENS
 
 
-def top_k_experts(probs: jax.Array, top_k: int) -> jax.Array | None:
-    """``[T, k]`` int32: each token's ``top_k`` experts by ``probs: [T, E]`` float32 (>= 0),
-    best first, ties to the lower expert; ``None`` where :func:`block_tokens` says the
-    kernel does not apply."""
-    num_tokens, num_experts = probs.shape
-    block = block_tokens(num_tokens, num_experts, top_k)
-    if block is None or probs.dtype != jnp.float32:
-        return None
+def _in_registers(value):
+    """``value`` in the warpgroup's ``WGMMA`` layout, whose row reductions the kernels use (the
+    interpreter has no register layouts)."""
+    if _pallas.interpreted():
+        return value
+    return plgpu.layout_cast(value, plgpu.Layout.WGMMA)
+
+
+def _rows(vector, shape):
+    """A per-token vector broadcast along a block's experts."""
+    return lax.broadcast_in_dim(vector, shape, [0])
+
+
+def _launch(body, num_tokens: int, block: int, out_type, scratch_types, name: str):
+    """A kernel whose programs each take every ``num_programs``-th block of tokens:
+    ``body(block_loop, *refs)``, where ``block_loop(fetch, compute)`` starts the copies of a
+    block into a slot with ``fetch(first_token, slot)`` one block ahead of ``compute``, once
+    the block before has been stored (a slot's shared memory may stage its outputs)."""
     num_blocks = num_tokens // block
     num_programs = min(PROGRAMS_PER_SM * parts.sm_count(), num_blocks)
-    if _pallas.interpreted():  # the interpreter has no register layouts
-        def in_registers(value):
-            return value
-    else:
-        def in_registers(value):
-            return plgpu.layout_cast(value, plgpu.Layout.WGMMA)
 
-    def body(probs_g, ids_g, probs_smem, ids_smem, loaded):
+    def block_loop(fetch, compute):
         pid = lax.axis_index("sm")
         count = (num_blocks - pid + num_programs - 1) // num_programs
 
-        def fetch(i, slot):
-            first = (pid + i * num_programs) * block
-            plgpu.copy_gmem_to_smem(probs_g.at[pl.ds(first, block)], probs_smem.at[slot],
-                                    loaded.at[slot])
+        def first(i):
+            return (pid + i * num_programs) * block
 
-        fetch(0, 0)  # every program has a block: num_programs <= num_blocks
+        fetch(first(0), 0)  # every program has a block: num_programs <= num_blocks
 
         @pl.loop(0, count)
         def _block(i):
-            slot = i % SLOTS
-            first = (pid + i * num_programs) * block
-
             @pl.when(i + 1 < count)
             def _next():
-                fetch(i + 1, (i + 1) % SLOTS)
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                fetch(first(i + 1), (i + 1) % SLOTS)
 
-            plgpu.barrier_wait(loaded.at[slot])
-            p = in_registers(probs_smem[slot])
-            # A NaN ranks first, as in argmax: as +inf, the first max found.
-            p = jnp.where(p != p, jnp.inf, p)
-            experts = in_registers(lax.broadcasted_iota(jnp.int32, (block, num_experts), 1))
-            # The stores of the block before this slot's last use have read ids_smem[slot].
-            plgpu.wait_smem_to_gmem(SLOTS - 1, wait_read_only=True)
-            for j in range(top_k):
-                best = p.max(axis=1)
-                hit = p == lax.broadcast_in_dim(best, p.shape, [0])
-                expert = jnp.where(hit, experts, num_experts).min(axis=1)
-                ids_smem[slot, j] = expert
-                p = jnp.where(experts == lax.broadcast_in_dim(expert, p.shape, [0]),
-                              -jnp.inf, p)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(ids_smem.at[slot], ids_g.at[:, pl.ds(first, block)])
+            compute(first(i), i % SLOTS)
 
         plgpu.wait_smem_to_gmem(0)
 
-    kernel = plgpu.kernel(
-        body,
-        out_type=jax.ShapeDtypeStruct((top_k, num_tokens), jnp.int32),
-        grid=(num_programs,),
-        grid_names=("sm",),
-        scratch_types=[
-            plgpu.SMEM((SLOTS, block, num_experts), jnp.float32),
-            plgpu.SMEM((SLOTS, top_k, block), jnp.int32),
-            plgpu.Barrier(num_barriers=SLOTS),
-        ],
-        kernel_name="moe_router_top_k_mosaic",
+    return plgpu.kernel(
+        lambda *refs: body(block_loop, *refs), out_type=out_type, grid=(num_programs,),
+        grid_names=("sm",), scratch_types=scratch_types, kernel_name=name,
         compiler_params=parts.compiler_params(),
     )
-    return kernel(probs).T
+
+
+def rank(logit_parts: jax.Array, top_k: int):
+    """Logits, probabilities and the top-k experts from the router product's pieces.
+
+    Args:
+        logit_parts: ``[T, 3E]`` float32, ``x @ [r0 | r1 | r2]``; its thirds add up to the
+            logits as ``router._sum_thirds`` adds them (smallest first).
+        top_k: experts per token.
+
+    Returns:
+        ``logits, probs`` (``[T, E]`` float32, ``probs = softmax(logits)``) and, transposed,
+        each token's experts best first (``[k, T]`` int32) and their probabilities
+        (``[k, T]`` float32); or ``None`` where :func:`block_tokens` says the kernel does not
+        apply.
+    """
+    num_tokens, three_e = logit_parts.shape
+    num_experts = three_e // PIECES
+    block = block_tokens(num_tokens, num_experts, top_k)
+    if block is None or logit_parts.dtype != jnp.float32:
+        return None
+    tile = (block, num_experts)
+
+    def body(block_loop, parts_g, logits_g, probs_g, ids_g, top_g,
+             parts_smem, ids_smem, top_smem, loaded):
+        def fetch(first, slot):
+            for piece in range(PIECES):
+                plgpu.copy_gmem_to_smem(
+                    parts_g.at[pl.ds(first, block), pl.ds(piece * num_experts, num_experts)],
+                    parts_smem.at[slot, piece], loaded.at[slot])
+
+        def compute(first, slot):
+            plgpu.barrier_wait(loaded.at[slot])
+            third = [_in_registers(parts_smem[slot, piece]) for piece in range(PIECES)]
+            logits = (third[2] + third[1]) + third[0]
+            shifted = jnp.exp(logits - _rows(logits.max(axis=1), tile))
+            probs = shifted / _rows(shifted.sum(axis=1), tile)
+            # Staged in the slot's first two pieces, read above: each thread stores where it
+            # loaded (the same register layout).
+            logits_smem, probs_smem = parts_smem.at[slot, 0], parts_smem.at[slot, 1]
+            logits_smem[...] = logits
+            probs_smem[...] = probs
+            # A NaN ranks first, as in argmax: as +inf, the first max found.
+            remaining = jnp.where(probs != probs, jnp.inf, probs)
+            experts = _in_registers(lax.broadcasted_iota(jnp.int32, tile, 1))
+            for j in range(top_k):
+                best = remaining.max(axis=1)
+                hit = remaining == _rows(best, tile)
+                expert = jnp.where(hit, experts, num_experts).min(axis=1)
+                ids_smem[slot, j] = expert
+                top_smem[slot, j] = jnp.where(best == jnp.inf, jnp.nan, best)
+                remaining = jnp.where(experts == _rows(expert, tile), -jnp.inf, remaining)
+            plgpu.commit_smem()
+            tokens = pl.ds(first, block)
+            for smem, out_g in ((logits_smem, logits_g), (probs_smem, probs_g)):
+                plgpu.copy_smem_to_gmem(smem, out_g.at[tokens], commit_group=False)
+            for smem, out_g in ((ids_smem, ids_g), (top_smem, top_g)):
+                plgpu.copy_smem_to_gmem(smem.at[slot], out_g.at[:, tokens], commit_group=False)
+            plgpu.commit_smem_to_gmem_group()
+
+        block_loop(fetch, compute)
+
+    token_major = jax.ShapeDtypeStruct((num_tokens, num_experts), jnp.float32)
+    out_type = (token_major, token_major, jax.ShapeDtypeStruct((top_k, num_tokens), jnp.int32),
+                jax.ShapeDtypeStruct((top_k, num_tokens), jnp.float32))
+    scratch = [
+        plgpu.SMEM((SLOTS, PIECES, *tile), jnp.float32),
+        plgpu.SMEM((SLOTS, top_k, block), jnp.int32),
+        plgpu.SMEM((SLOTS, top_k, block), jnp.float32),
+        plgpu.Barrier(num_arrivals=PIECES, num_barriers=SLOTS),
+    ]
+    kernel = _launch(body, num_tokens, block, out_type, scratch, "moe_router_rank_mosaic")
+    return kernel(logit_parts)
+
+
+def logit_grad_pieces(
+    probs: jax.Array,
+    expert_ids: jax.Array,
+    d_top: jax.Array,
+    d_probs: jax.Array | None = None,
+    d_logits: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array] | None:
+    """The logits' gradient through the softmax, as the bfloat16 pieces of the router's
+    gradient products.
+
+    With ``dp = d_probs + (d_top scattered to expert_ids)``, the logits' gradient is
+    ``g = probs * dp - probs * sum(probs * dp) + d_logits``, and ``g = g0 + g1 + g2`` its three
+    bfloat16 pieces (``router._bf16_pieces``).
+
+    Args:
+        probs: ``[T, E]`` float32 router probabilities.
+        expert_ids: ``[k, T]`` int32, each token's distinct experts (as :func:`rank` gives).
+        d_top: ``[k, T]`` float32, the gradient of their probabilities.
+        d_probs, d_logits: ``[T, E]`` float32 dense gradients, or ``None`` for zeros.
+
+    Returns:
+        ``([g0 | g1 | g2], [g0 | g0 | g1])``, each ``[T, 3E]`` bfloat16: the operands of the
+        router weights' and the tokens' gradient products; or ``None`` where
+        :func:`block_tokens` says the kernel does not apply.
+    """
+    num_tokens, num_experts = probs.shape
+    top_k = expert_ids.shape[0]
+    block = block_tokens(num_tokens, num_experts, top_k)
+    if block is None:
+        return None
+    tile = (block, num_experts)
+    dense = [g for g in (d_probs, d_logits) if g is not None]
+
+    def body(block_loop, probs_g, ids_g, top_g, *refs):
+        dense_g, refs = refs[: len(dense)], refs[len(dense) :]
+        pieces_g, x_pieces_g, probs_smem, ids_smem, top_smem, *dense_smem = refs[:-2]
+        out_smem, loaded = refs[-2:]
+
+        def fetch(first, slot):
+            tokens = pl.ds(first, block)
+            copies = [(probs_g.at[tokens], probs_smem), (ids_g.at[:, tokens], ids_smem),
+                      (top_g.at[:, tokens], top_smem)]
+            copies += [(g.at[tokens], smem) for g, smem in zip(dense_g, dense_smem, strict=True)]
+            for src, smem in copies:
+                plgpu.copy_gmem_to_smem(src, smem.at[slot], loaded.at[slot])
+
+        def compute(first, slot):
+            plgpu.barrier_wait(loaded.at[slot])
+            p = _in_registers(probs_smem[slot])
+            experts = _in_registers(lax.broadcasted_iota(jnp.int32, tile, 1))
+            dp = (_in_registers(dense_smem[0][slot]) if d_probs is not None
+                  else jnp.zeros(tile, jnp.float32))
+            for j in range(top_k):  # the experts are distinct: one term a cell
+                chosen = experts == _rows(ids_smem[slot, j], tile)
+                dp = jnp.where(chosen, dp + _rows(top_smem[slot, j], tile), dp)
+            # The softmax's transpose, as XLA's: p * dp - p * sum(p * dp).
+            grad = p * dp - p * _rows((p * dp).sum(axis=1), tile)
+            if d_logits is not None:
+                grad = grad + _in_registers(dense_smem[-1][slot])
+            pieces = []
+            for _ in range(PIECES):
+                piece = grad.astype(jnp.bfloat16)
+                pieces.append(piece)
+                grad = grad - piece.astype(jnp.float32)
+            for index, piece in enumerate(pieces):
+                out_smem[slot, index] = piece
+            plgpu.commit_smem()
+            tokens = pl.ds(first, block)
+            for out_g, order in ((pieces_g, (0, 1, 2)), (x_pieces_g, (0, 0, 1))):
+                for column, index in enumerate(order):
+                    plgpu.copy_smem_to_gmem(
+                        out_smem.at[slot, index],
+                        out_g.at[tokens, pl.ds(column * num_experts, num_experts)],
+                        commit_group=False)
+            plgpu.commit_smem_to_gmem_group()
+
+        block_loop(fetch, compute)
+
+    out = jax.ShapeDtypeStruct((num_tokens, PIECES * num_experts), jnp.bfloat16)
+    scratch = [
+        plgpu.SMEM((SLOTS, *tile), jnp.float32),
+        plgpu.SMEM((SLOTS, top_k, block), jnp.int32),
+        plgpu.SMEM((SLOTS, top_k, block), jnp.float32),
+        *[plgpu.SMEM((SLOTS, *tile), jnp.float32) for _ in dense],
+        plgpu.SMEM((SLOTS, PIECES, *tile), jnp.bfloat16),
+        plgpu.Barrier(num_arrivals=3 + len(dense), num_barriers=SLOTS),
+    ]
+    kernel = _launch(body, num_tokens, block, (out, out), scratch,
+                     "moe_router_logit_grad_mosaic")
+    return kernel(probs, expert_ids, d_top, *dense)
