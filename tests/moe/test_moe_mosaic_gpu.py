@@ -83,8 +83,10 @@ def test_mosaic_copy_rows_is_the_gather(tokens, top_k, experts, width, dtype):
 ])  # fmt: skip
 def test_mosaic_router_rank_is_xlas(tokens, experts, top_k):
     """Logits as XLA adds the pieces, the softmax within the GPU's approximate ``exp`` and
-    division of XLA's, and the experts of XLA's argmax passes over the kernel's probabilities
-    (ties to the lower expert, NaNs first)."""
+    division of XLA's, and the experts of XLA's argmax passes over the kernel's probabilities,
+    ties to the lower expert. A NaN logit makes its token's probabilities all NaN: the kernel
+    ranks its first k experts in order, where XLA's argmax on the GPU picks among the NaNs in
+    an order of its own (seen on the H200), so that token is checked apart."""
     parts = router_logit_parts(np.random.default_rng(tokens), tokens, experts)
     logits, probs, ids, top = jax.jit(router_mosaic.rank, static_argnums=1)(parts, top_k)
     expected_logits = router._sum_thirds(parts)
@@ -92,8 +94,12 @@ def test_mosaic_router_rank_is_xlas(tokens, experts, top_k):
     np.testing.assert_allclose(np.asarray(probs), np.asarray(jax.nn.softmax(expected_logits)),
                                rtol=2e-6, atol=1e-30)
     expected_top, expected_ids = router.top_k_experts(probs, top_k)
-    np.testing.assert_array_equal(np.asarray(ids).T, np.asarray(expected_ids))
-    np.testing.assert_array_equal(np.asarray(top).T, np.asarray(expected_top))
+    ids, top, nan_token = np.asarray(ids).T, np.asarray(top).T, tokens // 2
+    np.testing.assert_array_equal(ids[nan_token], np.arange(top_k))
+    assert np.isnan(top[nan_token]).all()
+    others = np.arange(tokens) != nan_token
+    np.testing.assert_array_equal(ids[others], np.asarray(expected_ids)[others])
+    np.testing.assert_array_equal(top[others], np.asarray(expected_top)[others])
 
 
 @needs_mosaic
@@ -121,8 +127,10 @@ def test_mosaic_route_matches_xla(aux):
     assert np.array_equal(np.asarray(ids), np.asarray(ids_x))
     np.testing.assert_allclose(np.asarray(w), np.asarray(w_x), rtol=2e-6, atol=1e-7)
     np.testing.assert_allclose(float(value), float(value_x), rtol=1e-5)
-    for grad, grad_x in zip(grads, grads_x, strict=True):
-        assert rel_err(grad, grad_x) < 1e-5
+    # The probabilities differ in their last bits (the GPU's approximate exp): the bfloat16
+    # input gradient by a rounding at most, the float32 router gradient by about as little.
+    assert rel_err(grads[0], grads_x[0]) < 2**-8
+    assert rel_err(grads[1], grads_x[1]) < 1e-5
 
 
 @needs_mosaic

@@ -122,29 +122,25 @@ def sort_by_expert(
             raise ValueError("sort_by_expert takes capacity or kept, not both")
         kept = kept.reshape(-1)
         # Copies not kept get the key E: the stable sort puts them behind every kept row.
-        order = jnp.argsort(
-            jnp.where(kept, flat_expert, num_experts), stable=True
-        ).astype(jnp.int32)
+        order = _argsort_experts(jnp.where(kept, flat_expert, num_experts), num_experts)
         group_sizes = expert_counts(jnp.where(kept, flat_expert, num_experts), num_experts)
         num_rows = copies
     elif capacity is None:
         counts = expert_counts(flat_expert, num_experts)
-        order = jnp.argsort(flat_expert, stable=True).astype(jnp.int32)
+        order = _argsort_experts(flat_expert, num_experts)
         kept = jnp.ones((copies,), bool)
         group_sizes = counts
         num_rows = copies
     else:
         counts = expert_counts(flat_expert, num_experts)
-        order = jnp.argsort(flat_expert, stable=True).astype(jnp.int32)
+        order = _argsort_experts(flat_expert, num_experts)
         starts = jnp.cumsum(counts) - counts
         rank = jnp.zeros((copies,), jnp.int32).at[order].set(
             jnp.arange(copies, dtype=jnp.int32) - starts[flat_expert[order]]
         )
         kept = rank < capacity
         # Dropped copies get the key E: one more stable sort puts them behind every kept row.
-        order = jnp.argsort(
-            jnp.where(kept, flat_expert, num_experts), stable=True
-        ).astype(jnp.int32)
+        order = _argsort_experts(jnp.where(kept, flat_expert, num_experts), num_experts)
         group_sizes = jnp.minimum(counts, capacity)
         num_rows = row_count(num_tokens, top_k, num_experts, capacity)
     padded_rows = round_up(max(num_rows, 1), row_multiple)
@@ -173,13 +169,22 @@ def sort_by_expert(
     )
 
 
+def _argsort_experts(keys: jax.Array, largest: int) -> jax.Array:
+    """``jnp.argsort(keys, stable=True)`` as int32, for keys in ``[0, largest]``: sorted as
+    the narrowest unsigned integers that hold them. On GPUs XLA sorts with CUB's radix sort,
+    one pass per byte of the key: at the E64 decoder's 1M copies on the H200 four passes of
+    int32 keys took about 0.05 ms."""
+    narrow = jnp.uint8 if largest < 2**8 else jnp.uint16 if largest < 2**16 else jnp.int32
+    return jnp.argsort(keys.astype(narrow), stable=True).astype(jnp.int32)
+
+
 def copy_ranks(expert_ids: jax.Array, num_experts: int, valid: jax.Array) -> jax.Array:
     """``[T, k]`` int32: each valid copy's rank among the valid copies of its expert, in token
     order (0 for the earliest token); what capacity routing compares with ``C``."""
     copies = expert_ids.size
     key = jnp.where(valid, expert_ids, num_experts).reshape(-1).astype(jnp.int32)
     counts = expert_counts(key, num_experts + 1)
-    order = jnp.argsort(key, stable=True).astype(jnp.int32)
+    order = _argsort_experts(key, num_experts)
     starts = jnp.cumsum(counts) - counts
     rank = jnp.zeros((copies,), jnp.int32).at[order].set(
         jnp.arange(copies, dtype=jnp.int32) - starts[key[order]]
