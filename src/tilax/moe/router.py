@@ -110,8 +110,14 @@ def _bf16_logits(x: jax.Array, router32: jax.Array) -> jax.Array:
     """``x @ router32`` for bfloat16 ``x``: a product of a bfloat16 and a bfloat16 piece of the
     router is exact in float32, so one bfloat16 matmul against the three pieces side by side
     (float32 accumulation) gives float32 logits; only the sums round, as in a float32 matmul."""
+    return _sum_thirds(_logit_parts(x, router32))
+
+
+def _logit_parts(x: jax.Array, router32: jax.Array) -> jax.Array:
+    """``[T, 3E]`` float32: bfloat16 ``x`` times the router's three pieces side by side, one
+    matmul; its thirds add up to the logits."""
     pieces = jnp.concatenate(_bf16_pieces(router32), axis=1)
-    return _sum_thirds(jnp.dot(x, pieces, preferred_element_type=jnp.float32))
+    return jnp.dot(x, pieces, preferred_element_type=jnp.float32)
 
 
 def _bf16_logits_fwd(x, router32):
@@ -152,14 +158,13 @@ _bf16_logits.defvjp(_bf16_logits_fwd, _bf16_logits_bwd)
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _ranked_on_mosaic(top_k, x, router32):
     """``(logits, probs, expert_ids, top_probs)`` of bfloat16 ``x`` by the kernels of
-    ``router_mosaic``: the logits' pieces by XLA's bfloat16 matmul (:func:`_bf16_logits`), the
+    ``router_mosaic``: the logits' pieces by one bfloat16 matmul (:func:`_logit_parts`), the
     rest by one kernel forward and one backward."""
     return _ranked_on_mosaic_fwd(top_k, x, router32)[0]
 
 
 def _ranked_on_mosaic_fwd(top_k, x, router32):
-    pieces = jnp.concatenate(_bf16_pieces(router32), axis=1)
-    parts = jnp.dot(x, pieces, preferred_element_type=jnp.float32)
+    parts = _logit_parts(x, router32)
     logits, probs, expert_ids, top_probs = router_mosaic.rank(parts, top_k)
     outputs = (logits, probs, expert_ids.T, top_probs.T)
     return outputs, (x, router32, probs, expert_ids)
