@@ -39,9 +39,10 @@ from tilax.moe.gmm_mosaic_parts import plgpu
 # in tiles of 64; a block's three float32 pieces of the logits take 48 KiB of shared memory.
 BLOCK_TOKENS = 64
 SLOTS = 2
-# Programs per SM: while one waits for its block, another computes. On the H200 at 131 072 x 64
-# (medians of 15 rounds of 50 calls) a top-k kernel alone over blocks of 128 took 0.054, 0.040,
-# 0.043 and 0.038 ms with 1, 2, 3 and 6 programs per SM, over blocks of 64 0.041-0.054 ms.
+# Programs per SM: while one waits for its block, another computes (two fit an SM's shared
+# memory: about 104 KiB each for rank). On the H200 the E64 decoder's train step at 131 072
+# tokens took 7.88, 7.98, 8.01 ms with one against 7.74, 7.95, 7.98 ms with two (three
+# interleaved rounds in one process).
 PROGRAMS_PER_SM = 2
 # The logits' three bfloat16 pieces (router._bf16_pieces).
 PIECES = 3
