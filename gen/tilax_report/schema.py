@@ -121,6 +121,14 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "sync_call_s": ("float64", "one warm call and its wait on its own (host latency included: "
                                "the timed rounds queue calls back to back), s"),
     "run_s": ("float64", "wall time of the fresh subprocess (memory ladders), s"),
+    # Power (our GPU runs from this column's introduction: nvidia-smi during the timed rounds).
+    "power_w": ("float64", "board power during the timed rounds, median of nvidia-smi's samples, "
+                           "W (power_field names the reading)"),
+    "sm_clock_mhz": ("float64", "SM clock during the timed rounds, median, MHz"),
+    "power_limit_w": ("float64", "the GPU's enforced power limit, W"),
+    "power_samples": ("Int64", "nvidia-smi samples inside the timed rounds"),
+    "power_field": ("str", "nvidia-smi's power reading: power.draw.instant, or power.draw "
+                           "(averaged over a second on Hopper)"),
     # Throughput.
     "flops": ("float64", "counted useful FLOPs of one call (pytest-benchmark MoE rows)"),
     "tflops": ("float64", "flops / median / 1e12"),

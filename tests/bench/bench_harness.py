@@ -43,6 +43,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import bench_power
+
 #: Queued device time aimed at per timed round: the fixed host latency of dispatching a call and
 #: waiting for it (a few tenths of a millisecond on the H200 host) then adds about 1% a call.
 QUEUED_S = 0.05
@@ -426,13 +428,22 @@ class Runner:
         except Exception as exc:  # noqa: BLE001 - a broken check must not lose the timing
             self.info["numerics_error"] = describe_error(exc)
         del out
+        # Started before the warm call: nvidia-smi takes a few tenths of a second to start.
+        with bench_power.PowerSampler(bench_power.on_gpu()) as power:
+            timed = self._time_rounds(case, workload, power)
+        if timed:
+            self.info.update(power.summary())
+
+    def _time_rounds(self, case, workload, power) -> bool:
+        """The warm call, the probes and the timed rounds; ``False`` where one failed (the
+        row's error is set)."""
         try:
             start = time.perf_counter()
             workload.call()
             warm_s = time.perf_counter() - start
         except Exception as exc:  # noqa: BLE001
             self._remember_failure(case, describe_error(exc))
-            return
+            return False
         self.info["sync_call_s"] = warm_s
         rounds, iterations = self.sized_plan(case, warm_s, warm_s)
         if iterations > 1:
@@ -447,7 +458,7 @@ class Runner:
                 queued_s = min(queued_s, queued_call_s(workload, probes[-1]))
             except Exception as exc:  # noqa: BLE001
                 self._remember_failure(case, describe_error(exc))
-                return
+                return False
             self.info["probe_calls"] = probes
             self.info["queued_call_s"] = queued_s
             rounds, iterations = self.sized_plan(case, queued_s, warm_s)
@@ -466,17 +477,20 @@ class Runner:
             except Exception as exc:  # noqa: BLE001
                 errors.append(exc)
 
+        power.timed()
         self.benchmark.pedantic(timed_call, rounds=rounds, iterations=iterations,
                                 warmup_rounds=0)
+        power.done()
         if errors:
             error = describe_error(errors[0])
             self.info["error"] = error
             if is_out_of_memory(error):
                 self.state.failed[case.scale_key()] = (case.work(), case.size_label(), error)
-            return
+            return False
         median = self.benchmark.stats.stats.median
         self.info.update(json_safe(case.rates(median)))
         self.state.last_call[case.scale_key()] = (case.work(), median)
+        return True
 
     def _remember_failure(self, case, error: str) -> None:
         if is_out_of_memory(error):

@@ -131,3 +131,28 @@ def test_rbf_page_says_why_each_peer_did_not_run(tmp_path, real_data_dir):
     assert torch_line in section
     keops_line = next(line for line in section.splitlines() if line.startswith("- KeOps"))
     assert "Segmentation fault" in keops_line and "skipped" not in keops_line
+
+
+def test_power_and_clocks_of_the_rows_that_stored_them(tmp_path, data_dir):
+    # The fixture's decoder rows with the fields bench_power stores: pallas at its power limit
+    # and a lower clock, triton below it; the ragged_dot row stored none.
+    shutil.copytree(data_dir / "results", tmp_path / "results")
+    doc = json.loads(PYTEST_BENCHMARK_FIXTURE.read_text())
+    power = {"pallas": (695.0, 1500.0), "triton": (520.0, 1980.0)}
+    for row in doc["benchmarks"]:
+        extra = row["extra_info"]
+        if extra["suite"] == "decoder" and extra["impl"] in power:
+            watts, clock = power[extra["impl"]]
+            extra.update(power_w=watts, sm_clock_mhz=clock, power_limit_w=700.0,
+                         power_samples=9, power_field="power.draw.instant")
+    (tmp_path / "results" / "h200-20260115-0a1b2c3.json").write_text(json.dumps(doc))
+    results = load_results(tmp_path)
+    text = moe_decoder.build(results)
+    section = text[text.index("## NVIDIA H200, run `h200-20260115-0a1b2c3`"):]
+    assert "Power and clocks (2 timed rows)" in section
+    table = section[section.index('id="decoder-h200-20260115-0a1b2c3-power"'):]
+    # 695 W x 0.61 ms = 0.424 J; 520 W x 0.79 ms = 0.411 J
+    assert "| 695 | 99% | 1500 | 0.424 |" in table and "| 520 | 74% | 1980 | 0.411 |" in table
+    assert "ragged_dot" not in table.split("</div>")[0]
+    assert "Power and clocks" not in moe_decoder.build(load_results(data_dir))
+    assert results.table["power_field"].dropna().unique().tolist() == ["power.draw.instant"]

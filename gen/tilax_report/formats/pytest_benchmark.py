@@ -26,6 +26,7 @@ FULL_SHA = re.compile(r"[0-9a-f]{40}")
 # extra_info keys copied under the same name.
 SAME_NAME = [
     "family", "suite", "impl", "dtype", "op", "compile_s", "sync_call_s", "error",
+    "power_w", "sm_clock_mhz", "power_limit_w", "power_samples", "power_field",
     # MoE
     "routing", "dispatch", "tokens", "d_model", "d_hidden", "experts", "top_k",
     "shared_hidden", "skew", "flops", "tflops", "max_expert_frac", "empty_experts",

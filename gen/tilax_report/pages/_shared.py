@@ -242,3 +242,30 @@ def _column(frame: pd.DataFrame, column: str) -> pd.Series:
     if column in ("tokens", "n", "m"):
         return values.map(fmt_int).to_numpy()
     return values.to_numpy()
+
+
+def power_table(page: Page, rows: pd.DataFrame, columns: dict[str, str], name: str) -> None:
+    """The board power and SM clock of the timed rows that stored them (``bench_power``), and
+    the energy of one call they give: a step held at the GPU's power limit runs at lower
+    clocks than one that is not, which the times alone do not show."""
+    timed = analysis.timed(rows)
+    if "power_w" not in timed or timed["power_w"].isna().all():
+        return
+    timed = timed[timed["power_w"].notna()].drop_duplicates(["source_file", "source_row", "op"])
+    display = pd.DataFrame({header: _column(timed, column) for column, header in columns.items()})
+    display["run"] = timed["run"].to_numpy()
+    display["ms"] = [fmt_ms(m) for m in timed["median_ms"]]
+    display["W"] = timed["power_w"].map(lambda v: f"{v:.0f}").to_numpy()
+    display["of limit"] = [f"{p / lim:.0%}" if lim and lim > 0 else ""
+                           for p, lim in zip(timed["power_w"], timed["power_limit_w"],
+                                             strict=True)]
+    display["SM MHz"] = timed["sm_clock_mhz"].map(lambda v: f"{v:.0f}").to_numpy()
+    display["J a call"] = [fmt_num(p * m / 1e3, 3)
+                           for p, m in zip(timed["power_w"], timed["median_ms"], strict=True)]
+    page.table(display, timed,
+               "Board power and SM clock during the timed rounds (medians of nvidia-smi's "
+               "samples), and the board's energy a call (power times the median time). A row "
+               "near its power limit at a lower clock is held back by power, not by its "
+               "kernels alone; see [methodology](../methodology.md#power-limited-steps).",
+               name=f"{name}-power", key_columns=min(3, len(columns)),
+               collapsed=f"Power and clocks ({plural(len(display), 'timed row')})")

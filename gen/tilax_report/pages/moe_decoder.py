@@ -123,6 +123,8 @@ def _run_section(page: Page, rows: pd.DataFrame) -> None:
         page.chart(chart, rows, "Blue: faster than triton/sorted; red: slower (colours "
                                 "saturate at 4×); ~: no clear difference (within the noise).")
     _numerics(page, rows)
+    _shared.power_table(page, rows, {"label": "impl/dispatch", "op": "op", "tokens": "tokens"},
+                        name=f"decoder-{run}")
     if (rows["status"] != "measured").any():
         _shared.not_measured(page, rows, "decoder case",
                              {"label": "impl/dispatch", "op": "op", "tokens": "tokens"},

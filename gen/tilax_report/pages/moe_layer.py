@@ -53,6 +53,9 @@ def build(results: StoredResults) -> str:
     _xla_memory(page, timed_layer, main)
     _other_configs(page, timed_layer, main)
     _numerics(page, layer)
+    _shared.power_table(page, timed_layer, {"label": "impl", "config": "config", "op": "op",
+                                            "tokens": "tokens", "gpu": "GPU"},
+                        name="moe-layer")
     _across_gpus(page, table)
     _shared.not_measured(page, layer, "MoE layer case",
                          {"label": "impl", "config": "config", "dtype": "dtype", "op": "op",
