@@ -260,12 +260,15 @@ def power_table(page: Page, rows: pd.DataFrame, columns: dict[str, str], name: s
                            for p, lim in zip(timed["power_w"], timed["power_limit_w"],
                                              strict=True)]
     display["SM MHz"] = timed["sm_clock_mhz"].map(lambda v: f"{v:.0f}").to_numpy()
+    display["samples"] = timed["power_samples"].map(fmt_int).to_numpy()
     display["J a call"] = [fmt_num(p * m / 1e3, 3)
                            for p, m in zip(timed["power_w"], timed["median_ms"], strict=True)]
     page.table(display, timed,
                "Board power and SM clock during the timed rounds (medians of nvidia-smi's "
                "samples), and the board's energy a call (power times the median time). A row "
                "near its power limit at a lower clock is held back by power, not by its "
-               "kernels alone; see [methodology](../methodology.md#power-limited-steps).",
+               "kernels alone. The readings lag the load: rows with few samples (rounds of "
+               "a few tenths of a second) can read low. See "
+               "[methodology](../methodology.md#power-limited-steps).",
                name=f"{name}-power", key_columns=min(3, len(columns)),
                collapsed=f"Power and clocks ({plural(len(display), 'timed row')})")
