@@ -18,12 +18,16 @@ def _version(distribution: str) -> str | None:
         return None
 
 
-def _nvidia_smi(fields: str) -> list[str] | None:
-    if shutil.which("nvidia-smi") is None:
+def nvidia_smi(fields: str, executable: str = "nvidia-smi",
+               index: str | None = None) -> list[str] | None:
+    """The first GPU's (or GPU ``index``'s) answer to ``--query-gpu=fields``, split at the
+    commas; ``None`` where the tool is missing or refuses (a field this driver lacks)."""
+    if shutil.which(executable) is None:
         return None
     try:
         out = subprocess.run(
-            ["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits"],
+            [executable, *(["-i", index] if index is not None else []),
+             f"--query-gpu={fields}", "--format=csv,noheader,nounits"],
             capture_output=True, text=True, timeout=30, check=True,
         ).stdout
     except (OSError, subprocess.SubprocessError):
@@ -61,7 +65,7 @@ def environment_info() -> dict:
 
     device = jax.devices()[0]
     backend = jax.default_backend()
-    smi = _nvidia_smi("name,driver_version,memory.total") if backend == "gpu" else None
+    smi = nvidia_smi("name,driver_version,memory.total") if backend == "gpu" else None
     memory_gb = None
     if smi and len(smi) >= 3:
         try:

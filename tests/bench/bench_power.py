@@ -28,6 +28,8 @@ import subprocess
 import time
 from typing import Any
 
+import bench_env
+
 INTERVAL_MS = 50
 POWER_FIELDS = ("power.draw.instant", "power.draw")
 TIMESTAMP_FORMAT = "%Y/%m/%d %H:%M:%S.%f"
@@ -50,26 +52,19 @@ def gpu_index() -> str:
 
 def power_field(executable: str = "nvidia-smi") -> str | None:
     """The first of ``POWER_FIELDS`` this driver answers with a number (asked once)."""
-    if executable in _chosen_field:
-        return _chosen_field[executable]
-    chosen = None
-    for field in POWER_FIELDS:
-        try:
-            out = subprocess.run(
-                [executable, "-i", gpu_index(), f"--query-gpu={field}",
-                 "--format=csv,noheader,nounits"],
-                capture_output=True, text=True, timeout=30,
-            )
-        except (OSError, subprocess.SubprocessError):
-            break
-        try:
-            float(out.stdout.strip().splitlines()[0])
-        except (IndexError, ValueError):
-            continue
-        chosen = field
-        break
-    _chosen_field[executable] = chosen
-    return chosen
+    if executable not in _chosen_field:
+        _chosen_field[executable] = next(
+            (field for field in POWER_FIELDS if _is_number(
+                bench_env.nvidia_smi(field, executable, gpu_index()))), None)
+    return _chosen_field[executable]
+
+
+def _is_number(answer: list[str] | None) -> bool:
+    try:
+        float(answer[0])
+    except (TypeError, IndexError, ValueError):
+        return False
+    return True
 
 
 def parse_samples(lines: list[str], start: float, stop: float) -> list[tuple[float, ...]]:
