@@ -73,6 +73,23 @@ def short_form(commit: str) -> str:
     return sha[:7] + plus + rest if FULL_SHA.fullmatch(sha) else commit
 
 
+def declared_commit_info(commit_info: dict, declared: str | None) -> dict:
+    """pytest-benchmark's ``commit_info`` for a run whose tree's commit ``TILAX_BENCH_COMMIT``
+    declares: that commit as ``id`` (with ``dirty`` from a "+dirty" suffix and ``source``
+    naming the variable), the checkout's own view kept as ``host_git``. pytest-benchmark asks
+    the git history of the folder it runs in, which on a host that is handed a copy of the
+    tree is absent or stale (the GPU host's named a commit days old, "dirty"). Unchanged
+    without a declaration, or where the checkout agrees with it."""
+    if not declared:
+        return commit_info
+    sha, _, suffix = declared.partition("+")
+    host_id = str(commit_info.get("id") or "")
+    if sha and host_id.startswith(sha) and bool(commit_info.get("dirty")) == (suffix == "dirty"):
+        return commit_info
+    return {"id": declared, "dirty": suffix == "dirty", "source": "TILAX_BENCH_COMMIT",
+            "host_git": commit_info}
+
+
 def short_commit(repo: Path = REPO_ROOT) -> str:
     """``TILAX_BENCH_COMMIT`` if set (for copies of the tree without .git; a full sha is
     shortened), else the short sha of the last commit that changed ``MEASURED_PATHS``, with

@@ -304,6 +304,14 @@ def pytest_benchmark_update_machine_info(config, machine_info):
     machine_info["bench_part"] = config.getoption("keyword") or None
 
 
+def pytest_benchmark_update_commit_info(config, commit_info):
+    from bench_naming import declared_commit_info
+
+    declared = declared_commit_info(dict(commit_info), os.environ.get("TILAX_BENCH_COMMIT"))
+    commit_info.clear()
+    commit_info.update(declared)
+
+
 def pytest_sessionstart(session):
     rows = session.config.stash.get(ROWS, None)
     if rows is None:
@@ -312,6 +320,7 @@ def pytest_sessionstart(session):
     machine_info = config.hook.pytest_benchmark_generate_machine_info(config=config)
     config.hook.pytest_benchmark_update_machine_info(config=config, machine_info=machine_info)
     commit_info = config.hook.pytest_benchmark_generate_commit_info(config=config)
+    config.hook.pytest_benchmark_update_commit_info(config=config, commit_info=commit_info)
     write_header(rows, machine_info, commit_info)
 
 

@@ -92,6 +92,10 @@ def test_smoke_run_writes_contract_rows(tmp_path):
     rows = {b["name"]: b["extra_info"] for b in document["benchmarks"]}
     assert len(rows) == 7  # 2 ladder steps + summary, 2 layer rows, 2 kernel_mv rows
     assert document["machine_info"]["commit"] == "test"
+    # the checkout's git history (this repository's) is kept apart from the declared tree
+    assert document["commit_info"]["id"] == "test"
+    assert document["commit_info"]["source"] == "TILAX_BENCH_COMMIT"
+    assert "host_git" in document["commit_info"]
 
     failures = [info for info in rows.values() if "error" in info]
     assert {info["impl"] for info in failures} >= {"tokamax"}
@@ -160,3 +164,18 @@ def test_a_full_sha_override_is_filed_under_its_short_form(tmp_path, monkeypatch
     assert short_commit() == "81f437f+dirty"
     monkeypatch.setenv("TILAX_BENCH_COMMIT", "test")  # not a sha: as given
     assert short_commit() == "test"
+
+
+def test_a_declared_commit_replaces_the_checkouts_stale_one():
+    from bench_naming import declared_commit_info
+
+    stale = {"id": "5b58517" + "0" * 33, "dirty": True, "branch": "main"}
+    declared = declared_commit_info(stale, "6358c5c")
+    assert declared == {"id": "6358c5c", "dirty": False, "source": "TILAX_BENCH_COMMIT",
+                        "host_git": stale}
+    assert declared_commit_info(stale, "6358c5c+dirty")["dirty"] is True
+    assert declared_commit_info(stale, None) is stale  # nothing declared: git's own view
+    current = {"id": "6358c5c" + "0" * 33, "dirty": False}
+    assert declared_commit_info(current, "6358c5c") is current  # the checkout agrees
+    assert declared_commit_info(current, "6358c5c+dirty")["host_git"] is current
+    assert declared_commit_info({}, "test")["id"] == "test"  # no git at all
