@@ -78,8 +78,8 @@ def declared_commit_info(commit_info: dict, declared: str | None) -> dict:
     declares: that commit as ``id`` (with ``dirty`` from a "+dirty" suffix and ``source``
     naming the variable), the checkout's own view kept as ``host_git``. pytest-benchmark asks
     the git history of the folder it runs in, which on a host that is handed a copy of the
-    tree is absent or stale (the GPU host's named a commit days old, "dirty"). Unchanged
-    without a declaration, or where the checkout agrees with it."""
+    tree is absent or stale (the GPU host's named an earlier session's commit, "dirty").
+    Unchanged without a declaration, or where the checkout agrees with it."""
     if not declared:
         return commit_info
     sha, _, suffix = declared.partition("+")
