@@ -231,7 +231,8 @@ def gmm_swiglu(
     # A train step's forward (``save_preactivations``) reads a sorted copy: its backward reads
     # the same rows for the weight gradients (the Pallas path makes the copy once, with
     # ``copy_rows``; gathering in the kernel as well made the E64 decoder's train step 11.82 ms
-    # against 11.26 on the H200).
+    # against 11.26 on the H200, and gathering while writing the copy for the backward took
+    # 8.0-8.3 ms against 7.8-8.0: docs/performance/moe-h200.md).
     gathering = index is not None and not save_preactivations and gather.gathering_tiles(
         tiles, d_dim, h_dim, x.dtype)
     if gathering:
