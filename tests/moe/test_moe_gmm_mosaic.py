@@ -27,6 +27,7 @@ from tilax.moe import (
     reference,
     router,
     router_mosaic,
+    shared_mosaic,
     skew_tokens,
 )
 from tilax.moe.gmm_mosaic import Config
@@ -541,3 +542,51 @@ def test_layer_matches_oracle(few_sms, monkeypatch, top_k, dispatch_name, routin
         jax.tree_util.tree_flatten_with_path(grads_ref)[0], jax.tree.leaves(grads), strict=True
     ):
         assert rel_err(actual, expected) < 3e-2, f"gradient {jax.tree_util.keystr(path)}"
+
+
+# ----------------------------------------------------------------------------------------------
+# The shared expert's kernels (shared_mosaic)
+
+
+def _shared_weights(rng, d_dim, s_dim):
+    return {"w_gate": jnp.asarray(_bf16(rng, d_dim, s_dim, scale=d_dim**-0.5)),
+            "w_up": jnp.asarray(_bf16(rng, d_dim, s_dim, scale=d_dim**-0.5)),
+            "w_down": jnp.asarray(_bf16(rng, s_dim, d_dim, scale=s_dim**-0.5))}
+
+
+@needs_interpreter
+def test_shared_expert_kernels_match_float32(rng, few_sms):
+    # 384 tokens and S = 256: three row tiles by two column tiles, over two programs (one per
+    # SM) of three items each, so the gate/up tiles and the staging slots are reused.
+    tokens, d_dim, s_dim = 384, 128, 256
+    x, dy = jnp.asarray(_bf16(rng, tokens, d_dim)), jnp.asarray(_bf16(rng, tokens, d_dim))
+    shared = _shared_weights(rng, d_dim, s_dim)
+    assert shared_mosaic.applies(x, shared)
+    args = (x, shared["w_gate"], shared["w_up"], shared["w_down"])
+
+    def reference_f32(x, w_gate, w_up, w_down):
+        return reference.shared_expert(x, dict(w_gate=w_gate, w_up=w_up, w_down=w_down))
+
+    y_ref, vjp_ref = jax.vjp(reference_f32, *[a.astype(jnp.float32) for a in args])
+    with gpu_interpreter():
+        act, gate, up = shared_mosaic.swiglu_forward(*args[:3])
+        y, vjp = jax.vjp(shared_mosaic.shared_expert, *args)
+        grads = vjp(dy)
+    gate_ref, up_ref = (_f32(x) @ _f32(shared[n]) for n in ("w_gate", "w_up"))
+    tol = 1e-2  # bfloat16 outputs
+    assert rel_err(gate, gate_ref) < tol and rel_err(up, up_ref) < tol
+    assert rel_err(act, gate_ref / (1 + np.exp(-gate_ref)) * up_ref) < tol
+    assert y.dtype == jnp.bfloat16 and rel_err(y, y_ref) < tol
+    for name, grad, expected in zip(("x", "w_gate", "w_up", "w_down"), grads,
+                                    vjp_ref(dy.astype(jnp.float32)), strict=True):
+        assert grad.dtype == jnp.bfloat16 and rel_err(grad, expected) < tol, name
+
+
+def test_shared_expert_kernels_take_whole_tiles(rng):
+    shared = _shared_weights(rng, 128, 256)
+    x = jnp.zeros((384, 128), jnp.bfloat16)
+    assert shared_mosaic.applies(x, shared)
+    assert not shared_mosaic.applies(x[:200], shared)  # tokens not a multiple of 128
+    assert not shared_mosaic.applies(x.astype(jnp.float32), shared)
+    narrow = _shared_weights(rng, 128, 192)  # hidden width not a multiple of 128
+    assert not shared_mosaic.applies(x, narrow)

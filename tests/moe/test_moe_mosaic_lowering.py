@@ -20,7 +20,7 @@ from jax.experimental.mosaic.gpu import core as mosaic_core
 
 import tilax
 from tilax import _pallas
-from tilax.moe import gmm_mosaic
+from tilax.moe import gmm_mosaic, shared_mosaic
 from tilax.moe import gmm_mosaic_gather as gather
 from tilax.moe import gmm_mosaic_parts as parts
 from tilax.moe import gmm_mosaic_ws as warp_specialised
@@ -36,6 +36,10 @@ ROW_COPIES = 2
 # Plus the router's softmax and top-k, and their backward (router_mosaic), where a block of
 # its tokens divides the tokens.
 ROUTER = 2
+# Plus, with a shared expert whose shapes take whole tiles, its forward and backward
+# (shared_mosaic).
+SHARED = 2
+SHARED_KERNELS = ("shared_swiglu_fwd_mosaic_mosaic_gpu", "shared_swiglu_bwd_mosaic_mosaic_gpu")
 ROUTER_KERNEL = "moe_router_rank_mosaic_mosaic_gpu"
 LAYER = dict(d_model=512, d_hidden=1024, num_experts=8, top_k=2)
 DECODER = dict(d_model=512, d_hidden=128, num_experts=64, top_k=8, shared_hidden=1024)
@@ -64,9 +68,10 @@ def lower_train_step(config, tokens: int) -> str:
 
     programs = parts.tiles_for(config).programs_per_sm
     limit = min(parts.SMEM_PER_BLOCK, parts.SMEM_PER_SM // programs - 1024)
-    with mock.patch.object(warp_specialised, "layout", lambda *args: None):
-        with mosaic_core.artificial_shared_memory_limit(limit):
-            lower()
+    with (mock.patch.object(warp_specialised, "layout", lambda *args: None),
+          mock.patch.object(shared_mosaic, "applies", lambda *args: False),
+          mosaic_core.artificial_shared_memory_limit(limit)):
+        lower()
     with mosaic_core.artificial_shared_memory_limit(parts.SMEM_PER_BLOCK):
         return lower()
 
@@ -81,8 +86,17 @@ def test_train_step_lowers(dispatch):
 @pytest.mark.parametrize("dispatch", ["sorted", "fused_gsum"])
 def test_fine_grained_decoder_lowers(dispatch):
     config = tilax.MoEConfig(**DECODER, impl="mosaic", dispatch=dispatch)
-    expected = KERNELS[dispatch] + ROW_COPIES + ROUTER
-    assert lower_train_step(config, 2048).count(MOSAIC_CALL) == expected
+    expected = KERNELS[dispatch] + ROW_COPIES + ROUTER + SHARED
+    module = lower_train_step(config, 2048)
+    assert module.count(MOSAIC_CALL) == expected
+    assert all(module.count(name) == 1 for name in SHARED_KERNELS)
+
+
+def test_shared_expert_off_whole_tiles_stays_on_xla():
+    # 2000 tokens: not a multiple of the shared kernels' 128-row tiles.
+    config = tilax.MoEConfig(**DECODER, impl="mosaic", dispatch="fused")
+    module = lower_train_step(config, 2000)
+    assert all(module.count(name) == 0 for name in SHARED_KERNELS)
 
 
 @pytest.mark.parametrize("overrides", [

@@ -33,6 +33,7 @@ from tilax.moe import (
     pallas,
     reference,
     router,
+    shared_mosaic,
 )
 from tilax.moe.base import RoutedCopies
 
@@ -423,7 +424,7 @@ def moe_apply(
     copies = RoutedCopies(routed.expert_ids, routed.weights, capacity)
     y, kept = experts(config, xc, w_gate, w_up, w_down, copies)
     if config.shared_hidden:
-        y = y + shared_expert(params, xc, config)
+        y = y + shared_expert(params, xc, config, backend=_router_backend(experts))
     aux = router.router_aux(routed, config.num_experts, kept)
     return y.reshape(jnp.shape(x)[:-1] + (config.d_model,)).astype(dtype), aux
 
@@ -433,7 +434,13 @@ def _router_backend(experts) -> str | None:
     return experts.backend if isinstance(experts, pallas.PallasExperts) else None
 
 
-def shared_expert(params: dict, x: jax.Array, config: MoEConfig) -> jax.Array:
-    """The shared expert on tokens ``x`` (already in ``config.dtype``)."""
+def shared_expert(
+    params: dict, x: jax.Array, config: MoEConfig, backend: str | None = None
+) -> jax.Array:
+    """The shared expert on tokens ``x`` (already in ``config.dtype``): with the routed experts
+    on Mosaic GPU, its SwiGLU in the products' epilogues (``shared_mosaic``) where its shapes
+    allow, else XLA's products and elementwise passes (``reference.shared_expert``)."""
     shared = {n: params["shared"][n].astype(config.dtype) for n in ("w_gate", "w_up", "w_down")}
+    if backend == "mosaic" and shared_mosaic.applies(x, shared):
+        return shared_mosaic.shared_expert(x, shared["w_gate"], shared["w_up"], shared["w_down"])
     return reference.shared_expert(x, shared)
