@@ -31,6 +31,7 @@ from jax.experimental import pallas as pl
 
 from tilax import _pallas
 from tilax.moe import gmm_mosaic_parts as parts
+from tilax.moe.gmm_mosaic import _swiglu_parts
 from tilax.moe.gmm_mosaic_parts import plgpu
 
 COMPUTE_WARPGROUPS = 2
@@ -165,7 +166,7 @@ def swiglu_forward(x: jax.Array, w_gate: jax.Array, w_up: jax.Array):
                     slot = 0
                     for col in range(0, BLOCK_N, EPI_N):
                         gate_c, up_c = gate[:, col:col + EPI_N], up[:, col:col + EPI_N]
-                        act_c = gate_c * parts_sigmoid(gate_c) * up_c
+                        act_c = _swiglu_parts(gate_c, up_c)[2]
                         for out_g, value in ((gate_g, gate_c), (up_g, up_c), (act_g, act_c)):
                             # The store two back read this slot.
                             plgpu.wait_smem_to_gmem(1, wait_read_only=True)
@@ -267,8 +268,7 @@ def swiglu_backward(dy: jax.Array, w_down: jax.Array, gate: jax.Array, up: jax.A
                         dz_c = dz[:, c:c + EPI_N]
                         gate_c = gate_smem.at[:, cols][...].astype(jnp.float32)
                         up_c = up_smem.at[:, cols][...].astype(jnp.float32)
-                        sig = parts_sigmoid(gate_c)
-                        silu = gate_c * sig
+                        sig, silu, _ = _swiglu_parts(gate_c, up_c)
                         # Each thread rewrites the elements it read: the tiles become the
                         # gradients in place.
                         up_smem.at[:, cols][...] = (dz_c * silu).astype(dtype)
@@ -294,12 +294,6 @@ def swiglu_backward(dy: jax.Array, w_down: jax.Array, gate: jax.Array, up: jax.A
 
     out = jax.ShapeDtypeStruct((num_rows, 2 * s_dim), dtype)
     return _warp_specialised(body, out, "shared_swiglu_bwd_mosaic")(dy, w_down, gate, up)
-
-
-def parts_sigmoid(x):
-    """float32 ``sigmoid`` as ``gmm_mosaic._sigmoid`` takes it (two MUFU instructions)."""
-    root = lax.rsqrt(1.0 + jnp.exp(-x))
-    return root * root
 
 
 @jax.custom_vjp
