@@ -193,3 +193,11 @@ def test_mosaic_variants(overrides):
 @needs_mosaic
 def test_mosaic_fused_gsum_top2_is_deterministic():
     check_deterministic(impl="mosaic", dispatch="fused_gsum")
+
+
+@needs_mosaic
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_mosaic_decoder_shared_expert_in_the_products_epilogues(dtype):
+    # 1024 tokens fill whole 128-row tiles, so the shared expert's SwiGLU runs in the dense
+    # products' epilogues (tilax.moe.shared_mosaic) rather than as XLA's elementwise passes
+    _compare(DECODER, 1024, dtype, impl="mosaic", dispatch="fused")
