@@ -10,6 +10,8 @@ spread over a few workers, with XLA's autotuning off (see test_moe_gpu.py)::
         python -m pytest tests/moe/test_moe_mosaic_gpu.py -q -n 4
 
 On the H200 (jax 0.11.2, commit 37bb3bf) the 40 tests passed in 139 s with ``-n 4``.
+At eae54e0 the two shared-expert tests with the five copied-rows tests (``-k "shared or
+copied_rows"``) passed in 46 s with ``-n 3``.
 """
 
 import jax
