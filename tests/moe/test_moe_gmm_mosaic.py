@@ -20,6 +20,7 @@ from tilax import _pallas
 from tilax.moe import (
     dispatch,
     gmm_mosaic,
+    gmm_mosaic_dx,
     gmm_mosaic_gather,
     gmm_mosaic_parts,
     gmm_mosaic_rows,
@@ -491,6 +492,65 @@ def test_tgmm_ragged_contraction(rng, few_sms, gathered):
     assert not np.any(out[1]) and not np.any(out[4])  # experts without rows
 
 
+@pytest.mark.parametrize(("d_dim", "h_dim", "num_experts", "stages"), [
+    (512, 128, 64, 3),  # the E64 decoder: two items per SM, three 48 KiB ring slots
+    (512, 64, 64, 3),
+    (256, 128, 6, 3),
+    (192, 128, 64, None),  # d_model not a multiple of 128
+    (512, 256, 64, None),  # weight-gradient accumulators over a warpgroup's registers
+    (4096, 128, 64, None),  # 16 items per SM
+])  # fmt: skip
+def test_joined_dx_layout(d_dim, h_dim, num_experts, stages):
+    assert gmm_mosaic_dx.layout(d_dim, h_dim, num_experts, jnp.bfloat16) == stages
+
+
+def test_joined_dx_items_spread_over_programs():
+    # Steps per item: one per 64-row chunk holding the expert's rows, one for an expert
+    # without rows; items (expert, 128 features) dealt round-robin over the programs.
+    offsets = jnp.asarray([0, 7, 7, 144, 149], jnp.int32)
+    starts = gmm_mosaic_dx.item_starts(offsets, num_feature_blocks=2, programs=3)
+    # Item i = (expert i // 2, features i % 2) runs on program i % 3. Steps of the eight:
+    # (e0, f0) 1, (e0, f1) 1, (e1, f0) 1, (e1, f1) 1, (e2, f0) 3, (e2, f1) 3, (e3, f0) 1,
+    # (e3, f1) 1; program 2's third item does not exist.
+    np.testing.assert_array_equal(starts, [[0, 1, 2, 3], [0, 1, 4, 5], [0, 1, 4, 4]])
+
+
+@needs_interpreter
+@pytest.mark.parametrize("h_dim", [128, 64])
+def test_input_and_gate_up_grads_in_one_pass(rng, few_sms, h_dim):
+    # d = 256: two (expert, 128 features) items per expert, twelve over the two programs.
+    # Chunks of 64 rows straddle experts (0 | 2 at row 7, 2 | 3 | 5 at 144 and 149), experts
+    # 1 and 4 have no rows, and rows past the groups belong to none: dx leaves them unwritten.
+    d_dim, num_experts = 256, len(GROUP_SIZES)
+    x = _bf16(rng, PADDED_ROWS, d_dim)
+    d_gate, d_up = _bf16(rng, PADDED_ROWS, h_dim), _bf16(rng, PADDED_ROWS, h_dim)
+    w_gate, w_up = (_bf16(rng, num_experts, d_dim, h_dim) for _ in range(2))
+    with gpu_interpreter():
+        dx, dw_gate, dw_up = gmm_mosaic.input_and_gate_up_grads(
+            x, d_gate, d_up, w_gate, w_up, _offsets(), tiles=TILES, backend="mosaic")
+    assert dx.dtype == dw_gate.dtype == jnp.bfloat16 and dw_up.shape == w_up.shape
+    offsets = np.asarray(_offsets())
+    for expert in range(num_experts):
+        rows = slice(offsets[expert], offsets[expert + 1])
+        expected = (_f32(d_gate)[rows] @ _f32(w_gate[expert]).T
+                    + _f32(d_up)[rows] @ _f32(w_up[expert]).T)
+        if GROUP_SIZES[expert]:
+            assert rel_err(_f32(dx)[rows], expected) < 1e-2, f"dx of expert {expert}"
+        for grad, rhs in ((dw_gate, d_gate), (dw_up, d_up)):
+            expected = _f32(x)[rows].T @ _f32(rhs)[rows]
+            np.testing.assert_allclose(_f32(grad[expert]), expected, atol=0.1, rtol=1e-2)
+    assert not np.any(_f32(dw_gate[1])) and not np.any(_f32(dw_up[4]))
+    assert np.isnan(_f32(dx)[NUM_ROWS:]).all()
+
+
+def test_joined_dx_needs_one_dtype(rng):
+    x = _bf16(rng, PADDED_ROWS, 256)
+    grads = [_bf16(rng, PADDED_ROWS, 128) for _ in range(2)]
+    weights = [jnp.asarray(_bf16(rng, 6, 256, 128), jnp.float16) for _ in range(2)]
+    assert gmm_mosaic.input_and_gate_up_grads(
+        x, *grads, *weights, _offsets(), tiles=TILES, backend="mosaic") is None
+
+
 # ----------------------------------------------------------------------------------------------
 # The layer in the interpreter: forward and every gradient against the float32 oracle
 
@@ -498,26 +558,30 @@ DIMS = dict(d_model=64, d_hidden=128, num_experts=4)
 
 
 @needs_interpreter
-@pytest.mark.parametrize("top_k,dispatch_name,routing,skew,recompute", [
-    (2, "sorted", "dropless", 0.0, False),
-    (2, "fused", "dropless", 0.0, False),
-    (2, "gather", "capacity", 0.0, False),
-    (1, "sorted", "dropless", 0.9, False),  # one expert holds every token
-    (2, "sorted", "dropless", 0.0, True),
+@pytest.mark.parametrize("top_k,dispatch_name,routing,skew,recompute,d_model", [
+    (2, "sorted", "dropless", 0.0, False, 64),
+    (2, "fused", "dropless", 0.0, False, 64),
+    (2, "gather", "capacity", 0.0, False, 64),
+    (1, "sorted", "dropless", 0.9, False, 64),  # one expert holds every token
+    (2, "sorted", "dropless", 0.0, True, 64),
+    (2, "fused", "dropless", 0.0, False, 128),  # dx joins the gate/up gradients
 ])  # fmt: skip
 def test_layer_matches_oracle(few_sms, monkeypatch, top_k, dispatch_name, routing, skew,
-                              recompute):
+                              recompute, d_model):
     monkeypatch.setattr(_pallas, "mosaic_unavailable_reason", lambda: None)
+    joined = []
+    monkeypatch.setattr(gmm_mosaic_dx, "input_and_gate_up_grads", _recorded(
+        gmm_mosaic_dx.input_and_gate_up_grads, joined))
     # With one expert per token, renormalised weights are all 1 and the router gets no gradient
     # through them: keep the probabilities.
-    math = dict(**DIMS, top_k=top_k, dtype=jnp.bfloat16, routing=routing, capacity_factor=0.8,
-                renormalize=top_k > 1)
+    math = dict(**{**DIMS, "d_model": d_model}, top_k=top_k, dtype=jnp.bfloat16,
+                routing=routing, capacity_factor=0.8, renormalize=top_k > 1)
     config = tilax.MoEConfig(**math, impl="mosaic", dispatch=dispatch_name, recompute=recompute,
                              recompute_rows=128)
     params = tilax.moe_init(jax.random.key(0), config)
     # 152 tokens: dropless train steps read sorted copies made by gmm_mosaic_rows (blocks of
     # 8) with padding rows after the copies
-    x = jax.random.normal(jax.random.key(1), (152, DIMS["d_model"]))
+    x = jax.random.normal(jax.random.key(1), (152, d_model))
     if skew:
         x = skew_tokens(x, params["router"], skew)
     x = x.astype(jnp.bfloat16)
@@ -542,6 +606,19 @@ def test_layer_matches_oracle(few_sms, monkeypatch, top_k, dispatch_name, routin
         jax.tree_util.tree_flatten_with_path(grads_ref)[0], jax.tree.leaves(grads), strict=True
     ):
         assert rel_err(actual, expected) < 3e-2, f"gradient {jax.tree_util.keystr(path)}"
+    # d_model 128 (and the sorted copy of x a train step reads): one kernel for dx and the
+    # gate/up gradients; d_model 64 is no multiple of its 128-feature items.
+    assert bool(joined) == (d_model == 128 and not recompute)
+
+
+def _recorded(function, calls: list):
+    """``function``, appending each call's arguments to ``calls``."""
+
+    def record(*args, **kwargs):
+        calls.append((args, kwargs))
+        return function(*args, **kwargs)
+
+    return record
 
 
 # ----------------------------------------------------------------------------------------------

@@ -163,6 +163,13 @@ def test_mosaic_fine_grained_decoder(dispatch):
 
 
 @needs_mosaic
+def test_mosaic_decoder_skewed_routing():
+    # A few experts hold nearly every copy, the others none: dx and the gate/up gradients
+    # (one kernel at the decoder's shapes, gmm_mosaic_dx) run long items beside empty ones
+    _compare(DECODER, 2049, "bfloat16", skew=0.9, impl="mosaic", dispatch="fused")
+
+
+@needs_mosaic
 @pytest.mark.parametrize("dispatch", ["fused", "fused_gsum"])
 @pytest.mark.parametrize(("tokens", "skew", "dtype", "tiles"), [
     (1500, 0.0, "bfloat16", {}),  # 128-row items, two 64-row sub-tiles each

@@ -21,6 +21,7 @@ from jax.experimental.mosaic.gpu import core as mosaic_core
 import tilax
 from tilax import _pallas
 from tilax.moe import gmm_mosaic, shared_mosaic
+from tilax.moe import gmm_mosaic_dx as joined_dx
 from tilax.moe import gmm_mosaic_gather as gather
 from tilax.moe import gmm_mosaic_parts as parts
 from tilax.moe import gmm_mosaic_ws as warp_specialised
@@ -40,6 +41,10 @@ ROUTER = 2
 # (shared_mosaic).
 SHARED = 2
 SHARED_KERNELS = ("shared_swiglu_fwd_mosaic_mosaic_gpu", "shared_swiglu_bwd_mosaic_mosaic_gpu")
+# Less, where d_model is a multiple of 128 and d_hidden 64 or 128 (the decoder): dx and the
+# gate/up weight gradients as one kernel (gmm_mosaic_dx).
+JOINED = 1
+DX_KERNEL = "moe_gmm_dx_mosaic_mosaic_gpu"
 ROUTER_KERNEL = "moe_router_rank_mosaic_mosaic_gpu"
 LAYER = dict(d_model=512, d_hidden=1024, num_experts=8, top_k=2)
 DECODER = dict(d_model=512, d_hidden=128, num_experts=64, top_k=8, shared_hidden=1024)
@@ -53,9 +58,9 @@ def as_on_hopper(monkeypatch):
 def lower_train_step(config, tokens: int) -> str:
     """The CUDA module of a train step. Every kernel must fit the shared memory its program
     gets: lowered once with the warp-specialised plain grouped matmul (one program per SM)
-    replaced by the per-item kernel, within what one of ``programs_per_sm`` programs gets (by
-    default half an SM, less the 1 KiB CUDA keeps), and once as it runs, within a block's
-    limit."""
+    replaced by the per-item kernel (and the joined dx kernel by the two it joins), within
+    what one of ``programs_per_sm`` programs gets (by default half an SM, less the 1 KiB
+    CUDA keeps), and once as it runs, within a block's limit."""
     params = tilax.moe_init(jax.random.key(0), config)
     x = jax.ShapeDtypeStruct((tokens, config.d_model), config.dtype)
 
@@ -69,6 +74,7 @@ def lower_train_step(config, tokens: int) -> str:
     programs = parts.tiles_for(config).programs_per_sm
     limit = min(parts.SMEM_PER_BLOCK, parts.SMEM_PER_SM // programs - 1024)
     with (mock.patch.object(warp_specialised, "layout", lambda *args: None),
+          mock.patch.object(joined_dx, "layout", lambda *args: None),
           mock.patch.object(shared_mosaic, "applies", lambda *args: False),
           mosaic_core.artificial_shared_memory_limit(limit)):
         lower()
@@ -86,10 +92,11 @@ def test_train_step_lowers(dispatch):
 @pytest.mark.parametrize("dispatch", ["sorted", "fused_gsum"])
 def test_fine_grained_decoder_lowers(dispatch):
     config = tilax.MoEConfig(**DECODER, impl="mosaic", dispatch=dispatch)
-    expected = KERNELS[dispatch] + ROW_COPIES + ROUTER + SHARED
+    expected = KERNELS[dispatch] + ROW_COPIES + ROUTER + SHARED - JOINED
     module = lower_train_step(config, 2048)
     assert module.count(MOSAIC_CALL) == expected
     assert all(module.count(name) == 1 for name in SHARED_KERNELS)
+    assert module.count(DX_KERNEL) == 1
 
 
 def test_shared_expert_off_whole_tiles_stays_on_xla():
@@ -182,9 +189,11 @@ def test_capacity_drops_gather_in_xla():
 
 
 @pytest.mark.parametrize(("dims", "dispatch", "launches", "narrow_launches"), [
-    (DECODER, "fused", 2, 0),  # down projection and dx: contractions of 128
-    (DECODER, "fused_gsum", 2, 0),  # the combine's down projection (unscaled rows) and dx
-    (DECODER, "sorted", 2, 0),  # not gate and up: their contraction is d_model = 512
+    # The down projection (contraction 128); dx runs with the gate/up weight gradients
+    # (gmm_mosaic_dx) at d_model 512.
+    (DECODER, "fused", 1, 0),
+    (DECODER, "fused_gsum", 1, 0),  # the combine's down projection (unscaled rows)
+    (DECODER, "sorted", 1, 0),  # not gate and up: their contraction is d_model = 512
     (LAYER, "sorted", 0, 2),  # contractions of 512 and 1024; with d_model 192, gate and up
 ])  # fmt: skip
 def test_short_plain_grouped_matmuls_are_warp_specialised(dims, dispatch, launches,

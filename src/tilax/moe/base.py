@@ -101,6 +101,12 @@ class GmmKernels(Protocol):
     - ``tgmm(lhs, rhs, group_offsets, *, tiles, backend, lhs_index=None, rhs_index=None,
       rhs2=None, out_dtype=None)``: ``out[e] = lhs[rows of e].T @ rhs[rows of e]`` (weight
       gradients; rows outside every group are never read).
+    - ``input_and_gate_up_grads(x_rows, d_gate, d_up, w_gate, w_up, group_offsets, *,
+      tiles, backend)``: ``dx`` rows (``d_gate @ w_gate[e].T + d_up @ w_up[e].T``) with the
+      gate and up weight gradients from one pass over ``d_gate`` and ``d_up``, or ``None``
+      where the backend has no such kernel for these shapes (the path then calls ``gmm``
+      and ``tgmm``). Called with sorted copies of ``x`` only, and only where every row of
+      ``d_gate`` and ``d_up`` was written (the schedule covers the padding rows).
     - ``tiles_for(config)``: the backend's tiles for a config (a dataclass with at least
       ``block_m``, ``row_multiple`` and ``feature_multiple``: the layer pads ``d_model`` and
       ``d_hidden`` to a multiple of it, 16 for Triton, 64 for Mosaic GPU's 128-byte rows).
@@ -119,5 +125,8 @@ class GmmKernels(Protocol):
     def gmm_combine(self, hidden, w_down, row_scale, row_target, schedule, **kwargs): ...
 
     def tgmm(self, lhs, rhs, group_offsets, **kwargs) -> tuple: ...
+
+    def input_and_gate_up_grads(self, x_rows, d_gate, d_up, w_gate, w_up, group_offsets,
+                                **kwargs) -> tuple | None: ...
 
     def tiles_for(self, config: Any) -> Any: ...

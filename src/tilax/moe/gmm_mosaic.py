@@ -35,6 +35,9 @@ Kernels (each wrapper launches one):
   their tokens by an XLA scatter-add.
 - :func:`tgmm`: ``lhs[rows_e].T @ rhs[rows_e]`` (weight gradients); the first and last row
   chunk of each expert have the other rows zeroed in SMEM.
+- :func:`input_and_gate_up_grads`: the rows' ``dx`` and the gate/up weight gradients in one
+  pass over the gate and up gradients (``gmm_mosaic_dx``), where its shapes fit (the E64
+  decoder's); elsewhere the path runs :func:`gmm` and :func:`tgmm`.
 
 The other kernels are not warp-specialised: two programs per SM overlap one's loads and
 epilogue with the other's MMAs (the SwiGLU kernels warp-specialised were no faster on the
@@ -71,6 +74,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from tilax import _pallas
+from tilax.moe import gmm_mosaic_dx as joined_dx
 from tilax.moe import gmm_mosaic_gather as gather
 from tilax.moe import gmm_mosaic_parts as parts
 from tilax.moe import gmm_mosaic_ws as warp_specialised
@@ -79,7 +83,7 @@ from tilax.moe.gmm_mosaic_parts import Config, default_config, plgpu, tiles_for
 from tilax.moe.gmm_mosaic_rows import copy_rows
 
 __all__ = ["Config", "default_config", "tiles_for", "copy_rows", "gmm", "gmm_swiglu",
-           "gmm_swiglu_bwd", "gmm_combine", "tgmm"]
+           "gmm_swiglu_bwd", "gmm_combine", "tgmm", "input_and_gate_up_grads"]
 
 # A train step's kernels read sorted copies of x and dy (copy_rows); only an inference
 # forward's SwiGLU kernel gathers rows itself.
@@ -553,3 +557,40 @@ def tgmm(
     out = jax.ShapeDtypeStruct((num_experts, k_dim, n_dim), out_dtype)
     kernel = parts.launch(body, [out] * len(rights), "moe_tgmm_mosaic", tiles)
     return tuple(kernel(group_offsets, lhs, *rights))
+
+
+# ----------------------------------------------------------------------------------------------
+# input_and_gate_up_grads: dx rows and dw_gate, dw_up in one pass (gmm_mosaic_dx)
+
+
+def input_and_gate_up_grads(
+    x_rows: jax.Array,
+    d_gate: jax.Array,
+    d_up: jax.Array,
+    w_gate: jax.Array,
+    w_up: jax.Array,
+    group_offsets: jax.Array,
+    *,
+    tiles: Config,
+    backend: str,
+) -> tuple[jax.Array, jax.Array, jax.Array] | None:
+    """``(dx_rows, dw_gate, dw_up)`` by one kernel (``gmm_mosaic_dx``), or ``None`` where it
+    does not apply (the path then runs :func:`gmm` and :func:`tgmm`): ``d_model`` not a
+    multiple of 128, ``d_hidden`` not 64 or 128, too many (expert, 128 features) items per
+    SM, or operands of different dtypes. ``x_rows`` is the sorted copy of ``x``; every row
+    of ``d_gate`` and ``d_up`` must hold finite values (the schedule covers the padding
+    rows), as other experts' rows meet zeros of ``x`` there.
+
+    Returns:
+        ``[R_pad, d]`` rows of ``dx`` (rows of no expert unwritten) and ``[E, d, h]`` gate
+        and up gradients, in the operands' dtype.
+    """
+    del tiles, backend
+    parts.check_dtypes(x_rows, d_gate, d_up, w_gate, w_up)
+    dtypes = {jnp.dtype(a.dtype) for a in (x_rows, d_gate, d_up, w_gate, w_up)}
+    num_experts, d_dim, h_dim = w_gate.shape
+    stages = joined_dx.layout(d_dim, h_dim, num_experts, x_rows.dtype)
+    if len(dtypes) > 1 or stages is None:
+        return None
+    return joined_dx.input_and_gate_up_grads(x_rows, d_gate, d_up, w_gate, w_up,
+                                             group_offsets, stages=stages)

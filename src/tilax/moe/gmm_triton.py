@@ -696,3 +696,10 @@ def tgmm(
             name="moe_tgmm",
         )(*args)
     )
+
+
+def input_and_gate_up_grads(x_rows, d_gate, d_up, w_gate, w_up, group_offsets, *, tiles,
+                            backend) -> None:
+    """``None``: Triton has no kernel joining ``dx`` with the gate/up weight gradients; the
+    path runs :func:`gmm` and :func:`tgmm`."""
+    del x_rows, d_gate, d_up, w_gate, w_up, group_offsets, tiles, backend

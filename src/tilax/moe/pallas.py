@@ -16,7 +16,9 @@ of Hopper). Per ``dispatch``:
 - backward, shared by all dispatches: the down projection's input gradient with the SwiGLU
   backward and the combine weights' gradient fused into its epilogue, ``dx`` by a grouped
   matmul against the transposed gate/up weights, and the weight gradients by the transposed
-  grouped matmul (ragged contraction over each expert's rows).
+  grouped matmul (ragged contraction over each expert's rows); where the backend has a
+  kernel for both that reads the gate and up gradients once (``input_and_gate_up_grads``),
+  ``dx`` and the gate/up weight gradients come from it.
 
 Where the kernels read sorted copies of ``x`` and ``dy`` (the ``sorted`` dispatch, and a train
 step on a backend whose kernels do not gather rows in training: Mosaic GPU), the backend's
@@ -162,13 +164,19 @@ def _pallas_experts_bwd(plan, residuals, dy):
     d_gate, d_up, dw_partial = kernels.gmm_swiglu_bwd(
         dy_src, w_down, gate, up, w_rows, schedule, index=index, **kw
     )
-    dx_rows = kernels.gmm(
-        d_gate, w_gate, schedule, transpose_rhs=True, lhs2=d_up, rhs2=w_up,
-        out_dtype=x.dtype, **kw,
-    )
-    dw_gate, dw_up = kernels.tgmm(
-        x_src, d_gate, offsets, lhs_index=index, rhs2=d_up, out_dtype=w_gate.dtype, **kw
-    )
+    joined = None
+    if xs is not None and plan.cover_tail:  # every row of d_gate and d_up written
+        joined = kernels.input_and_gate_up_grads(xs, d_gate, d_up, w_gate, w_up, offsets, **kw)
+    if joined is not None:
+        dx_rows, dw_gate, dw_up = joined
+    else:
+        dx_rows = kernels.gmm(
+            d_gate, w_gate, schedule, transpose_rhs=True, lhs2=d_up, rhs2=w_up,
+            out_dtype=x.dtype, **kw,
+        )
+        dw_gate, dw_up = kernels.tgmm(
+            x_src, d_gate, offsets, lhs_index=index, rhs2=d_up, out_dtype=w_gate.dtype, **kw
+        )
     (dw_down,) = kernels.tgmm(
         act_scaled, dy_src, offsets, rhs_index=index, out_dtype=w_down.dtype, **kw
     )
