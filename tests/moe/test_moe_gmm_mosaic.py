@@ -47,6 +47,12 @@ def rng():
     return np.random.default_rng(0)
 
 
+@pytest.fixture(autouse=True)
+def joined_dx_on(monkeypatch):
+    """The joined dx kernel is off in the layer until measured on the H200: test it on."""
+    monkeypatch.setattr(gmm_mosaic_dx, "ENABLED", True)
+
+
 @pytest.fixture
 def few_sms(monkeypatch):
     """Two SMs (four programs) instead of an H100's 132: the interpreter runs each program."""

@@ -47,6 +47,12 @@ MIN_STAGES, MAX_STAGES = 2, 3
 # Items of one program are found from its step by comparing the step with their first steps,
 # unrolled: beyond this many items a program's lookup would cost more than it saves.
 MAX_ITEMS_PER_PROGRAM = 8
+# Not yet run on a GPU: the layer uses the kernel once an H200 A/B in one process against
+# gmm_ws + tgmm finds it faster (the tests switch it on). OVERLAP, the A/B's second variant:
+# the dx epilogue runs while the weight-gradient MMAs do (wgmma_accumulator_load, wait_n=2).
+# The variant that loses is removed with the switch.
+ENABLED = False
+OVERLAP = False
 
 
 def layout(d_dim: int, h_dim: int, num_experts: int, dtype) -> int | None:
@@ -54,7 +60,7 @@ def layout(d_dim: int, h_dim: int, num_experts: int, dtype) -> int | None:
     ``d_dim`` not a multiple of 128, ``h_dim`` not 64 or 128 (the weight-gradient
     accumulators must fit a warpgroup's registers), more than ``MAX_ITEMS_PER_PROGRAM`` items
     per SM, or fewer than ``MIN_STAGES`` slots beside the weight slices and the staging."""
-    if d_dim % ITEM_FEATURES or h_dim not in (64, 128):
+    if not ENABLED or d_dim % ITEM_FEATURES or h_dim not in (64, 128):
         return None
     if pl.cdiv(num_experts * d_dim // ITEM_FEATURES, parts.sm_count()) > MAX_ITEMS_PER_PROGRAM:
         return None
@@ -186,11 +192,14 @@ def input_and_gate_up_grads(
                         plgpu.wgmma(dwg_acc, _pallas.transposed_ref(x_smem), dg_smem)
                         plgpu.wgmma(dwu_acc, _pallas.transposed_ref(x_smem), du_smem)
 
-                # The ring slots are released when this returns: the MMAs must have read them.
-                plgpu.wgmma_wait(0)
+                if OVERLAP:
+                    dx = plgpu.wgmma_accumulator_load(dx_acc, wait_n=2)
+                else:
+                    plgpu.wgmma_wait(0)
+                    dx = dx_acc[...]
                 # The previous chunk's stores must have read the staging tile.
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                my_staging[...] = dx_acc[...].astype(dtype)
+                my_staging[...] = dx.astype(dtype)
                 plgpu.commit_smem()
                 row_start = chunk * CHUNK_ROWS
                 local_lo = jnp.clip(lo - row_start, 0, CHUNK_ROWS)
@@ -198,6 +207,8 @@ def input_and_gate_up_grads(
                 item = parts.Item(expert, row_start, local_lo, local_hi, 0)
                 parts.store_rows(my_staging, dx_g, item, feature + wg * FEATURES)
                 plgpu.commit_smem_to_gmem_group()
+                # The ring slots are released when this returns: the MMAs must have read them.
+                plgpu.wgmma_wait(0)
 
                 @pl.when(k == steps - 1)
                 def _item_end():
