@@ -464,7 +464,9 @@ def test_route_on_mosaic_matches_xla(rng, few_sms, aux):
     np.testing.assert_array_equal(np.asarray(ids), np.asarray(ids_x))
     np.testing.assert_allclose(float(value), float(value_x), rtol=1e-6)
     for grad, grad_x in zip(grads, grads_x, strict=True):
-        np.testing.assert_allclose(_f32(grad), _f32(grad_x), rtol=1e-5, atol=1e-6)
+        # the x gradient is bf16: the two sides may round one sum to neighbouring values
+        rtol = max(1e-5, float(jnp.finfo(grad.dtype).eps))
+        np.testing.assert_allclose(_f32(grad), _f32(grad_x), rtol=rtol, atol=1e-6)
 
 
 @needs_interpreter
