@@ -52,7 +52,22 @@ def tests(session: nox.Session) -> None:
     with shared_compilation_cache() as env:
         session.run(
             "pytest", "-n", "logical", "--maxprocesses", "4", "--dist", "loadgroup",
-            *session.posargs, env=env,
+            "-m", "not kernels", "--durations", "15", *session.posargs, env=env,
+        )
+
+
+@nox.session
+def tests_kernels(session: nox.Session) -> None:
+    """The heavy Pallas-interpreter cases (marked ``kernels``) of tests/moe and tests/rbf.
+
+    Kept out of ``nox -s tests`` so that the everyday run stays within minutes; run it on every
+    change of ``src/`` (CI does: see docs/contributing.md).
+    """
+    install_groups(session, "tests")
+    with shared_compilation_cache() as env:
+        session.run(
+            "pytest", "tests/moe", "tests/rbf", "-n", "logical", "--maxprocesses", "4",
+            "-m", "kernels", "--durations", "15", *session.posargs, env=env,
         )
 
 
