@@ -62,22 +62,6 @@ def pytest_xdist_make_scheduler(config, log):
     return FolderGroupScheduling(config, log)
 
 
-@pytest.hookimpl(trylast=True)  # after pytest-benchmark has set itself up
-def pytest_configure(config):
-    """In an xdist worker, turn pytest-benchmark back on.
-
-    pytest-benchmark disables itself under xdist (parallel timings are unreliable). The CPU
-    smoke rows of tests/bench time nothing that matters, but they read ``benchmark.stats`` to
-    build and check each row, which a disabled benchmark leaves empty (the rows then fail).
-    Real measurements are ``nox -s bench``, which does not use xdist.
-    """
-    if not hasattr(config, "workerinput") or not config.pluginmanager.hasplugin("benchmark"):
-        return
-    if not config.getoption("benchmark_disable"):
-        config._benchmarksession.disabled = False  # pytest-benchmark 4 and 5
-        config._benchmarksession.xdist_warning = False  # 5: no "automatically disabled" note
-
-
 @pytest.fixture(autouse=True)
 def child_processes_are_not_xdist_workers(monkeypatch):
     """A pytest started by a test (the bench smoke run) is a plain run, not an xdist worker:

@@ -107,7 +107,9 @@ def child_env() -> dict[str, str]:
     env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
     src = str(Path(tilax.__file__).resolve().parents[1])
-    paths = [src, str(BENCH_DIR)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    # tests/ too: the bench modules import the shared test helpers (tests/helpers.py)
+    paths = [src, str(BENCH_DIR), str(BENCH_DIR.parent)]
+    paths += [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     return env
 
@@ -369,7 +371,6 @@ def _record_success(runner, case, entry: dict) -> None:
     info["compile_s"] = entry["compile_s"]
     info["peak_mb"] = _mb(entry["peak_bytes"])
     info["wall_s"] = entry["wall_s"]
-    info["child_times_s"] = entry["times"]
     record_external_timings(runner.benchmark, entry["times"])
     info.update(json_safe(case.rates(statistics.median(entry["times"]))))
 
@@ -407,5 +408,5 @@ def child_main(spec_json: str) -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(BENCH_DIR))
+    sys.path[:0] = [str(BENCH_DIR), str(BENCH_DIR.parent)]
     child_main(sys.argv[1])

@@ -42,6 +42,7 @@ import os
 from typing import Any
 
 from bench_harness import JaxWorkload, Unavailable
+from helpers import rel_err
 
 MOE_IMPLS_WITH_DISPATCH = ("pallas", "triton", "mosaic", "blocked", "ragged_dot")
 TORCH_IMPLS = ("torch_grouped_mm", "torch_grouped_mm_compile")
@@ -496,20 +497,6 @@ def reference(case: MoECase, inputs: MoEInputs) -> dict:
                 jnp.add, grad_params, grads)
     return jax.block_until_ready({"y": jnp.concatenate(ys), "grad_x": jnp.concatenate(grad_xs),
                                   "grad_params": grad_params})
-
-
-def rel_err(actual, expected) -> float:
-    """``||actual - expected|| / ||expected||`` over all leaves of two matching pytrees."""
-    import jax
-    import jax.numpy as jnp
-
-    diff = jnp.zeros((), jnp.float32)
-    norm = jnp.zeros((), jnp.float32)
-    for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
-        e = e.astype(jnp.float32)
-        diff += jnp.sum(jnp.square(a.astype(jnp.float32) - e))
-        norm += jnp.sum(jnp.square(e))
-    return float(jnp.sqrt(diff) / jnp.maximum(jnp.sqrt(norm), 1e-30))
 
 
 def numerics_info(case: MoECase, state, inputs: MoEInputs, y, grad_x=None,

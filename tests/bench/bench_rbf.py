@@ -38,6 +38,7 @@ from typing import Any
 
 import numpy as np
 from bench_harness import JaxWorkload, Unavailable, torch_device_memory
+from helpers import rel_err
 
 NUMERICS_ROWS = 1024
 REFERENCE_CHUNK_ELEMENTS = 1 << 24
@@ -655,13 +656,6 @@ def reference(case: RbfCase, inputs: RbfInputs) -> dict:
             grads["dlengthscale"] = float(np.sum(grads["dlengthscale"])) + density_grad
             return {"out": out[:, 0], **grads}
         return {"out": out, "dv": np.concatenate(d_v), **grads}
-
-
-def rel_err(actual, expected) -> float:
-    actual = np.asarray(actual, np.float64)
-    expected = np.asarray(expected, np.float64)
-    denom = max(float(np.linalg.norm(expected)), 1e-300)
-    return float(np.linalg.norm(actual - expected) / denom)
 
 
 def numerics_info(case: RbfCase, state, inputs: RbfInputs, out, masked_grads) -> dict:

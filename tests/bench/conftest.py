@@ -163,8 +163,17 @@ import bench_guides  # noqa: E402
 import bench_moe  # noqa: E402
 import bench_rbf  # noqa: E402
 import pytest  # noqa: E402
-from bench_harness import Runner, Settings, State, split_budget, suite_of  # noqa: E402
+from bench_harness import (  # noqa: E402
+    Runner,
+    Settings,
+    State,
+    split_budget,
+    suite_of,
+    with_external_timings,
+)
 from bench_ladder import LadderStep, ladder_steps  # noqa: E402
+from bench_naming import short_commit  # noqa: E402
+from bench_provenance import provenance  # noqa: E402
 from bench_rows import append_row, check_extra_info, write_header  # noqa: E402
 
 MOE_SUITES = ("layer", "decoder", "pieces", "blockm", "maxtok")
@@ -302,6 +311,12 @@ def pytest_benchmark_update_machine_info(config, machine_info):
     machine_info["bench_budget_s"] = settings.budget_s
     # the part of the suites this file holds when a run is split over calls with -k
     machine_info["bench_part"] = config.getoption("keyword") or None
+    machine_info["tilax_provenance"] = provenance(short_commit())
+
+
+def pytest_benchmark_update_json(config, benchmarks, output_json):
+    """Rows timed in a child process (ladders) get the child's timings as their stats."""
+    output_json["benchmarks"] = [with_external_timings(row) for row in output_json["benchmarks"]]
 
 
 def pytest_benchmark_update_commit_info(config, commit_info):
@@ -364,12 +379,23 @@ def pytest_collection_modifyitems(session, config, items):
         elif item.get_closest_marker("bench_suite") is None:
             other.append(item)
             continue
+        elif benchmarks_disabled(config):
+            # pytest-benchmark times nothing here (it turns itself off in xdist workers), and
+            # a row needs its stats: test_bench_contract runs these rows in a plain pytest
+            dropped.append(item)
+            continue
         case = getattr(item, "callspec", None) and item.callspec.params.get("case")
         (bench if hasattr(case, "priority") else dropped).append(item)
     if dropped:
         config.hook.pytest_deselected(items=dropped)
     bench.sort(key=lambda item: item.callspec.params["case"].priority)
     items[:] = other + bench
+
+
+def benchmarks_disabled(config) -> bool:
+    """Whether pytest-benchmark is off in this process: ``--benchmark-disable``, or an xdist
+    worker (``PYTEST_XDIST_WORKER``, where pytest-benchmark disables itself)."""
+    return bool(config.getoption("benchmark_disable")) or "PYTEST_XDIST_WORKER" in os.environ
 
 
 def pytest_collection_finish(session):
@@ -400,7 +426,7 @@ def bench(benchmark, request):
     state.budget.finished(suite_of(case), state.settings.elapsed() - started)
     if benchmark.stats is None:
         return
-    row = benchmark.stats.as_dict(include_data=False)
+    row = with_external_timings(benchmark.stats.as_dict(include_data=False))
     request.config.stash[FINISHED].append(row)
     rows = request.config.stash[ROWS]
     if rows is not None:

@@ -5,6 +5,8 @@ checked as it finishes by the ``bench`` fixture)."""
 import datetime
 import json
 import os
+import re
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -62,35 +64,44 @@ def test_side_file_survives_a_torn_last_line_and_merges(tmp_path):
         merge([document, dict(document, machine_info={"gpu": "Y"})])
 
 
-SMOKE_SELECTION = [
-    "tests/bench/test_bench_rbf.py::test_kernel_mv_max_n",
-    "tests/bench/test_bench_moe.py::test_layer[layer-pallas-sorted-f32-T64-E4k2-d32h64-forward]",
-    "tests/bench/test_bench_moe.py::test_layer[layer-tokamax-bf16-T64-E4k2-d32h64-forward]",
-    "tests/bench/test_bench_rbf.py::test_kernel_mv[kernel_mv-xla-n64-d3-o1-fwd_bwd]",
-    "tests/bench/test_bench_rbf.py::test_kernel_mv[kernel_mv-keops-n64-d3-o1-fwd]",
-]
+# Every bench row of the suite, run once in a plain pytest: pytest-benchmark turns itself off
+# in xdist workers (tests/bench/conftest.py deselects the rows there), so this is where
+# ``nox -s tests`` runs them.
+BENCH_ROW_FILES = ["tests/bench/test_bench_moe.py", "tests/bench/test_bench_rbf.py",
+                   "tests/bench/test_bench_ep.py", "tests/bench/test_bench_guides.py"]
 
 
-@pytest.mark.bench_contract
-def test_smoke_run_writes_contract_rows(tmp_path):
-    """A real bench run in a subprocess: its JSON and side file satisfy the contract, failures
-    are rows with an error, the ladder has steps with peak_mb and a summary."""
-    output = tmp_path / "run.json"
-    env = dict(os.environ, TILAX_BENCH_COMMIT="test")
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory):
+    """A real bench run of every row in smoke mode, in a subprocess: ``(document, side file,
+    pytest's output)``."""
+    output = tmp_path_factory.mktemp("smoke") / "run.json"
+    env = {name: value for name, value in os.environ.items()
+           if not name.startswith("PYTEST_XDIST")}
+    env["TILAX_BENCH_COMMIT"] = "test"
     import tilax  # the child pytest imports the same tilax as this one
 
     src = str(Path(tilax.__file__).resolve().parents[1])
     env["PYTHONPATH"] = os.pathsep.join([src, env.get("PYTHONPATH", "")])
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", *SMOKE_SELECTION, "-p", "no:cacheprovider", "-q",
-         "--bench-smoke", f"--benchmark-json={output}"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+        [sys.executable, "-m", "pytest", *BENCH_ROW_FILES, "-p", "no:cacheprovider",
+         "-p", "no:xdist", "-q", "--bench-smoke", f"--benchmark-json={output}"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=900,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    document = json.loads(output.read_text())
+    side = read_side_file(output.with_suffix("").with_suffix(".rows.jsonl"))
+    return json.loads(output.read_text()), side, proc.stdout
+
+
+@pytest.mark.bench_contract
+def test_smoke_run_writes_contract_rows(smoke_run):
+    """Every row of the smoke run satisfies the contract, one row per test that ran, failures
+    are rows with an error, the ladder has steps with peak_mb and a summary."""
+    document, side, output = smoke_run
     assert check_document(document) == []
     rows = {b["name"]: b["extra_info"] for b in document["benchmarks"]}
-    assert len(rows) == 7  # 2 ladder steps + summary, 2 layer rows, 2 kernel_mv rows
+    passed = int(re.search(r"(\d+) passed", output).group(1))
+    assert len(rows) == len(document["benchmarks"]) == passed
     assert document["machine_info"]["commit"] == "test"
     # the checkout's git history (this repository's) is kept apart from the declared tree
     assert document["commit_info"]["id"] == "test"
@@ -99,21 +110,38 @@ def test_smoke_run_writes_contract_rows(tmp_path):
 
     failures = [info for info in rows.values() if "error" in info]
     assert {info["impl"] for info in failures} >= {"tokamax"}
-    layer = next(info for name, info in rows.items() if "pallas-sorted-f32" in name)
+    layer = rows["test_layer[layer-pallas-sorted-f32-T64-E4k2-d32h64-forward]"]
     assert layer["tflops"] > 0 and layer["rel_err_out"] < 1e-4
     assert 0 < layer["max_expert_frac"] <= 1
-    kernel = next(info for name, info in rows.items() if "xla-n64" in name)
+    kernel = rows["test_kernel_mv[kernel_mv-xla-n64-d3-o1-fwd_bwd]"]
     assert set(kernel["rel_err"]) == {"dq", "dk", "dv", "dlengthscale"}
     assert max(kernel["rel_err"].values()) < 1e-4
     ladder = [b for b in document["benchmarks"] if b["extra_info"]["suite"] == "kernel_mv_max_n"]
     assert [b["extra_info"].get("max_n") for b in ladder] == [None, None, 128]
-    for row in ladder:  # the child's timings, replayed into pytest-benchmark's stats
+    for row in ladder:  # the child's timings, as the row's stats
         assert "peak_mb" in row["extra_info"] and row["extra_info"]["pairs_per_s"] > 0
-        assert row["stats"]["data"] == pytest.approx(row["extra_info"]["child_times_s"])
+        assert row["stats"]["rounds"] == len(row["extra_info"]["child_times_s"])
+        assert row["stats"]["median"] == pytest.approx(
+            statistics.median(row["extra_info"]["child_times_s"]))
 
-    side = read_side_file(output.with_suffix("").with_suffix(".rows.jsonl"))
     assert [b["name"] for b in side["benchmarks"]] == [b["name"] for b in document["benchmarks"]]
     assert side["machine_info"]["platform"] == document["machine_info"]["platform"]
+    side_ladder = [b for b in side["benchmarks"] if b["extra_info"]["suite"] == "kernel_mv_max_n"]
+    assert [b["stats"]["median"] for b in side_ladder] == [b["stats"]["median"] for b in ladder]
+
+
+@pytest.mark.bench_contract
+def test_smoke_run_names_the_code_it_measured(smoke_run):
+    """The file's provenance: the git tree ids of src/ and tests/bench/ as they were on disk,
+    and no claim that they match the declared commit where that cannot be checked."""
+    from bench_provenance import measured_trees
+
+    document, _, _ = smoke_run
+    provenance = document["machine_info"]["tilax_provenance"]
+    assert provenance["trees"] == measured_trees()
+    assert len(provenance["code_hash"]) == 64
+    assert provenance["declared_commit"] == "test"
+    assert provenance["tree_matches_declared"] is None  # "test" is no commit git knows
 
 
 def test_a_failed_ladder_summary_conforms():
@@ -179,3 +207,40 @@ def test_a_declared_commit_replaces_the_checkouts_stale_one():
     assert declared_commit_info(current, "6358c5c") is current  # the checkout agrees
     assert declared_commit_info(current, "6358c5c+dirty")["host_git"] is current
     assert declared_commit_info({}, "test")["id"] == "test"  # no git at all
+
+
+def test_tree_ids_are_gits_own(tmp_path):
+    """The measured tree ids equal ``git rev-parse HEAD:<path>``, also with an executable, a
+    subfolder and the ignored leftovers of a run; a changed byte changes the id, and the
+    declared commit is matched or not."""
+    from bench_provenance import declared_trees, provenance, tree_id
+
+    def git(*args):
+        return subprocess.run(["git", "-C", str(tmp_path), *args], check=True,
+                              capture_output=True, text=True).stdout.strip()
+
+    git("init", "-q")
+    git("config", "user.email", "bench@example.com")
+    git("config", "user.name", "bench")
+    (tmp_path / "src" / "pkg" / "inner").mkdir(parents=True)
+    (tmp_path / "src" / "pkg" / "a.py").write_text("x = 1\n")
+    (tmp_path / "src" / "pkg" / "a.pyx").write_text("y = 1\n")  # sorts after "a.py"
+    (tmp_path / "src" / "pkg" / "inner" / "b.py").write_bytes(b"\x00\xff")
+    (tmp_path / "src" / "run.sh").write_text("#!/bin/sh\n")
+    (tmp_path / "src" / "run.sh").chmod(0o755)
+    (tmp_path / "tests" / "bench").mkdir(parents=True)
+    (tmp_path / "tests" / "bench" / "bench_x.py").write_text("z = 3\n")
+    git("add", ".")
+    git("commit", "-qm", "code")
+    (tmp_path / "src" / "pkg" / "__pycache__").mkdir()
+    (tmp_path / "src" / "pkg" / "__pycache__" / "a.cpython-311.pyc").write_bytes(b"junk")
+    assert tree_id(tmp_path / "src") == git("rev-parse", "HEAD:src")
+    assert tree_id(tmp_path / "tests" / "bench") == git("rev-parse", "HEAD:tests/bench")
+    head = git("rev-parse", "--short", "HEAD")
+    assert declared_trees(head, tmp_path) == {"src": git("rev-parse", "HEAD:src"),
+                                              "tests/bench": git("rev-parse", "HEAD:tests/bench")}
+    assert provenance(head, tmp_path)["tree_matches_declared"] is True
+    (tmp_path / "src" / "pkg" / "a.py").write_text("x = 2\n")
+    assert tree_id(tmp_path / "src") != git("rev-parse", "HEAD:src")
+    assert provenance(head + "+dirty", tmp_path)["tree_matches_declared"] is False
+    assert provenance("0000000", tmp_path)["tree_matches_declared"] is None

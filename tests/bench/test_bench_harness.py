@@ -157,7 +157,8 @@ def test_rounds_follow_the_faster_probe(fake_benchmark):
     info = fake_benchmark.extra_info
     first, second = info["probe_calls"]
     assert first == min(50, math.ceil(0.05 / info["sync_call_s"]))
-    assert info["queued_call_s"] < 0.004
+    # relative, not in milliseconds: a loaded machine stretches every sleep
+    assert info["queued_call_s"] < info["sync_call_s"]
     assert fake_benchmark.stats.stats.iterations > first
 
 
