@@ -41,7 +41,7 @@ Kernels (each wrapper launches one):
 
 The other kernels are not warp-specialised: two programs per SM overlap one's loads and
 epilogue with the other's MMAs (the SwiGLU kernels warp-specialised were no faster on the
-H200: see docs/performance/moe-h200.md). The plain grouped matmul over a short contraction is
+H200: see docs/performance/moe.md). The plain grouped matmul over a short contraction is
 (``gmm_mosaic_ws``): its epilogue (a whole output tile stored) is then most of its time, and
 one memory warpgroup fetching across items hides it better (on the H200 at the E64
 decoder's shapes, 0.41 against 0.60 ms). ``impl="auto"``
@@ -236,7 +236,7 @@ def gmm_swiglu(
     # the same rows for the weight gradients (the Pallas path makes the copy once, with
     # ``copy_rows``; gathering in the kernel as well made the E64 decoder's train step 11.82 ms
     # against 11.26 on the H200, and gathering while writing the copy for the backward took
-    # 8.0-8.3 ms against 7.8-8.0: docs/performance/moe-h200.md).
+    # 8.0-8.3 ms against 7.8-8.0: docs/performance/moe.md).
     gathering = index is not None and not save_preactivations and gather.gathering_tiles(
         tiles, d_dim, h_dim, x.dtype)
     if gathering:
@@ -448,7 +448,7 @@ def gmm_combine(
     scatter-add (a target of ``num_tokens`` is dropped). Not in the kernel's epilogue: TMA
     reduce-adds of each row into its token (into a zeroed ``jax.new_ref`` operand that
     ``pl.kernel`` writes) made the E64 decoder's train step slower on the H200, one copy per
-    row being the epilogue's pace (docs/performance/moe-h200.md, "Token order and L2"); with
+    row being the epilogue's pace (docs/performance/moe.md, "Token order and L2"); with
     whole 1 KiB rows the kernel still took 1.0 ms where it and XLA's sum take 0.7
     ("The row round trips as whole-row reduce-adds").
     """

@@ -7,7 +7,7 @@ kernels: the thirds' sum, the softmax's two, ``k`` argmax reductions and the gat
 top probabilities forward; a scatter, the softmax's backward, three conversions to the
 gradient's bfloat16 pieces and their concatenations backward. On the H200 at the E64 top-8
 decoder's 131 072 tokens those took about 0.23 ms of a 7.5 ms train step (the top-k already one
-kernel), these two kernels 0.09 ms (docs/performance/moe-h200.md). Here each direction
+kernel), these two kernels 0.09 ms (docs/performance/moe.md). Here each direction
 is one kernel over blocks of tokens, a program bringing a block into shared memory by TMA
 (two slots, the next block landing while one is worked on) and working in a warpgroup's
 registers (row reductions):

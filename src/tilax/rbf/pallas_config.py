@@ -439,7 +439,7 @@ def _mosaic_exact(config: PathConfig, batch: int, n: int, m: int, dim: int) -> P
     the Triton difference kernel, and forward + backward 35.1 ms against 50.7 ms with the Triton
     sweeps when the Mosaic GPU backward was two sweeps (the ``kernel_mv`` and
     ``kernel_mv_launches`` bench suites' ``"highest"`` rows; see
-    docs/performance/rbf-kernels.md)."""
+    docs/performance/rbf.md)."""
     distance = Difference(difference_dims(dim), per_dimension=True)
 
     def fits(launch, size, programs):

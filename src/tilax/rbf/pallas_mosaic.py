@@ -2,13 +2,13 @@
 
 The Triton forward runs each key tile as a chain (distance ``wgmma``, a full wait, the exps,
 the values ``wgmma``, another full wait), so the tensor cores and the exp unit of one program
-never overlap (see docs/performance/rbf-kernels.md). This kernel takes FlashAttention-3's shape
+never overlap (see docs/performance/rbf.md). This kernel takes FlashAttention-3's shape
 (``jax.experimental.pallas.ops.gpu.attention_mgpu``): per program, one memory warpgroup streams
 key and value tiles through TMA into a ring of ``KEY_STAGES`` slots, and two compute
 warpgroups own 64 query rows each and take turns on the tensor cores (a schedule barrier).
 ptxas moves the "done with the exps" arrival above the exps (it depends on no register), so
 the turn passes as a warpgroup starts its exps and both warpgroups' exps overlap; that was the
-fastest schedule measured on the H200 (docs/performance/rbf-kernels.md).
+fastest schedule measured on the H200 (docs/performance/rbf.md).
 
 Operands are the Triton forward's (``tilax.rbf.pallas_layout``): the augmented points as TF32
 parts ``x: [B, P, W]`` (first) and ``y: [B, L, W]`` (second), so that one TF32 dot gives the
@@ -75,7 +75,7 @@ def compiler_params():
     barrier), stored operand tiles are reused only after the ``wgmma`` that read them was waited
     for, and ring slots only after mbarriers say they were read. On the H200 the barriers
     (under jax 0.11, two a dimension a tile around the exact sweep's atomic column sums) cost
-    4% of a forward+backward at either precision (docs/performance/rbf-kernels.md)."""
+    4% of a forward+backward at either precision (docs/performance/rbf.md)."""
     return plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=True)
 
 

@@ -21,7 +21,7 @@ A memory warpgroup streams key coordinates and value parts through TMA into ``ST
 the two compute warpgroups run independently (FMA-bound, no turns on the tensor cores). Each key
 tile's exponents are formed ``CHUNK_L`` columns at a time and each chunk's products issued
 before the next chunk's exponents, so that only the last chunk's wait for the tensor cores is
-exposed (the chunk width measured on the H200: docs/performance/rbf-kernels.md). Keys are
+exposed (the chunk width measured on the H200: docs/performance/rbf.md). Keys are
 stored in ``paired_columns`` order and read 16 bytes at a time (``paired_keys``); keys at or
 beyond ``valid_l`` are masked by index in the last tile.
 """

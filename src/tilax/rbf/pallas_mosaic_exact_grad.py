@@ -23,7 +23,7 @@ shuffles halve the columns among a warp's row groups without selects
 vector atomic add (``red.global``), with no shared memory staging and no warpgroup barrier.
 
 This one sweep replaced two that each formed every pair's exponent; what each step of it
-gained on the H200 is on docs/performance/rbf-kernels.md.
+gained on the H200 is on docs/performance/rbf.md.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ replaces (one over queries for dq, one over keys for dk and dv) computed it twic
 The shape is the forward's (``tilax.rbf.pallas_mosaic``): a memory warpgroup streams the loop
 tiles through TMA into ``STAGES`` slots, two compute warpgroups own 64 rows each and run freely:
 the forward's turns on the tensor cores (a shared barrier twice a tile) made this kernel 2%
-slower on the H200 (docs/performance/rbf-kernels.md). The program's sums stay in registers.
+slower on the H200 (docs/performance/rbf.md). The program's sums stay in registers.
 For the loop rows' sums each warpgroup also writes its pair weights to shared memory and
 multiplies them, transposed, by its own rows' coordinates; the ``[block_l, 2 C]`` result is
 added into a zeroed buffer by a TMA reduction (``reduction_op="add"``), across all programs.
@@ -26,7 +26,7 @@ Programs start their loops at different tiles so that their additions spread ove
 
 Runs where a path's ``dk`` launch names ``backend="mosaic"`` (program tile 128).
 ``pallas_config.default_config`` chooses it for ``rbf_kernel_mv`` wherever it runs (:func:`runs`)
-with loop tiles of ``BLOCK_L``; docs/performance/rbf-kernels.md has the measurements.
+with loop tiles of ``BLOCK_L``; docs/performance/rbf.md has the measurements.
 """
 
 from __future__ import annotations
@@ -341,7 +341,7 @@ def _sweep(x, y, c_parts, o_parts, u, w, *, valid_l: int, block_l: int):
                        transforms=coords_tiles),
             # The pair weights as the loop sums' operand A (read transposed): its swizzle must
             # be the own coordinates' (``wgmma``). 128-byte swizzles with transposed own
-            # coordinates were slower on the H200 (docs/performance/rbf-kernels.md).
+            # coordinates were slower on the H200 (docs/performance/rbf.md).
             plgpu.SMEM((wgs, rows, block_l), jnp.bfloat16, transforms=coords_tiles),
             plgpu.SMEM((wgs, block_l, coords_width), jnp.float32),
             plgpu.SMEM((wgs, rows, columns), jnp.float32),
