@@ -39,7 +39,7 @@ def value_and_grads(query, data, bandwidth, weights, cotangent, **kwargs):
     [
         ("pallas", True, "highest", 3),
         ("pallas", False, "highest", 3),
-        ("pallas", True, "highest", 17),  # beyond pallas_triton.HOISTED_DIMS
+        ("pallas", True, "highest", 17),  # beyond numerics.HOISTED_DIMS
         ("pallas", True, "high", 3),
         ("pallas", False, None, 3),
         ("xla", True, None, 3),

@@ -23,7 +23,7 @@ CASES = {
     "n1-d1-o1": ((), 1, 40, 1, 1, False),
     "two-batch-dims-o18": ((2, 3), 17, 33, 5, 18, False),
     "wide-o70": ((), 20, 21, 2, 70, True),
-    # More dimensions than the difference kernels hold in registers (pallas_triton.HOISTED_DIMS)
+    # More dimensions than the difference kernels hold in registers (numerics.HOISTED_DIMS)
     "d17": ((), 19, 23, 17, 3, True),
 }
 

@@ -1,4 +1,4 @@
-"""The Mosaic GPU RBF forward (tilax.rbf.pallas_mosaic) on a CPU: results in JAX's GPU
+"""The Mosaic GPU RBF forward (tilax.rbf.mosaic.forward) on a CPU: results in JAX's GPU
 interpret mode (tests/mosaic_interpret.py), lowering for CUDA, and when it is chosen.
 
 The interpreter runs the three warpgroups thread by thread (slow: one small problem), checks
@@ -15,8 +15,10 @@ import pytest
 from jax import export
 
 from tilax import _pallas
-from tilax.rbf import pallas_config, pallas_layout, pallas_mosaic
-from tilax.rbf.pallas_triton import Expansion
+from tilax.rbf import config as rbf_config
+from tilax.rbf import vjp as rbf_vjp
+from tilax.rbf.mosaic import forward as mosaic_forward
+from tilax.rbf.numerics import Expansion
 
 PARTS = Expansion("tf32_parts")
 
@@ -28,10 +30,10 @@ def _operands(n, m, dim, out, lengthscale, seed=0):
     k = rng.standard_normal((1, m, dim)).astype(np.float32)
     v = rng.standard_normal((1, m, out)).astype(np.float32)
     qs, ks = jnp.asarray(q / lengthscale), jnp.asarray(k / lengthscale)
-    rows_q = pallas_mosaic.BLOCK_P * -(-n // pallas_mosaic.BLOCK_P)
+    rows_q = mosaic_forward.BLOCK_P * -(-n // mosaic_forward.BLOCK_P)
     rows_k = 128 * -(-m // 128)
-    x, y = pallas_layout.expansion_points(PARTS, qs, ks, rows_q, rows_k)
-    values = pallas_layout.value_operand(jnp.asarray(v), rows_k, out, "bf16")
+    x, y = rbf_vjp.expansion_points(PARTS, qs, ks, rows_q, rows_k)
+    values = rbf_vjp.value_operand(jnp.asarray(v), rows_k, out, "bf16")
     return (q, k, v), (x, y, values)
 
 
@@ -59,8 +61,8 @@ def test_forward_matches_float64_in_interpret_mode(m):
     # the index mask in the last tile keeps them out.
     y, values = y.at[:, m:].set(0.0), values.at[:, m:].set(1e3)
     with gpu_interpreter():
-        out = pallas_mosaic.kernel_matmul(
-            x, y, values, distance=PARTS, valid_l=m, block_p=pallas_mosaic.BLOCK_P,
+        out = mosaic_forward.kernel_matmul(
+            x, y, values, distance=PARTS, valid_l=m, block_p=mosaic_forward.BLOCK_P,
             block_l=128, block_o=16, values="bf16", num_stages=2,
         )  # fmt: skip
     want = _reference(q, k, v, lengthscale)
@@ -79,7 +81,7 @@ def test_lowers_for_cuda():
     ]
 
     def forward(x, y, v):
-        return pallas_mosaic.kernel_matmul(
+        return mosaic_forward.kernel_matmul(
             x, y, v, distance=PARTS, valid_l=300, block_p=128, block_l=128, block_o=16,
             values="bf16", num_stages=3,
         )  # fmt: skip
@@ -105,11 +107,11 @@ def test_unsupported_settings_say_why(settings, match):
         | settings
     )
     with pytest.raises(ValueError, match=match):
-        pallas_mosaic.kernel_matmul(x, x, v, **kwargs)
+        mosaic_forward.kernel_matmul(x, x, v, **kwargs)
 
 
 def _fast_forward(precision=None, n=65536, dim=8, out=16):
-    config = pallas_config.default_config(
+    config = rbf_config.default_config(
         "triton", precision, batch=1, n=n, m=n, out=out, dim=dim, shared_memory=232448
     )
     return config.fast.fwd

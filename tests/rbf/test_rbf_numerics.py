@@ -249,14 +249,14 @@ def test_default_gradients_of_distant_clusters():
 
 def test_bf16x2_dot_rounds_the_first_operand_only():
     """``"bf16x2"``: ``a`` rounded to bfloat16 (nearest), ``b`` in two bfloat16 parts."""
-    from tilax.rbf import pallas_dots
+    from tilax.rbf import numerics
 
     rng = np.random.default_rng(9)
     a = rng.normal(size=(32, 64)).astype(np.float32)
     b = (rng.normal(size=(64, 16)) * 100.0).astype(np.float32)
-    a_parts = pallas_dots.split(jnp.asarray(a), "bf16x2")
-    b_parts = pallas_dots.split(jnp.asarray(b), "bf16x2")
-    got = np.asarray(pallas_dots.dot(a_parts, b_parts, "bf16x2", "interpret"), np.float64)
+    a_parts = numerics.split(jnp.asarray(a), "bf16x2")
+    b_parts = numerics.split(jnp.asarray(b), "bf16x2")
+    got = np.asarray(numerics.dot(a_parts, b_parts, "bf16x2", "interpret"), np.float64)
     a16 = np.asarray(a_parts[0].astype(jnp.float32), np.float64)
     assert np.max(np.abs(a16 - a)) > 0  # rounded ...
     assert np.all(np.abs(a16 - a) <= 2.0**-8 * np.abs(a))  # ... to the nearest bfloat16

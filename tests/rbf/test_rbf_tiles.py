@@ -8,7 +8,7 @@ import types
 import pytest
 
 from tilax import _pallas
-from tilax.rbf import pallas_config as C
+from tilax.rbf import config as C
 
 H200 = 232448  # opt-in shared memory per block, sm90
 BIG = 65536  # N = M of the benchmark rows: the largest tiles

@@ -31,20 +31,18 @@ import functools
 import jax
 
 from tilax import _pallas
-from tilax.rbf import (
-    pallas_mosaic,
-    pallas_mosaic_exact,
-    pallas_mosaic_exact_grad,
-    pallas_mosaic_grad,
-)
-from tilax.rbf.pallas_triton import Difference, Distance, Expansion, difference_dims
+from tilax.rbf.mosaic import exact as mosaic_exact
+from tilax.rbf.mosaic import exact_grad as mosaic_exact_grad
+from tilax.rbf.mosaic import forward as mosaic_forward
+from tilax.rbf.mosaic import grad as mosaic_grad
+from tilax.rbf.numerics import Difference, Distance, Expansion, difference_dims
 
 PRECISIONS = ("highest", "high", "default")
 
 
 @dataclasses.dataclass(frozen=True)
 class DotModes:
-    """How a path's kernels multiply (mode names as in ``pallas_dots.DOT_MODES``).
+    """How a path's kernels multiply (mode names as in ``numerics.DOT_MODES``).
 
     ``distance``: ``"difference"`` (exact, FMA units) or the dot mode of the augmented-point
     expansion (``"tf32x3"``; the forward kernels may read it as TF32 parts). ``values``: products
@@ -84,15 +82,15 @@ class Launch:
     ``block_p``: rows of the point set one program owns (its grid axis); ``block_l``: rows of
     the other point set per step of the in-kernel loop; ``block_o``: value columns per program
     (forward) or per dot (gradients). ``backend``: ``"mosaic"`` where ``rbf_kernel_mv``'s fast
-    forward runs ``tilax.rbf.pallas_mosaic`` (Hopper; ``num_stages`` is then its key/value
-    tiles in flight, ``num_warps`` unused) or its exact forward ``tilax.rbf.pallas_mosaic_exact``
+    forward runs ``tilax.rbf.mosaic.forward`` (Hopper; ``num_stages`` is then its key/value
+    tiles in flight, ``num_warps`` unused) or its exact forward ``tilax.rbf.mosaic.exact``
     (``"highest"``), else ``None``: the path's backend (the KDE's forward, which has no Mosaic
     GPU kernel, always runs Triton with these tiles). On the
     ``dq`` and ``dk`` launches of the fast path, ``"mosaic"`` runs ``rbf_kernel_mv``'s
-    backward as one sweep on ``tilax.rbf.pallas_mosaic_grad`` with the ``dk`` launch's tiles
+    backward as one sweep on ``tilax.rbf.mosaic.grad`` with the ``dk`` launch's tiles
     (program tile 128; set both; the KDE, which has no Mosaic GPU sweep, is never given such
     launches); on those of the exact
-    path, ``"mosaic"`` runs the backward as one sweep on ``tilax.rbf.pallas_mosaic_exact_grad``
+    path, ``"mosaic"`` runs the backward as one sweep on ``tilax.rbf.mosaic.exact_grad``
     with the ``dk`` launch's tiles (``"highest"``; program tile 128, loop tile 64; set both).
     """
 
@@ -205,7 +203,7 @@ class KernelCall:
     """What one launch computes, as far as its shared memory is concerned.
 
     ``kind``: ``"matmul"`` (forward / dv), ``"grad"`` or ``"logsumexp"``; ``distance``: the
-    kernel's ``pallas_triton`` distance; ``width``: columns of the augmented points (expansion);
+    kernel's ``numerics.Distance``; ``width``: columns of the augmented points (expansion);
     ``cols``: value columns of a gradient kernel (all loaded each step; a ``matmul`` program
     reads its launch's ``block_o``);
     ``values``/``coords``: dot modes; ``value_coefficient``: a gradient kernel multiplies
@@ -319,7 +317,7 @@ def forward_distance(
 ) -> Distance:
     """The forward kernels' distance: exact, or the expansion read as TF32 parts from memory
     where the one parts dot is no wider than the three split dots (small ``D``).
-    ``per_dimension``, ``rounded``: as in ``pallas_triton.Difference`` (exact path)."""
+    ``per_dimension``, ``rounded``: as in ``numerics.Difference`` (exact path)."""
     if modes.distance == "difference":
         return Difference(difference_dims(dim), per_dimension, rounded)
     if modes.distance == "tf32x3" and parts_width(dim) <= 3 * expansion_width(dim):
@@ -419,7 +417,7 @@ def _path_config(
     config = _gpu_path_config(modes, backend, path, batch, n, m, cols, value_tile, dim, block_q,
                               block_k, limit)  # fmt: skip
     # Not cached with the launches: whether Mosaic GPU runs is the device's (tests stand in).
-    if path == "fast" and pallas_mosaic.runs(config.fwd, forward_distance(modes, dim),
+    if path == "fast" and mosaic_forward.runs(config.fwd, forward_distance(modes, dim),
                                              modes.values, parts_width(dim)):
         config = dataclasses.replace(config, fwd=dataclasses.replace(config.fwd, backend="mosaic"))
     if path == "fast" and op == "kernel_mv":
@@ -430,8 +428,8 @@ def _path_config(
 
 
 def _mosaic_exact(config: PathConfig, batch: int, n: int, m: int, dim: int) -> PathConfig:
-    """``config`` with ``rbf_kernel_mv``'s exact forward on ``tilax.rbf.pallas_mosaic_exact``
-    and its backward on ``tilax.rbf.pallas_mosaic_exact_grad`` (one sweep), each where it runs
+    """``config`` with ``rbf_kernel_mv``'s exact forward on ``tilax.rbf.mosaic.exact``
+    and its backward on ``tilax.rbf.mosaic.exact_grad`` (one sweep), each where it runs
     (``runs``: Hopper, ``"highest"``'s float32 values, at most ``MAX_DIMS`` dimensions, value
     columns the sweeps take) and its 128-row program tiles still give two programs per SM (the
     rule of the Triton launches), with its own tiles; explicit tiles keep the Triton kernels. On
@@ -445,31 +443,31 @@ def _mosaic_exact(config: PathConfig, batch: int, n: int, m: int, dim: int) -> P
     def fits(launch, size, programs):
         return _occupancy_tile(launch.block_p, size, programs, 32) == launch.block_p
 
-    fwd = dataclasses.replace(config.fwd, block_p=pallas_mosaic_exact.BLOCK_P,
-                              block_l=pallas_mosaic_exact.BLOCK_L, backend="mosaic")
-    if (pallas_mosaic_exact.runs(fwd, distance, config.modes.values)
+    fwd = dataclasses.replace(config.fwd, block_p=mosaic_exact.BLOCK_P,
+                              block_l=mosaic_exact.BLOCK_L, backend="mosaic")
+    if (mosaic_exact.runs(fwd, distance, config.modes.values)
             and fits(fwd, n, batch * (config.cols // fwd.block_o))):
         config = dataclasses.replace(config, fwd=fwd)
-    sweep = dict(block_p=pallas_mosaic_exact_grad.BLOCK_P, block_l=pallas_mosaic_exact_grad.BLOCK_L,
+    sweep = dict(block_p=mosaic_exact_grad.BLOCK_P, block_l=mosaic_exact_grad.BLOCK_L,
                  backend="mosaic")
     dq, dk = (dataclasses.replace(launch, **sweep) for launch in (config.dq, config.dk))
-    if all(pallas_mosaic_exact_grad.runs(launch, distance, config.modes.values, config.cols)
+    if all(mosaic_exact_grad.runs(launch, distance, config.modes.values, config.cols)
            and fits(launch, size, batch) for launch, size in ((dq, n), (dk, m))):
         config = dataclasses.replace(config, dq=dq, dk=dk)
     return config
 
 
 def _mosaic_gradients(config: PathConfig, dim: int, block_q, block_k) -> PathConfig:
-    """``config`` with ``rbf_kernel_mv``'s backward on ``tilax.rbf.pallas_mosaic_grad`` (one
+    """``config`` with ``rbf_kernel_mv``'s backward on ``tilax.rbf.mosaic.grad`` (one
     sweep, with the ``dk`` launch's tiles) where both launches run
-    (``pallas_mosaic_grad.runs``: Hopper, the default precision's modes, program tiles of 128
+    (``mosaic_grad.runs``: Hopper, the default precision's modes, program tiles of 128
     rows as the Triton launches chose, buffers that fit in shared memory), with the caller's
-    loop tiles, else ``pallas_mosaic_grad.BLOCK_L`` or, where its buffers do not fit, 64."""
+    loop tiles, else ``mosaic_grad.BLOCK_L`` or, where its buffers do not fit, 64."""
     widths = (parts_width(dim), expansion_width(dim), config.cols)
-    for loop_tile in (pallas_mosaic_grad.BLOCK_L, 64):
+    for loop_tile in (mosaic_grad.BLOCK_L, 64):
         dq = dataclasses.replace(config.dq, block_l=block_k or loop_tile, backend="mosaic")
         dk = dataclasses.replace(config.dk, block_l=block_q or loop_tile, backend="mosaic")
-        if all(pallas_mosaic_grad.runs(launch, config.modes.values, config.modes.coords,
+        if all(mosaic_grad.runs(launch, config.modes.values, config.modes.coords,
                                        *widths) for launch in (dq, dk)):
             return dataclasses.replace(config, dq=dq, dk=dk)
     return config
@@ -536,8 +534,8 @@ def default_config(
     limit, :func:`shared_memory_limit`) with the margin. In interpret mode (CPU) every tile is
     ``min(128, next_power_of_2(size))``. Explicit ``block_q``/``block_k`` set the query/key
     tiles of all kernels, ``block_o`` the value tile (shared memory may still shrink them).
-    On Hopper, the fast path's forward (``tilax.rbf.pallas_mosaic``) and ``rbf_kernel_mv``'s
-    gradient sweep (``tilax.rbf.pallas_mosaic_grad``, loop tiles of 128) run on Mosaic GPU
+    On Hopper, the fast path's forward (``tilax.rbf.mosaic.forward``) and ``rbf_kernel_mv``'s
+    gradient sweep (``tilax.rbf.mosaic.grad``, loop tiles of 128) run on Mosaic GPU
     where those kernels support the settings and the Triton launch has program tiles of 128.
     """
     if op not in ("kernel_mv", "kde"):
