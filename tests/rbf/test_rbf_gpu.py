@@ -11,6 +11,8 @@ tests/rbf/test_rbf_numerics.py runs on the GPU too (the extreme-scale cases).
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,7 +25,9 @@ from rbf_oracle import (
 )
 
 import tilax
+from tilax import _pallas
 from tilax.rbf import config as rbf_config
+from tilax.rbf import vjp as rbf_vjp
 
 pytestmark = [
     pytest.mark.gpu,
@@ -87,21 +91,28 @@ SHAPE_GRID = {
 GRID_CASES = [(p, d, o) for p, shapes in SHAPE_GRID.items() for d, o in shapes]
 
 
-@pytest.fixture
-def large_problem_tiles(monkeypatch):
-    """Tiles as for problems that fill the GPU (the occupancy rule sees one SM)."""
-    monkeypatch.setattr(rbf_config, "_gpu_sm_count", lambda: 1)
-    rbf_config._gpu_path_config.cache_clear()
-    yield
-    rbf_config._gpu_path_config.cache_clear()
+def large_problem_fn(precision, n, m, dim, out):
+    """``rbf_kernel_mv(impl="pallas")``'s value and VJP with the tiles of problems that fill
+    the GPU: planned for this device with one core (no occupancy shrink)."""
+    device = dataclasses.replace(rbf_config.Device.here(), cores=1)
+    cfg = rbf_config.default_config(_pallas.resolve_backend("pallas"), precision, batch=1, n=n,
+                                    m=m, out=out, dim=dim, device=device)
+
+    @jax.jit
+    def run(q, k, v, lengthscale, cotangent):
+        out, vjp = jax.vjp(lambda *a: rbf_vjp.kernel_mv_with_config(*a, cfg), q, k, v,
+                           lengthscale)
+        return out, vjp(cotangent)
+
+    return run
 
 
 @pytest.mark.parametrize("precision, dim, out", GRID_CASES)
-def test_every_shape_runs(large_problem_tiles, precision, dim, out):
+def test_every_shape_runs(precision, dim, out):
     n, m = 520, 300  # not tile multiples: padding and masking run too
     q, k, v, lengthscale, cotangent = make_inputs(7, (), n, m, dim, out)
     lengthscale = lengthscale * np.float32(np.sqrt(dim))  # rho ~ 3-5 at every D
-    run = pallas_fn(precision=precision)
+    run = large_problem_fn(precision, n, m, dim, out)
     tolerance = TOLERANCE[precision or "default"]
     scales = [lengthscale]
     if precision != "highest":  # beyond the budget: the exact path
@@ -116,16 +127,6 @@ def test_every_shape_runs(large_problem_tiles, precision, dim, out):
         scale_l = lengthscale_grad_scale(q, k, scale, ref_grads[0], ref_grads[1])
         error_l = np.abs(np.asarray(grads[3], np.float64) - ref_grads[3])
         assert np.all(error_l <= 5 * tolerance * scale_l)
-
-
-def pallas_fn(**kwargs):
-    @jax.jit
-    def run(q, k, v, lengthscale, cotangent):
-        out, vjp = jax.vjp(lambda *a: tilax.rbf_kernel_mv(*a, impl="pallas", **kwargs), q, k, v,
-                           lengthscale)  # fmt: skip
-        return out, vjp(cotangent)
-
-    return run
 
 
 @pytest.mark.parametrize("precision", [None, "highest"])
@@ -255,13 +256,11 @@ def test_peak_memory_is_linear_in_n():
     assert large < 6 * small, (small, large)
 
 
-
 def test_mosaic_kernels_at_a_size_that_chooses_them():
     """At N = M = 40000 (program tiles of 128 rows keep two programs per SM) the default fast
     path runs the Mosaic GPU forward (tilax.rbf.mosaic.forward) and gradient sweeps
     (tilax.rbf.mosaic.grad) on Hopper; against ``"highest"`` (float32-exact) on the
     same data, with keys not a multiple of the tile."""
-    from tilax import _pallas
 
     if _pallas.mosaic_unavailable_reason() is not None:
         pytest.skip(_pallas.mosaic_unavailable_reason())
@@ -288,7 +287,6 @@ def test_mosaic_forward_kernel_values_at_most_one_at_the_budget_edge():
     keys carry a one-hot value (column ``i % 16``), so that ``out[i, i % 16]`` is ``K_ii`` plus
     the kernel values of probes of the same column, at least 5.8 lengthscales away (under
     1e-7 together): a bfloat16 ``K_ii`` above 1 would be at least ``1 + 2^-7``."""
-    from tilax import _pallas
     from tilax.rbf import numerics
 
     if _pallas.mosaic_unavailable_reason() is not None:
@@ -320,8 +318,6 @@ def test_mosaic_exact_forward_at_a_size_that_chooses_it(isotropic):
     (tilax.rbf.mosaic.exact) on Hopper: float32-accurate against float64 on data far
     from the origin at a small lengthscale (where the expansion is useless), with coincident
     points and keys not a multiple of the tile, and as the Triton difference kernel."""
-    from tilax import _pallas
-    from tilax.rbf import vjp as rbf_vjp
 
     if _pallas.mosaic_unavailable_reason() is not None:
         pytest.skip(_pallas.mosaic_unavailable_reason())
@@ -367,8 +363,6 @@ def test_mosaic_exact_gradient_sweeps(isotropic):
     (tilax.rbf.mosaic.exact_grad) by default on Hopper at a size that fills the GPU,
     and matches the Triton difference kernels' (explicit tiles) on data far from the origin at
     a small lengthscale, with coincident points and point counts not multiples of a tile."""
-    from tilax import _pallas
-    from tilax.rbf import vjp as rbf_vjp
 
     if _pallas.mosaic_unavailable_reason() is not None:
         pytest.skip(_pallas.mosaic_unavailable_reason())
@@ -405,7 +399,6 @@ def test_mosaic_gradient_sweep_with_wide_operands(dim, out, block_l):
     and wider ones (TF32 parts of 64 columns with 48 value columns), where the default fast
     backward runs the Mosaic GPU sweep with loop tiles of 64: against ``"highest"`` on the
     same data."""
-    from tilax import _pallas
 
     if _pallas.mosaic_unavailable_reason() is not None:
         pytest.skip(_pallas.mosaic_unavailable_reason())
@@ -425,8 +418,6 @@ def test_mosaic_gradient_sweep_under_vmap():
     kernel's batch axis) matches one call per example."""
     import dataclasses
 
-    from tilax import _pallas
-    from tilax.rbf import vjp as rbf_vjp
 
     if _pallas.mosaic_unavailable_reason() is not None:
         pytest.skip(_pallas.mosaic_unavailable_reason())
@@ -457,8 +448,6 @@ def test_mosaic_gradient_sweeps(block_l):
     ``"highest"``'s gradients on the same data, with point counts not multiples of a tile."""
     import dataclasses
 
-    from tilax import _pallas
-    from tilax.rbf import vjp as rbf_vjp
 
     if _pallas.mosaic_unavailable_reason() is not None:
         pytest.skip(_pallas.mosaic_unavailable_reason())

@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 from jax import export
 
-from tilax import _pallas
 from tilax.rbf import config as rbf_config
 from tilax.rbf import vjp as rbf_vjp
 from tilax.rbf.mosaic import forward as mosaic_forward
@@ -110,19 +109,21 @@ def test_unsupported_settings_say_why(settings, match):
         mosaic_forward.kernel_matmul(x, x, v, **kwargs)
 
 
-def _fast_forward(precision=None, n=65536, dim=8, out=16):
+HOPPER = rbf_config.Device(mosaic=True, cores=132, shared_memory=232448)
+
+
+def _fast_forward(precision=None, n=65536, dim=8, out=16, device=HOPPER):
     config = rbf_config.default_config(
-        "triton", precision, batch=1, n=n, m=n, out=out, dim=dim, shared_memory=232448
+        "triton", precision, batch=1, n=n, m=n, out=out, dim=dim, device=device
     )
     return config.fast.fwd
 
 
-def test_chosen_for_the_default_fast_forward_on_hopper(monkeypatch):
-    monkeypatch.setattr(_pallas, "mosaic_unavailable_reason", lambda: None)
+def test_chosen_for_the_default_fast_forward_on_hopper():
     assert _fast_forward().backend == "mosaic"
     assert _fast_forward(out=100).backend == "mosaic"  # two value tiles of 64
     assert _fast_forward("high").backend is None  # bfloat16x3 values: Triton
     assert _fast_forward(dim=20).backend is None  # parts wider than 64 columns
     assert _fast_forward(n=4096).backend is None  # program tiles under 128 rows
-    monkeypatch.setattr(_pallas, "mosaic_unavailable_reason", lambda: "no Hopper here")
-    assert _fast_forward().backend is None
+    no_mosaic = rbf_config.Device(mosaic=False, cores=132, shared_memory=232448)
+    assert _fast_forward(device=no_mosaic).backend is None

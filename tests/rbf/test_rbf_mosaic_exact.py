@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 from jax import export
 
-from tilax import _pallas
 from tilax.rbf import config as rbf_config
 from tilax.rbf import numerics
 from tilax.rbf import vjp as rbf_vjp
@@ -133,17 +132,21 @@ def test_unsupported_settings_say_why(settings, match):
         mosaic_exact.kernel_matmul(x, x, v, **kwargs)
 
 
-def _exact_path(precision="highest", n=65536, dim=8, out=16, op="kernel_mv", m=None, **tiles):
+HOPPER = rbf_config.Device(mosaic=True, cores=132, shared_memory=232448)
+NO_MOSAIC = rbf_config.Device(mosaic=False, cores=132, shared_memory=232448)
+
+
+def _exact_path(precision="highest", n=65536, dim=8, out=16, op="kernel_mv", m=None,
+                device=HOPPER, **tiles):
     return rbf_config.default_config("triton", precision, batch=1, n=n, m=m or n, out=out,
-                                        dim=dim, shared_memory=232448, op=op, **tiles).exact
+                                     dim=dim, device=device, op=op, **tiles).exact
 
 
 def _exact_forward(*args, **kwargs):
     return _exact_path(*args, **kwargs).fwd
 
 
-def test_chosen_for_the_highest_forward_on_hopper(monkeypatch):
-    monkeypatch.setattr(_pallas, "mosaic_unavailable_reason", lambda: None)
+def test_chosen_for_the_highest_forward_on_hopper():
     launch = _exact_forward()
     assert (launch.backend, launch.block_p, launch.block_l) == ("mosaic", 128, 128)
     assert _exact_forward(out=100).backend == "mosaic"
@@ -151,15 +154,13 @@ def test_chosen_for_the_highest_forward_on_hopper(monkeypatch):
     assert _exact_forward(dim=20).backend is None  # more dimensions than registers hold
     assert _exact_forward(n=4096).backend is None  # program tiles under 128 rows
     assert _exact_forward(op="kde").backend is None  # the KDE has no Mosaic GPU kernel
-    monkeypatch.setattr(_pallas, "mosaic_unavailable_reason", lambda: "no Hopper here")
-    assert _exact_forward().backend is None
+    assert _exact_forward(device=NO_MOSAIC).backend is None
 
 
-def test_sweeps_chosen_for_the_highest_backward_on_hopper(monkeypatch):
+def test_sweeps_chosen_for_the_highest_backward_on_hopper():
     """The exact Mosaic GPU backward (tilax.rbf.mosaic.exact_grad, one sweep set on both
     launches) replaces both Triton sweeps, with its own tiles, where it runs and programs over
     either point set fill the GPU."""
-    monkeypatch.setattr(_pallas, "mosaic_unavailable_reason", lambda: None)
     path = _exact_path()
     for launch in (path.dq, path.dk):
         assert (launch.backend, launch.block_p, launch.block_l) == (
@@ -170,5 +171,4 @@ def test_sweeps_chosen_for_the_highest_backward_on_hopper(monkeypatch):
     assert _exact_path(m=4096).dq.backend is None
     assert _exact_path(block_q=64, block_k=32).dq.backend is None  # explicit tiles: Triton
     assert _exact_path(op="kde").dq.backend is None
-    monkeypatch.setattr(_pallas, "mosaic_unavailable_reason", lambda: "no Hopper here")
-    assert _exact_path().dq.backend is None
+    assert _exact_path(device=NO_MOSAIC).dq.backend is None

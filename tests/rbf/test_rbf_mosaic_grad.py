@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 from jax import export
 
-from tilax import _pallas
 from tilax.rbf import config as rbf_config
 from tilax.rbf import numerics
 from tilax.rbf import vjp as rbf_vjp
@@ -125,7 +124,6 @@ def test_lowers_for_cuda():
     (dict(u=(1, 128, 128), w=(1, 128, 128)), 64, "value columns 128"),
     (dict(x=(1, 64, 32), u=(1, 64, 16), own=(1, 64, 16)), 64, "P=64"),
     ({}, 32, "loop tile 32"),
-    (dict(x=(1, 128, 64), u=(1, 128, 64), w=(1, 128, 64)), 128, "exceed the .* shared memory"),
 ])
 def test_unsupported_settings_say_why(shapes, block_l, match):
     sizes = dict(x=(1, 128, 32), y=(1, 128, 32), coords=(1, 128, 16), own=(1, 128, 16),
@@ -167,14 +165,16 @@ def test_fast_path_gradients_through_the_mosaic_sweeps_match_float64_in_interpre
         assert rel_err(got[0], expected) < 5e-3, name
 
 
-def _gradient_launches(precision=None, n=65536, dim=8, out=16, **settings):
+HOPPER = rbf_config.Device(mosaic=True, cores=132, shared_memory=232448)
+
+
+def _gradient_launches(precision=None, n=65536, dim=8, out=16, device=HOPPER, **settings):
     config = rbf_config.default_config("triton", precision, batch=1, n=n, m=n, out=out,
-                                          dim=dim, shared_memory=232448, **settings)
+                                       dim=dim, device=device, **settings)
     return config.fast.dq, config.fast.dk
 
 
-def test_chosen_for_rbf_kernel_mv_on_hopper(monkeypatch):
-    monkeypatch.setattr(_pallas, "mosaic_unavailable_reason", lambda: None)
+def test_chosen_for_rbf_kernel_mv_on_hopper():
     dq, dk = _gradient_launches()
     assert dq.backend == dk.backend == "mosaic"
     assert (dq.block_p, dq.block_l) == (dk.block_p, dk.block_l) == (128, 128)
@@ -186,26 +186,24 @@ def test_chosen_for_rbf_kernel_mv_on_hopper(monkeypatch):
     assert _gradient_launches(out=100)[0].backend is None  # 128 value columns
     assert _gradient_launches(n=4096)[0].backend is None  # program tiles under 128 rows
     assert _gradient_launches(op="kde")[0].backend is None  # the KDE has no Mosaic sweeps
-    monkeypatch.setattr(_pallas, "mosaic_unavailable_reason", lambda: "no Hopper here")
-    assert _gradient_launches()[0].backend is None
+    no_mosaic = rbf_config.Device(mosaic=False, cores=132, shared_memory=232448)
+    assert _gradient_launches(device=no_mosaic)[0].backend is None
 
 
-def test_loop_tiles_of_64_where_128_do_not_fit(monkeypatch):
+def test_loop_tiles_of_64_where_128_do_not_fit():
     """Wide operands (here D = 10: TF32 parts of 64 columns, with 48 value columns or more)
     take loop tiles of 64, whose buffers fit in shared memory; at every width the kernel
     supports, one of the two fits."""
     from tilax.rbf.config import expansion_width, parts_width
 
-    monkeypatch.setattr(_pallas, "mosaic_unavailable_reason", lambda: None)
     for dim, out, block_l in ((8, 16, 128), (8, 64, 128), (10, 32, 128), (10, 48, 64),
                               (19, 16, 64), (19, 64, 64)):
         dq, dk = _gradient_launches(dim=dim, out=out)
         assert dq.backend == dk.backend == "mosaic", (dim, out)
         assert dk.block_l == block_l, (dim, out)
-        need = mosaic_grad.shared_memory_bytes(
-            parts_width(dim), expansion_width(dim), -(-out // 16) * 16, block_l,
-            mosaic_grad.STAGES)
-        assert need <= mosaic_grad.SHARED_MEMORY, (dim, out)
+        need = rbf_config.mosaic_sweep_shared_memory_bytes(
+            parts_width(dim), expansion_width(dim), -(-out // 16) * 16, block_l)
+        assert need <= HOPPER.shared_memory - rbf_config.MOSAIC_BARRIER_BYTES, (dim, out)
     # the caller's 128, which does not fit: Triton
     assert _gradient_launches(dim=10, out=48, block_q=128)[1].backend is None
 

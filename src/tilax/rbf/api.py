@@ -115,8 +115,7 @@ def _resolve_impl(impl: Any, dtype: jnp.dtype) -> str:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if impl != "auto":
         return impl
-    # float64 stays float64 on the XLA path; the kernels compute in float32.
-    return "pallas" if _pallas.platform() == "gpu" and dtype != jnp.float64 else "xla"
+    return config.auto_impl(dtype, _pallas.platform())
 
 
 def _resolve_precision(precision: Any) -> str | None:

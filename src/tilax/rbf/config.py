@@ -1,10 +1,17 @@
-"""Launch settings of the RBF Pallas kernels: dot modes, tiles, and the shared-memory budget.
+"""Launch rules of the RBF Pallas kernels: which kernel runs, with which tiles, as data.
 
-``default_config`` picks, per problem and device, the dot modes of a precision and the tiles of
-every kernel launch, for both distance paths (``tilax.rbf.numerics``): the fast expansion and
-the exact differences. Tiles start from preferred launches (the best of the H200 sweeps for the
-fast path) and shrink until the launch's shared-memory estimate (:func:`shared_memory_bytes`)
-fits the device's per-block limit with a margin.
+``default_config`` picks, per problem and device, the dot modes of a precision and the kernel
+and tiles of every launch, for both distance paths (``tilax.rbf.numerics``): the fast expansion
+and the exact differences. Every choice it makes is a row of ``RULES`` (:class:`LaunchRule`)
+naming the stored run (``data/results/``) that justifies it, or saying that none does yet;
+``tests/rbf/test_rbf_rules.py`` holds every row against its run. The device it plans for is
+data too (:class:`Device`: ``default_config(device=...)`` plans for another one). Triton tiles
+start from the rules' launches and shrink until the launch's shared-memory estimate
+(:func:`shared_memory_bytes`) fits the device's per-block limit with a margin.
+
+Which kernel file runs a launch: ``Launch.backend`` ``"mosaic"`` names the Mosaic GPU kernel of
+its path and role (``tilax.rbf.mosaic.forward``, ``grad``, ``exact``, ``exact_grad``), ``None``
+the path's backend (``tilax.rbf.triton``, on a CPU in interpret mode); ``tilax.rbf.vjp`` calls it.
 
 Shared-memory model (Triton 3.x). A launch holds, per block:
 
@@ -28,13 +35,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-import jax
+import jax.numpy as jnp
 
 from tilax import _pallas
-from tilax.rbf.mosaic import exact as mosaic_exact
-from tilax.rbf.mosaic import exact_grad as mosaic_exact_grad
-from tilax.rbf.mosaic import forward as mosaic_forward
-from tilax.rbf.mosaic import grad as mosaic_grad
 from tilax.rbf.numerics import Difference, Distance, Expansion, difference_dims
 
 PRECISIONS = ("highest", "high", "default")
@@ -142,60 +145,283 @@ class PallasConfig:
     exact: PathConfig
 
 
-#: Preferred GPU launches on large problems: the fastest of a sweep on the H200 (N = M = 65536,
-#: D = 8, O = 16, program tile 64/128/256 x loop tile 32/64/128 x 4/8 warps x 2/3 stages, each
-#: path's forward and backward apart; the ``kernel_mv_launches`` bench suite stores that sweep).
-#: The exact path's difference kernels hold D coordinates per program row in registers: larger
-#: tiles spill, and 64 x 32 was fastest (32-row tiles were slower). The sweep ran at the default
-#: precision; at ``"high"`` (bfloat16 x 3 value products) the fast kernels' 128-row launches spill
-#: (sm_90 offline compile: 152 bytes a thread forward, 408 in the key gradient).
-GPU_PREFERRED = {
-    ("fast", "fwd"): Launch(128, 128, 64, num_warps=4, num_stages=3),
-    ("fast", "bwd"): Launch(128, 64, 64, num_warps=4, num_stages=3),
-    ("exact", "fwd"): Launch(64, 32, 64, num_warps=4, num_stages=2),
-    ("exact", "bwd"): Launch(64, 32, 64, num_warps=4, num_stages=2),
-    # The exact key-gradient sweep (dk and dv) alone: with loop tiles of 32 it spilled
-    # registers (ncu), with 16 rbf_kernel_mv's "highest" fwd_bwd took 50.7 ms against 58.3 ms
-    # (H200, N = M = 65536, D = 8, O = 16, diagnostic script; the query sweep at 16 was slower).
-    ("exact", "dk"): Launch(64, 16, 64, num_warps=4, num_stages=2),
-}
-#: Per-block shared memory (bytes, opt-in maximum) by compute capability, where the device does
-#: not report ``shared_memory_per_block_optin``.
-SHARED_MEMORY_BY_CAPABILITY = {
-    (7, 0): 98304, (7, 5): 65536, (8, 0): 166912, (8, 6): 101376, (8, 7): 166912,
-    (8, 9): 101376, (9, 0): 232448, (10, 0): 232448, (12, 0): 101376,
-}  # fmt: skip
-#: Fraction of the limit a launch's estimate may use (the model is an estimate).
-SHARED_MEMORY_MARGIN = 0.9
+# ------------------------------------------------------------------------------------------
+# The device the launches are planned for
+
+#: Streaming multiprocessors assumed where no GPU reports its count (launches planned on a CPU,
+#: as the bench lists its GPU grid there): an H100's or H200's.
+PLANNED_CORES = 132
+
+
+@dataclasses.dataclass(frozen=True)
+class Device:
+    """The device facts the launch rules read: ``mosaic`` (the Mosaic GPU kernels run here:
+    Hopper), ``cores`` (streaming multiprocessors, for the ``occupancy`` rule) and
+    ``shared_memory`` (bytes one block may use). :meth:`here` reads them from
+    ``tilax._pallas``; ``default_config(device=...)`` plans for another device (the tests plan
+    Hopper's launches on a CPU so)."""
+
+    mosaic: bool
+    cores: int
+    shared_memory: int
+
+    @classmethod
+    def here(cls) -> Device:
+        """The facts of this process's first device."""
+        return cls(mosaic=_pallas.mosaic_unavailable_reason() is None,
+                   cores=_pallas.gpu_core_count() or PLANNED_CORES,
+                   shared_memory=_pallas.gpu_shared_memory_per_block())
 
 
 # ------------------------------------------------------------------------------------------
-# Device limit
+# The rules: every choice between kernels and launches, with the stored run that justifies it
+
+#: ``Evidence.beaten`` for every other measured row of the chosen row's launch group
+#: (``extra_info`` ``path`` and ``kernel``) in the file: a launch sweep.
+SWEEP = "sweep"
 
 
-@functools.cache
-def _gpu_sm_count() -> int:
-    """Streaming multiprocessors of the first GPU (132 on an H100/H200 SXM when unknown)."""
-    return int(getattr(jax.devices()[0], "core_count", 0) or 132)
+@dataclasses.dataclass(frozen=True)
+class Evidence:
+    """Rows of one stored run (``data/results/<file>``, one process) that justify a rule: the
+    ``chosen`` row was faster than every row of ``beaten`` beyond the spread (its upper quartile
+    under their lower quartiles). Rows are named by their benchmark id (the pytest-benchmark
+    name's part in brackets); ``beaten`` is those ids, or ``SWEEP``."""
+
+    file: str
+    chosen: str
+    beaten: tuple[str, ...] | str
 
 
-@functools.cache
-def shared_memory_limit() -> int:
-    """Per-block shared memory of the first GPU in bytes (the opt-in maximum).
+@dataclasses.dataclass(frozen=True)
+class LaunchRule:
+    """One choice ``default_config`` (or ``rbf_kernel_mv``'s ``impl="auto"``) makes.
 
-    From the device where JAX exposes it, else ``SHARED_MEMORY_BY_CAPABILITY`` (nearest lower
-    compute capability), else the sm90 value.
+    ``choice`` says what it picks and where; ``launch`` holds the tiles it prefers (``None``:
+    the rule picks no tiles). ``evidence``: the stored runs that hold it; ``unmeasured``: where
+    none does, why not and what stands for it (such a rule owes an H200 run).
     """
-    reported = getattr(jax.devices()[0], "shared_memory_per_block_optin", None)
-    if reported:
-        return int(reported)
-    capability = _pallas.gpu_compute_capability()
-    known = [cc for cc in SHARED_MEMORY_BY_CAPABILITY if capability and cc <= capability]
-    return SHARED_MEMORY_BY_CAPABILITY[max(known)] if known else SHARED_MEMORY_BY_CAPABILITY[(9, 0)]
+
+    name: str
+    choice: str
+    launch: Launch | None
+    evidence: tuple[Evidence, ...] = ()
+    unmeasured: str = ""
+
+
+_FAST_SWEEP = "h200-20261201-b0ccf0d-launches-fast.json"
+_EXACT_SWEEPS = ("h200-20261201-b0ccf0d-launches-exact.json",
+                 "h200-20261201-f371e68-launches-exact.json")
+_LAUNCH_ID = "kernel_mv_launches-{}-n65536-d8-o16-{}"  # (group and launch, precision and op)
+
+RULES: tuple[LaunchRule, ...] = (
+    LaunchRule(
+        "auto_impl",
+        "impl='auto' runs the Pallas kernels on GPUs, plain XLA (impl='xla') on CPUs (where the "
+        "kernels only run in the interpreter) and for float64 inputs (the kernels compute in "
+        "float32)",
+        None,
+        (Evidence("h200-20261201-e6271ea-rbf-mosaic.json", "kernel_mv-pallas-n65536-d8-o16-fwd",
+                  ("kernel_mv-xla-n65536-d8-o16-fwd",)),
+         Evidence("h200-20261201-e6271ea-rbf-mosaic.json",
+                  "kernel_mv-pallas-n65536-d8-o16-fwd_bwd",
+                  ("kernel_mv-xla-n65536-d8-o16-fwd_bwd",))),
+    ),
+    LaunchRule(
+        "triton_fast_fwd",
+        "the fast path's forward on Triton: 128 x 128 tiles, 4 warps, 3 stages",
+        Launch(128, 128, 64, num_warps=4, num_stages=3),
+        unmeasured="the sweep that chose it is not stored; the stored one "
+        f"({_FAST_SWEEP}) has four launches faster beyond the spread (bp256-bl64-w4-s2 "
+        "2.43 ms against 2.60 ms). On Hopper the Mosaic GPU forward runs instead "
+        "(mosaic_fast_fwd, measured).",
+    ),
+    LaunchRule(
+        "triton_fast_bwd",
+        "the fast path's gradient sweeps (dq and dk) on Triton: 128 x 64 tiles, 4 warps, 3 "
+        "stages",
+        Launch(128, 64, 64, num_warps=4, num_stages=3),
+        (Evidence(_FAST_SWEEP, _LAUNCH_ID.format("fast_bwd-bp128-bl64-w4-s3", "fwd_bwd"),
+                  SWEEP),),
+    ),
+    LaunchRule(
+        "triton_exact_fwd",
+        "the exact path's forward on Triton: 64 x 32 tiles, 4 warps, 2 stages (the difference "
+        "kernels hold D coordinates per program row in registers: larger tiles spill)",
+        Launch(64, 32, 64, num_warps=4, num_stages=2),
+        tuple(Evidence(name, _LAUNCH_ID.format("exact_fwd-bp64-bl32-w4-s2", "highest-fwd"),
+                       SWEEP) for name in _EXACT_SWEEPS),
+    ),
+    LaunchRule(
+        "triton_exact_dq",
+        "the exact path's query-gradient sweep on Triton: 64 x 32 tiles, 4 warps, 2 stages "
+        "(measured with the key sweep at the same tiles)",
+        Launch(64, 32, 64, num_warps=4, num_stages=2),
+        tuple(Evidence(name, _LAUNCH_ID.format("exact_bwd-bp64-bl32-w4-s2", "highest-fwd_bwd"),
+                       SWEEP) for name in _EXACT_SWEEPS),
+    ),
+    LaunchRule(
+        "triton_exact_dk",
+        "the exact path's key-gradient sweep (dk and dv) on Triton: loop tiles of 16 (with 32 "
+        "it spilled registers, ncu)",
+        Launch(64, 16, 64, num_warps=4, num_stages=2),
+        unmeasured="a diagnostic script's A/B (H200, N = M = 65536, D = 8, O = 16: fwd_bwd "
+        "50.7 ms against 58.3 ms with loop tiles of 32) was not stored; the stored rows are "
+        "two commits apart (h200-20261201-d156166-kmv-highest.json at 16, "
+        "h200-20261201-d98132e-kmv-highest.json at 32).",
+    ),
+    LaunchRule(
+        "occupancy",
+        "a program tile halves while the grid has fewer than two programs per core, down to "
+        "32 rows (forward) or 64 (gradient sweeps)",
+        None,
+        unmeasured="no stored run compares the tiles of problems too small to fill the GPU.",
+    ),
+    LaunchRule(
+        "value_tile",
+        "the value tile is min(64, next_power_of_2(O)), at least 16",
+        None,
+        unmeasured="the stored tile sweep (h200-20261130-cf11ba3-tiles.json) has value tiles "
+        "of 16 only.",
+    ),
+    LaunchRule(
+        "interpret_tiles",
+        "in interpret mode (a CPU) every tile is min(128, next_power_of_2(size)): fewer, larger "
+        "tiles interpret faster",
+        None,
+        unmeasured="a CPU choice (the Pallas interpreter); no stored run.",
+    ),
+    LaunchRule(
+        "mosaic_fast_fwd",
+        "on Hopper, the fast path's forward on tilax.rbf.mosaic.forward wherever it takes the "
+        "settings (TF32-parts distance, bfloat16 values, parts up to 64 columns, value tiles up "
+        "to 256) and the Triton launch has program tiles of 128 and loop tiles a multiple of 64",
+        Launch(128, 128, 64, backend="mosaic"),
+        (Evidence("h200-20261201-e6271ea-rbf-mosaic.json", "kernel_mv-pallas-n65536-d8-o16-fwd",
+                  (_LAUNCH_ID.format("fast_fwd-bp128-bl128-w4-s3", "fwd"),)),),
+    ),
+    LaunchRule(
+        "mosaic_fast_bwd",
+        "on Hopper, rbf_kernel_mv's fast backward as one sweep on tilax.rbf.mosaic.grad "
+        "(default precision; program tiles of 128, loop tiles of 128 or the caller's) wherever "
+        "it takes the widths and its buffers fit",
+        Launch(128, 128, 64, backend="mosaic"),
+        (Evidence("h200-20261201-2c3d544-launches-mosaic.json",
+                  "kernel_mv_launches-fast_bwd-mosaic-bp128-bl128-n65536-d8-o16-fwd_bwd",
+                  ("kernel_mv_launches-fast_bwd-mosaic-bp128-bl64-n65536-d8-o16-fwd_bwd",)),
+         Evidence("h200-20261201-42a1217-launches-mosaic-bwd.json",
+                  "kernel_mv_launches-fast_bwd-mosaic-bp128-bl128-n65536-d8-o16-fwd_bwd",
+                  (_LAUNCH_ID.format("fast_bwd-bp128-bl64-w4-s3", "fwd_bwd"),))),
+    ),
+    LaunchRule(
+        "mosaic_fast_bwd_narrow",
+        "the same sweep with loop tiles of 64 where those of 128 do not fit its shared memory",
+        Launch(128, 64, 64, backend="mosaic"),
+        (Evidence("h200-20261201-42a1217-launches-mosaic-bwd.json",
+                  "kernel_mv_launches-fast_bwd-mosaic-bp128-bl64-n65536-d8-o16-fwd_bwd",
+                  (_LAUNCH_ID.format("fast_bwd-bp128-bl64-w4-s3", "fwd_bwd"),)),),
+    ),
+    LaunchRule(
+        "mosaic_exact_fwd",
+        "on Hopper, precision='highest''s forward on tilax.rbf.mosaic.exact (128 x 128 tiles) "
+        "where it takes the settings (unrounded differences of at most 16 dimensions, values "
+        "at float32 accuracy), no tiles are given and its program tiles keep the occupancy "
+        "rule",
+        Launch(128, 128, 64, backend="mosaic"),
+        unmeasured="stored beside other commits' Triton rows only "
+        "(h200-20261201-d98132e-kmv-highest.json: 7.56 ms; the Triton difference kernel "
+        "11.0 ms in h200-20261201-86daa73-kmv-pallas.json); no one process holds both.",
+    ),
+    LaunchRule(
+        "mosaic_exact_bwd",
+        "on Hopper, rbf_kernel_mv's exact backward as one sweep on tilax.rbf.mosaic.exact_grad "
+        "(program tiles of 128, loop tiles of 64) where it takes the settings (as "
+        "mosaic_exact_fwd, value columns up to 64), no tiles are given and its program tiles "
+        "keep the occupancy rule",
+        Launch(128, 64, 64, backend="mosaic"),
+        unmeasured="one commit, two processes: h200-20261201-d156166-exact-mosaic-bwd.json "
+        "(fwd_bwd 35.1 ms) and h200-20261201-d156166-kmv-highest.json (the Triton sweeps, "
+        "50.7 ms).",
+    ),
+)
+
+
+def rule(name: str) -> LaunchRule:
+    """The row of ``RULES`` called ``name``."""
+    return next(row for row in RULES if row.name == name)
+
+
+#: Programs per core below which the ``occupancy`` rule halves a program tile.
+PROGRAMS_PER_CORE = 2
+
+
+def auto_impl(dtype, platform: str) -> str:
+    """``impl="auto"``'s implementation for inputs of ``dtype`` on ``platform`` (the
+    ``auto_impl`` rule): ``"pallas"`` on GPUs, ``"xla"`` elsewhere and for float64."""
+    return "pallas" if platform == "gpu" and jnp.dtype(dtype) != jnp.float64 else "xla"
+
+
+# ------------------------------------------------------------------------------------------
+# What the Mosaic GPU kernels take (each kernel file checks the same and says why not; the
+# rules' tests hold the two together)
+
+#: Rows a Mosaic GPU program owns (two compute warpgroups of 64).
+MOSAIC_BLOCK_P = 128
+#: Widest TF32-parts and coordinate operands (columns) of the fast kernels.
+MOSAIC_MAX_WIDTH = 64
+#: Widest value tile of the forwards, and value operand (columns) of the sweeps.
+MOSAIC_MAX_VALUE_TILE, MOSAIC_MAX_COLUMNS = 256, 64
+#: Most dimensions the exact kernels hold in registers.
+MOSAIC_EXACT_MAX_DIMS = 16
+#: Loop tiles of the fast sweep, and its tiles in flight.
+MOSAIC_SWEEP_LOOP_TILES, MOSAIC_SWEEP_STAGES = (64, 128), 2
+#: Shared memory the fast sweep leaves for its barriers (bytes).
+MOSAIC_BARRIER_BYTES = 2048
+
+
+def mosaic_sweep_shared_memory_bytes(parts_width: int, coords_width: int, columns: int,
+                                     block_l: int, stages: int = MOSAIC_SWEEP_STAGES) -> int:
+    """Bytes of the buffers of the fast sweep's kernel (``tilax.rbf.mosaic.grad``; the list in
+    its ``entry``, in order): the program's and the loop tiles' parts, values and coordinates,
+    the pair weights and the staged sums."""
+    rows, wgs = MOSAIC_BLOCK_P // 2, 2
+    own = wgs * rows * (4 * parts_width + 2 * columns + 2 * 2 * coords_width)
+    loop = stages * block_l * (4 * parts_width + 2 * columns + 2 * 2 * coords_width)
+    weights = wgs * rows * block_l * 2
+    staging = wgs * (block_l * coords_width + rows * columns) * 4  # sums: the loop's
+    return own + loop + weights + staging
+
+
+def _mosaic_forward_takes(launch: Launch, distance: Distance, values: str, width: int) -> bool:
+    """``tilax.rbf.mosaic.forward`` takes this fast forward."""
+    return (distance == Expansion("tf32_parts") and values == "bf16"
+            and width % 16 == 0 and width <= MOSAIC_MAX_WIDTH
+            and launch.block_o % 16 == 0 and launch.block_o <= MOSAIC_MAX_VALUE_TILE
+            and launch.block_p == MOSAIC_BLOCK_P and launch.block_l % 64 == 0)
+
+
+def _mosaic_sweep_takes(launch: Launch, modes: DotModes, parts_width: int, coords_width: int,
+                        columns: int, device: Device) -> bool:
+    """``tilax.rbf.mosaic.grad`` takes this fast sweep, and its buffers fit ``device``."""
+    widths_ok = all(w % 16 == 0 and w <= MOSAIC_MAX_WIDTH for w in (parts_width, coords_width))
+    need = mosaic_sweep_shared_memory_bytes(parts_width, coords_width, columns, launch.block_l)
+    return ((modes.values, modes.coords) == ("bf16", "bf16x2") and widths_ok
+            and columns % 16 == 0 and columns <= MOSAIC_MAX_COLUMNS
+            and launch.block_l in MOSAIC_SWEEP_LOOP_TILES and launch.block_p == MOSAIC_BLOCK_P
+            and need <= device.shared_memory - MOSAIC_BARRIER_BYTES)
+
+
+def _mosaic_exact_takes(distance: Distance, values: str) -> bool:
+    """The exact Mosaic GPU kernels take this distance and values mode."""
+    return (isinstance(distance, Difference) and not distance.rounded
+            and distance.dim <= MOSAIC_EXACT_MAX_DIMS and values == "tf32x3")
 
 
 # ------------------------------------------------------------------------------------------
 # Kernel launches and their shared memory
+
+#: Fraction of the limit a launch's estimate may use (the model is an estimate).
+SHARED_MEMORY_MARGIN = 0.9
 
 
 @dataclasses.dataclass(frozen=True)
@@ -392,10 +618,12 @@ def _fit_tile(preferred: int, size: int) -> int:
     return max(16, min(preferred, _pallas.next_power_of_2(size)))
 
 
-def _occupancy_tile(preferred: int, size: int, other_programs: int, smallest: int) -> int:
-    """Largest tile <= ``preferred`` (down to ``smallest``) giving >= 2 programs per GPU SM."""
+def _occupancy_tile(preferred: int, size: int, other_programs: int, smallest: int,
+                    cores: int) -> int:
+    """Largest tile <= ``preferred`` (down to ``smallest``) giving >= ``PROGRAMS_PER_CORE``
+    programs per core (the ``occupancy`` rule)."""
     tile = _fit_tile(preferred, size)
-    target = 2 * _gpu_sm_count()
+    target = PROGRAMS_PER_CORE * cores
     while tile > smallest and other_programs * (-(-size // tile)) < target:
         tile //= 2
     return tile
@@ -403,104 +631,120 @@ def _occupancy_tile(preferred: int, size: int, other_programs: int, smallest: in
 
 def _path_config(
     modes: DotModes, backend, path: str, *, op, batch, n, m, out, dim, block_q, block_k, block_o,
-    limit,
+    device: Device | None,
 ) -> PathConfig:  # fmt: skip
     value_tile = block_o or _fit_tile(64, out)
     cols = _pallas.round_up(out, value_tile)
-    if backend == "interpret":
-        # Fewer, larger tiles interpret faster; no shared memory to fit.
+    if backend == "interpret":  # the interpret_tiles rule; no shared memory to fit
         q_tile = block_q or _fit_tile(128, n)
         k_tile = block_k or _fit_tile(128, m)
         fwd = dq = Launch(q_tile, k_tile, value_tile)
         dk = Launch(k_tile, q_tile, value_tile)
         return PathConfig(backend, modes, cols, fwd, dq, dk)
     config = _gpu_path_config(modes, backend, path, batch, n, m, cols, value_tile, dim, block_q,
-                              block_k, limit)  # fmt: skip
-    # Not cached with the launches: whether Mosaic GPU runs is the device's (tests stand in).
-    if path == "fast" and mosaic_forward.runs(config.fwd, forward_distance(modes, dim),
-                                             modes.values, parts_width(dim)):
+                              block_k, device)  # fmt: skip
+    if not device.mosaic:
+        return config
+    if path == "fast" and _mosaic_forward_takes(config.fwd, forward_distance(modes, dim),
+                                                modes.values, parts_width(dim)):
         config = dataclasses.replace(config, fwd=dataclasses.replace(config.fwd, backend="mosaic"))
     if path == "fast" and op == "kernel_mv":
-        config = _mosaic_gradients(config, dim, block_q, block_k)
+        config = _mosaic_fast_bwd(config, dim, block_q, block_k, device)
     if path == "exact" and op == "kernel_mv" and block_q is None and block_k is None:
-        config = _mosaic_exact(config, batch, n, m, dim)
+        config = _mosaic_exact(config, batch, n, m, dim, device)
     return config
 
 
-def _mosaic_exact(config: PathConfig, batch: int, n: int, m: int, dim: int) -> PathConfig:
-    """``config`` with ``rbf_kernel_mv``'s exact forward on ``tilax.rbf.mosaic.exact``
-    and its backward on ``tilax.rbf.mosaic.exact_grad`` (one sweep), each where it runs
-    (``runs``: Hopper, ``"highest"``'s float32 values, at most ``MAX_DIMS`` dimensions, value
-    columns the sweeps take) and its 128-row program tiles still give two programs per SM (the
-    rule of the Triton launches), with its own tiles; explicit tiles keep the Triton kernels. On
-    the H200 at N = M = 65536, D = 8, O = 16 the forward took 7.56 ms on it against 11.0 ms on
-    the Triton difference kernel, and forward + backward 35.1 ms against 50.7 ms with the Triton
-    sweeps when the Mosaic GPU backward was two sweeps (the ``kernel_mv`` and
-    ``kernel_mv_launches`` bench suites' ``"highest"`` rows; see
-    docs/performance/rbf-kernels.md)."""
+def _mosaic_exact(config: PathConfig, batch: int, n: int, m: int, dim: int,
+                  device: Device) -> PathConfig:
+    """``config`` with ``rbf_kernel_mv``'s exact forward and backward on Mosaic GPU, each where
+    its rule (``mosaic_exact_fwd``, ``mosaic_exact_bwd``) applies."""
     distance = Difference(difference_dims(dim), per_dimension=True)
+    if not _mosaic_exact_takes(distance, config.modes.values):
+        return config
 
     def fits(launch, size, programs):
-        return _occupancy_tile(launch.block_p, size, programs, 32) == launch.block_p
+        return _occupancy_tile(launch.block_p, size, programs, 32, device.cores) == launch.block_p
 
-    fwd = dataclasses.replace(config.fwd, block_p=mosaic_exact.BLOCK_P,
-                              block_l=mosaic_exact.BLOCK_L, backend="mosaic")
-    if (mosaic_exact.runs(fwd, distance, config.modes.values)
+    preferred = rule("mosaic_exact_fwd").launch
+    fwd = dataclasses.replace(config.fwd, block_p=preferred.block_p, block_l=preferred.block_l,
+                              backend="mosaic")
+    if (fwd.block_o % 16 == 0 and fwd.block_o <= MOSAIC_MAX_VALUE_TILE
             and fits(fwd, n, batch * (config.cols // fwd.block_o))):
         config = dataclasses.replace(config, fwd=fwd)
-    sweep = dict(block_p=mosaic_exact_grad.BLOCK_P, block_l=mosaic_exact_grad.BLOCK_L,
-                 backend="mosaic")
+    preferred = rule("mosaic_exact_bwd").launch
+    sweep = dict(block_p=preferred.block_p, block_l=preferred.block_l, backend="mosaic")
     dq, dk = (dataclasses.replace(launch, **sweep) for launch in (config.dq, config.dk))
-    if all(mosaic_exact_grad.runs(launch, distance, config.modes.values, config.cols)
-           and fits(launch, size, batch) for launch, size in ((dq, n), (dk, m))):
+    if (config.cols % 16 == 0 and config.cols <= MOSAIC_MAX_COLUMNS
+            and all(fits(launch, size, batch) for launch, size in ((dq, n), (dk, m)))):
         config = dataclasses.replace(config, dq=dq, dk=dk)
     return config
 
 
-def _mosaic_gradients(config: PathConfig, dim: int, block_q, block_k) -> PathConfig:
-    """``config`` with ``rbf_kernel_mv``'s backward on ``tilax.rbf.mosaic.grad`` (one
-    sweep, with the ``dk`` launch's tiles) where both launches run
-    (``mosaic_grad.runs``: Hopper, the default precision's modes, program tiles of 128
-    rows as the Triton launches chose, buffers that fit in shared memory), with the caller's
-    loop tiles, else ``mosaic_grad.BLOCK_L`` or, where its buffers do not fit, 64."""
+def _mosaic_fast_bwd(config: PathConfig, dim: int, block_q, block_k,
+                     device: Device) -> PathConfig:
+    """``config`` with ``rbf_kernel_mv``'s fast backward as one Mosaic GPU sweep (with the
+    ``dk`` launch's tiles), where both launches are taken: with the caller's loop tiles, else
+    the ``mosaic_fast_bwd`` rule's or, where its buffers do not fit, the
+    ``mosaic_fast_bwd_narrow`` rule's."""
     widths = (parts_width(dim), expansion_width(dim), config.cols)
-    for loop_tile in (mosaic_grad.BLOCK_L, 64):
+    for name in ("mosaic_fast_bwd", "mosaic_fast_bwd_narrow"):
+        loop_tile = rule(name).launch.block_l
         dq = dataclasses.replace(config.dq, block_l=block_k or loop_tile, backend="mosaic")
         dk = dataclasses.replace(config.dk, block_l=block_q or loop_tile, backend="mosaic")
-        if all(mosaic_grad.runs(launch, config.modes.values, config.modes.coords,
-                                       *widths) for launch in (dq, dk)):
+        if all(_mosaic_sweep_takes(launch, config.modes, *widths, device) for launch in (dq, dk)):
             return dataclasses.replace(config, dq=dq, dk=dk)
     return config
 
 
+#: The ``RULES`` row of each path's Triton launches.
+_TRITON_RULES = {
+    ("fast", "fwd"): "triton_fast_fwd", ("fast", "dq"): "triton_fast_bwd",
+    ("fast", "dk"): "triton_fast_bwd", ("exact", "fwd"): "triton_exact_fwd",
+    ("exact", "dq"): "triton_exact_dq", ("exact", "dk"): "triton_exact_dk",
+}  # fmt: skip
+
+
+#: The Triton rules' launches by the bench's launch groups (``tests/bench/bench_rbf.py``
+#: sweeps each group around its launch): a path's forward, its gradient sweeps (``"bwd"``) and
+#: the exact path's key sweep apart (``"dk"``).
+GPU_PREFERRED = {
+    ("fast", "fwd"): rule("triton_fast_fwd").launch,
+    ("fast", "bwd"): rule("triton_fast_bwd").launch,
+    ("exact", "fwd"): rule("triton_exact_fwd").launch,
+    ("exact", "bwd"): rule("triton_exact_dq").launch,
+    ("exact", "dk"): rule("triton_exact_dk").launch,
+}  # fmt: skip
+
+
 @functools.lru_cache(maxsize=4096)
 def _gpu_path_config(
-    modes, backend, path, batch, n, m, cols, value_tile, dim, block_q, block_k, limit
+    modes, backend, path, batch, n, m, cols, value_tile, dim, block_q, block_k, device: Device
 ) -> PathConfig:
-    """GPU launches of one path (cached: they depend on ``O`` only through the value tile and
-    the padded column count)."""
-    pf, pb = GPU_PREFERRED[(path, "fwd")], GPU_PREFERRED[(path, "bwd")]
-    pk = GPU_PREFERRED.get((path, "dk"), pb)
+    """GPU launches of one path on Triton (cached: they depend on ``O`` only through the value
+    tile and the padded column count)."""
+    pf, pq, pk = (rule(_TRITON_RULES[(path, kernel)]).launch for kernel in ("fwd", "dq", "dk"))
     o_tiles = cols // value_tile
     fwd = dataclasses.replace(
         pf,
-        block_p=block_q or _occupancy_tile(pf.block_p, n, batch * o_tiles, 32),
+        block_p=block_q or _occupancy_tile(pf.block_p, n, batch * o_tiles, 32, device.cores),
         block_l=block_k or _fit_tile(pf.block_l, m),
         block_o=value_tile,
     )
     dq = dataclasses.replace(
-        pb,
-        block_p=block_q or _occupancy_tile(pb.block_p, n, batch, 64),
-        block_l=block_k or _fit_tile(pb.block_l, m),
+        pq,
+        block_p=block_q or _occupancy_tile(pq.block_p, n, batch, 64, device.cores),
+        block_l=block_k or _fit_tile(pq.block_l, m),
         block_o=value_tile,
     )
     dk = dataclasses.replace(
         pk,
-        block_p=block_k or _occupancy_tile(pk.block_p, m, batch, 64),
+        block_p=block_k or _occupancy_tile(pk.block_p, m, batch, 64, device.cores),
         block_l=block_q or _fit_tile(pk.block_l, n),
         block_o=value_tile,
     )
     calls = path_calls(modes, dim, cols)
+    limit = device.shared_memory
     fwd = _fit_all(calls["fwd"], fwd, limit)
     dq = _fit_all(calls["dq"], dq, limit)
     dk = _fit_all(calls["dk"], dk, limit)
@@ -519,33 +763,29 @@ def default_config(
     block_q: int | None = None,
     block_k: int | None = None,
     block_o: int | None = None,
-    shared_memory: int | None = None,
+    device: Device | None = None,
     op: str = "kernel_mv",
 ) -> PallasConfig:
     """The settings ``rbf_kernel_mv`` (``op="kernel_mv"``) or ``rbf_kde_density``
-    (``op="kde"``) use unless told otherwise.
+    (``op="kde"``) use unless told otherwise, by the rows of ``RULES``.
 
     ``precision`` names the dot modes (``FAST_MODES``, ``EXACT_MODES``; ``None`` is
-    ``"default"``). On GPUs (Triton) the launches start from ``GPU_PREFERRED``; a program tile
-    halves while the grid would have fewer than two programs per SM (small ``N`` or ``M``), down
-    to 32 rows forward and 64 backward, no tile exceeds the next power of two of its dimension
-    (min 16), the value tile is ``min(64, next_power_of_2(O))``, and then every launch shrinks
-    until its shared-memory estimate fits ``shared_memory`` bytes (default: the device's
-    limit, :func:`shared_memory_limit`) with the margin. In interpret mode (CPU) every tile is
-    ``min(128, next_power_of_2(size))``. Explicit ``block_q``/``block_k`` set the query/key
-    tiles of all kernels, ``block_o`` the value tile (shared memory may still shrink them).
-    On Hopper, the fast path's forward (``tilax.rbf.mosaic.forward``) and ``rbf_kernel_mv``'s
-    gradient sweep (``tilax.rbf.mosaic.grad``, loop tiles of 128) run on Mosaic GPU
-    where those kernels support the settings and the Triton launch has program tiles of 128.
+    ``"default"``). On GPUs (Triton) the launches start from the ``triton_*`` rules' tiles; a
+    program tile halves by the ``occupancy`` rule, no tile exceeds the next power of two of
+    its dimension (min 16), the value tile follows the ``value_tile`` rule, and then every
+    launch shrinks until its shared-memory estimate fits the device's with the margin. In
+    interpret mode (CPU) the ``interpret_tiles`` rule sets every tile. Explicit
+    ``block_q``/``block_k`` set the query/key tiles of all kernels, ``block_o`` the value tile
+    (shared memory may still shrink them). Where ``device.mosaic``, the ``mosaic_*`` rules put
+    launches on the Mosaic GPU kernels. ``device``: the facts planned for (default
+    ``Device.here()``; the backend stays ``backend``).
     """
     if op not in ("kernel_mv", "kde"):
         raise ValueError(f"op must be 'kernel_mv' or 'kde', not {op!r}")
     precision = precision or "default"
-    limit = None
-    if backend != "interpret":
-        limit = shared_memory or shared_memory_limit()
+    device = device or Device.here()
     common = dict(op=op, batch=batch, n=n, m=m, out=out, dim=dim, block_q=block_q,
-                  block_k=block_k, block_o=block_o, limit=limit)  # fmt: skip
+                  block_k=block_k, block_o=block_o, device=device)  # fmt: skip
     fast = None
     if precision in FAST_MODES:
         fast = _path_config(FAST_MODES[precision], backend, "fast", **common)

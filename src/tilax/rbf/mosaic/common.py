@@ -32,6 +32,9 @@ ROWS_PER_WARPGROUP = 64
 COMPUTE_WARPGROUPS = 2
 #: Rows a program owns: the forward launch's ``block_p`` on this backend.
 BLOCK_P = ROWS_PER_WARPGROUP * COMPUTE_WARPGROUPS
+#: Widest TF32-parts (and coordinate) operand, in columns, the fast kernels' shared memory is
+#: planned for.
+MAX_WIDTH = 64
 
 
 # ------------------------------------------------------------------------------------------

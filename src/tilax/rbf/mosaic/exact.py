@@ -70,14 +70,6 @@ def unsupported_reason(distance: Distance, values: str, block_o: int) -> str | N
     return None
 
 
-def runs(launch, distance: Distance, values: str) -> bool:
-    """Whether the exact forward of ``launch`` (a ``config.Launch``) runs here: on a
-    Hopper GPU, for settings this kernel supports, with its tiles."""
-    return (_pallas.mosaic_unavailable_reason() is None
-            and unsupported_reason(distance, values, launch.block_o) is None
-            and launch.block_p == BLOCK_P and launch.block_l == BLOCK_L)
-
-
 def kernel_matmul(
     x: jax.Array,
     y: jax.Array,

@@ -80,14 +80,6 @@ def unsupported_reason(distance: Distance, values: str, columns: int) -> str | N
     return None
 
 
-def runs(launch, distance: Distance, values: str, columns: int) -> bool:
-    """Whether a sweep of ``launch`` (a ``config.Launch``) runs here: on a Hopper GPU,
-    for settings this kernel supports, with its tiles."""
-    return (_pallas.mosaic_unavailable_reason() is None
-            and unsupported_reason(distance, values, columns) is None
-            and launch.block_p == BLOCK_P and launch.block_l == BLOCK_L)
-
-
 # The second pass runs in lane-permuted column order: thread ``32 w + L`` keeps the columns of
 # 8-column chunk ``j ^ (L >> 2)`` where ``wgmma``'s register layout keeps chunk ``j``, so that
 # the column sums' butterfly keeps and sends fixed registers (no selects by lane); see

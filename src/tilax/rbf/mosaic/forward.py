@@ -27,6 +27,7 @@ from tilax import _pallas
 from tilax.rbf.mosaic.common import (
     BLOCK_P,
     COMPUTE_WARPGROUPS,
+    MAX_WIDTH,
     ROWS_PER_WARPGROUP,
     launch_forward,
     plgpu,
@@ -35,8 +36,6 @@ from tilax.rbf.mosaic.common import (
 )
 from tilax.rbf.numerics import Distance, Expansion
 
-#: Widest TF32 parts operand (columns) the kernel's shared memory is planned for.
-MAX_WIDTH = 64
 #: Key/value tiles in flight (on the H200, two ran faster than three).
 KEY_STAGES = 2
 
@@ -52,14 +51,6 @@ def unsupported_reason(distance: Distance, values: str, width: int, block_o: int
     if block_o % 16 or block_o > 256:
         return f"value tile {block_o} is not a multiple of 16 up to 256"
     return None
-
-
-def runs(launch, distance: Distance, values: str, width: int) -> bool:
-    """Whether the fast forward of ``launch`` (a ``config.Launch``) runs here: on a
-    Hopper GPU, for settings this kernel supports, with its program tile."""
-    return (_pallas.mosaic_unavailable_reason() is None
-            and unsupported_reason(distance, values, width, launch.block_o) is None
-            and launch.block_p == BLOCK_P and launch.block_l % 64 == 0)
 
 
 def kernel_matmul(

@@ -24,9 +24,9 @@ multiplies them, transposed, by its own rows' coordinates; the ``[block_l, 2 C]`
 added into a zeroed buffer by a TMA reduction (``reduction_op="add"``), across all programs.
 Programs start their loops at different tiles so that their additions spread over the buffer.
 
-Runs where a path's ``dk`` launch names ``backend="mosaic"`` (program tile 128).
-``config.default_config`` chooses it for ``rbf_kernel_mv`` wherever it runs (:func:`runs`)
-with loop tiles of ``BLOCK_L``; docs/performance/rbf-kernels.md has the measurements.
+Runs where a path's ``dk`` launch names ``backend="mosaic"`` (program tile 128): the
+``mosaic_fast_bwd`` rows of ``tilax.rbf.config.RULES`` (loop tiles of ``BLOCK_L``, or 64 where
+the buffers, ``config.mosaic_sweep_shared_memory_bytes``, do not fit), with their stored runs.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from tilax import _pallas
 from tilax.rbf.mosaic.common import (
     BLOCK_P,
     COMPUTE_WARPGROUPS,
+    MAX_WIDTH,
     ROWS_PER_WARPGROUP,
     batch_folding,
     bfloat16_bits,
@@ -51,28 +52,14 @@ from tilax.rbf.mosaic.common import (
     stream_tiles,
     swizzled,
 )
-from tilax.rbf.mosaic.forward import MAX_WIDTH
 from tilax.rbf.numerics import split
 
 #: Loop tiles in flight.
 STAGES = 2
-#: Shared memory a program may use: the H100/H200 limit less room for the barriers.
-SHARED_MEMORY = 232448 - 2048
 #: Widest value/cotangent operand (columns): every column is in one program's registers.
 MAX_COLUMNS = 64
 #: Default loop tile (the faster of 64 and 128 on the H200; 64 where 128 does not fit).
 BLOCK_L = 128
-
-
-def shared_memory_bytes(parts_width: int, coords_width: int, columns: int, block_l: int,
-                        stages: int) -> int:
-    """Bytes of the kernel's shared-memory buffers (``_sweep``'s list, in its order)."""
-    rows, wgs = ROWS_PER_WARPGROUP, COMPUTE_WARPGROUPS
-    own = wgs * rows * (4 * parts_width + 2 * columns + 2 * 2 * coords_width)
-    loop = stages * block_l * (4 * parts_width + 2 * columns + 2 * 2 * coords_width)
-    weights = wgs * rows * block_l * 2
-    staging = wgs * (block_l * coords_width + rows * columns) * 4  # sums: the loop's
-    return own + loop + weights + staging
 
 
 def unsupported_reason(parts_width: int, coords_width: int, columns: int, block_l: int) -> (
@@ -86,10 +73,6 @@ def unsupported_reason(parts_width: int, coords_width: int, columns: int, block_
         return f"value columns {columns} are not a multiple of 16 up to {MAX_COLUMNS}"
     if block_l not in (64, 128):
         return f"loop tile {block_l} is not 64 or 128"
-    need = shared_memory_bytes(parts_width, coords_width, columns, block_l, STAGES)
-    if need > SHARED_MEMORY:
-        return (f"its buffers ({need} bytes with loop tile {block_l}) exceed the "
-                f"{SHARED_MEMORY} bytes of shared memory")
     return None
 
 
@@ -99,17 +82,6 @@ def rounded_bfloat16(a: jax.Array) -> jax.Array:
     run on the exp unit (XU), which the exps keep busy already (ncu on the H200: with two
     conversions per pair it was the sweep's busiest pipe, 72%)."""
     return bfloat16_bits(lax.bitcast_convert_type(a, jnp.uint32) + jnp.uint32(0x8000))
-
-
-def runs(launch, values: str, coords: str, parts_width: int, coords_width: int,
-         columns: int) -> bool:
-    """Whether a sweep of ``launch`` (a ``config.Launch``) runs here: on a Hopper GPU,
-    for a path whose values are multiplied in bfloat16 and coordinates in ``"bf16x2"`` (the
-    default precision's), at widths this kernel supports, with its program tile."""
-    return (_pallas.mosaic_unavailable_reason() is None
-            and (values, coords) == ("bf16", "bf16x2")
-            and unsupported_reason(parts_width, coords_width, columns, launch.block_l) is None
-            and launch.block_p == BLOCK_P)
 
 
 def pair_sums(
