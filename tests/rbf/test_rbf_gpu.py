@@ -17,12 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from rbf_oracle import (
-    kde_value_and_grads,
-    kernel_mv_value_and_grads,
-    lengthscale_grad_scale,
-    rel_err,
-)
+from helpers import rel_err
+from rbf_oracle import kde_value_and_grads, kernel_mv_value_and_grads, lengthscale_grad_scale
 
 import tilax
 from tilax import _pallas

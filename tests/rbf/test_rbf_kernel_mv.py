@@ -10,9 +10,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import rel_err
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from rbf_oracle import kernel_mv_value_and_grads, lengthscale_grad_scale, rel_err
+from rbf_oracle import kernel_mv_value_and_grads, lengthscale_grad_scale
 
 import tilax
 
@@ -71,7 +72,15 @@ def assert_matches_oracle(inputs, tolerance, **kwargs):
     assert np.all(np.abs(grad_l - ref_l) <= 5 * tolerance * scale), (grad_l, ref_l, scale)
 
 
-@pytest.mark.parametrize("case", CASES)
+#: The cases of the everyday run; the other two (batch dimensions, which the vmap test and the
+#: smaller cases run too) are heavy interpreter cases.
+HEAVY_CASES = ("batch-odd-ard", "two-batch-dims-o18")
+
+
+@pytest.mark.parametrize("case", [
+    pytest.param(case, marks=[pytest.mark.kernels] if case in HEAVY_CASES else [])
+    for case in CASES
+])
 def test_pallas_matches_float64(case):
     inputs = make_inputs(0, *CASES[case])
     assert_matches_oracle(
@@ -79,7 +88,7 @@ def test_pallas_matches_float64(case):
     )
 
 
-@pytest.mark.parametrize("precision", ["high", "default"])
+@pytest.mark.parametrize("precision", [pytest.param("high", marks=pytest.mark.kernels), "default"])
 def test_pallas_fast_precisions(precision):
     inputs = make_inputs(1, *CASES["batch-odd-ard"])
     assert_matches_oracle(inputs, TOLERANCE[precision], impl="pallas", precision=precision)
@@ -98,6 +107,7 @@ def test_xla_chunks_do_not_change_the_result():
     np.testing.assert_allclose(chunked, dense, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.kernels
 @settings(max_examples=10, deadline=None, derandomize=True)
 @given(
     batch=st.sampled_from([(), (2,)]),
@@ -210,7 +220,7 @@ def test_hessian_of_xla_matches_float64():
         from rbf_oracle import kernel_mv
 
         args = [jnp.asarray(np.asarray(x, np.float64)) for x in (q, k, v)]
-        ref = jax.hessian(lambda ls: kernel_mv(*args, ls).sum())(
+        ref = jax.jit(jax.hessian(lambda ls: kernel_mv(*args, ls).sum()))(
             jnp.asarray(np.asarray(lengthscale, np.float64))
         )
     assert rel_err(hessian, ref) < 1e-4

@@ -19,7 +19,9 @@ from tilax.rbf.mosaic import exact_grad as mosaic_exact_grad
 from tilax.rbf.mosaic import forward as mosaic_forward
 from tilax.rbf.mosaic import grad as mosaic_grad
 
-RESULTS = Path(__file__).resolve().parents[2] / "data" / "results"
+REPO = Path(__file__).resolve().parents[2]
+RESULTS = REPO / "data" / "results"
+API_PAGE = REPO / "docs" / "api" / "rbf.md"
 H200_FACTS = dict(cores=132, shared_memory=232448)
 HOPPER = rbf_config.Device(mosaic=True, **H200_FACTS)
 TRITON_GPU = rbf_config.Device(mosaic=False, **H200_FACTS)
@@ -206,3 +208,13 @@ def test_explicit_tiles_and_the_device_are_the_documented_options():
     assert _config(**small).fast.fwd.block_p == 32  # occupancy: 5 programs of 128 rows
     explicit = _config(block_q=32, block_k=64, block_o=16, **small).fast
     assert (explicit.fwd.block_p, explicit.fwd.block_l, explicit.fwd.block_o) == (32, 64, 16)
+
+
+def test_the_api_page_lists_every_rule_and_its_stored_runs():
+    page = API_PAGE.read_text()
+    rows = [line for line in page.splitlines() if line.startswith("| `")]
+    assert [row.split("`")[1] for row in rows] == [r.name for r in rbf_config.RULES]
+    for rule, row in zip(rbf_config.RULES, rows, strict=True):
+        for evidence in rule.evidence:
+            assert f"(../reports/data/{evidence.file})" in row, (rule.name, evidence.file)
+        assert ("none" in row.split("|")[3]) == (not rule.evidence), rule.name
