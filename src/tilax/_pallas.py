@@ -214,3 +214,22 @@ def dot_precision(precision: str | None) -> jax.lax.Precision | None:
             f"precision must be one of {sorted(names)} or None, got {precision!r}"
         )
     return names[precision]
+
+
+def gpu_shared_memory_per_block(capability: tuple[int, int] | None = None) -> int:
+    """Shared memory one block may use, in bytes (the opt-in maximum): of a GPU of compute
+    ``capability``, or without one of the first GPU, as it reports it
+    (``shared_memory_per_block_optin``) or else by its capability. Capabilities between the
+    known ones take the nearest lower one's; where none is known (no GPU: launches planned on a
+    CPU) it is sm90's, the Hopper GPUs' (H100, H200)."""
+    by_capability = {
+        (7, 0): 98304, (7, 5): 65536, (8, 0): 166912, (8, 6): 101376, (8, 7): 166912,
+        (8, 9): 101376, (9, 0): 232448, (10, 0): 232448, (12, 0): 101376,
+    }  # fmt: skip
+    if capability is None:
+        reported = getattr(jax.devices()[0], "shared_memory_per_block_optin", None)
+        if reported:
+            return int(reported)
+        capability = gpu_compute_capability()
+    known = [cc for cc in by_capability if capability and cc <= capability]
+    return by_capability[max(known)] if known else by_capability[(9, 0)]

@@ -103,10 +103,10 @@ class RbfCase:
     def _default_path(self):
         """The fast path of the default config here (the exact path's for ``"highest"``)."""
         from tilax import _pallas
-        from tilax.rbf import pallas_config
+        from tilax.rbf import config as rbf_config
 
         backend = _pallas.resolve_backend("pallas")
-        cfg = pallas_config.default_config(
+        cfg = rbf_config.default_config(
             backend, self.precision, batch=self.batch, n=self.n, m=self.keys,
             out=self.out or 1, dim=self.dim, block_q=self.block_q, block_k=self.block_k,
             block_o=self.block_o,
@@ -288,7 +288,7 @@ def max_n_ladders(mode: str) -> list[tuple[RbfCase, list[int]]]:
 
 LAUNCH_SUITE = "kernel_mv_launches"
 #: (path, kernel) -> (precision, op, program tiles, loop tiles, warps, stages): the sweep that
-#: chose ``pallas_config.GPU_PREFERRED`` (H200, N = M = 65536, D = 8, O = 16, float32). The
+#: chose ``tilax.rbf.config.GPU_PREFERRED`` (H200, N = M = 65536, D = 8, O = 16, float32). The
 #: fast path runs at the default precision (its expansion kernels), the exact path at
 #: ``"highest"`` (always the difference kernels). A ``bwd`` row times forward + backward
 #: (``fwd_bwd``) with the two gradient launches (dq over query tiles, dk over key tiles) set to
@@ -302,7 +302,7 @@ LAUNCH_GROUPS = {
 LAUNCH_SHAPE = (65536, 8, 16)  # n = m, dim, out
 #: Loop tiles of the Mosaic GPU gradient sweeps (``grad_backend="mosaic"`` rows of each
 #: backward family; program tile 128), beside the Triton launches: the fast path's
-#: (``pallas_mosaic_grad``) and the exact path's (``pallas_mosaic_exact_grad``); on Hopper
+#: (``mosaic.grad``) and the exact path's (``mosaic.exact_grad``); on Hopper
 #: each is its group's default, with its ``BLOCK_L``.
 MOSAIC_GRAD_LOOPS = {("fast", "bwd"): (64, 128), ("exact", "bwd"): (64,)}
 #: Smoke (CPU, interpret mode: warps and stages are ignored): one launch per group at n = 64,
@@ -333,13 +333,13 @@ LAUNCH_PRIORITY = 25  # + the launch's distance from its group's default
 class RbfLaunchCase(RbfCase):
     """One row of the launch sweep: ``rbf_kernel_mv``'s Pallas path with one kernel family's
     launch replaced (bench-only: the config is built here, through
-    ``pallas_config.default_config`` and ``pallas_vjp.kernel_mv_with_config``).
+    ``tilax.rbf.config.default_config`` and ``tilax.rbf.vjp.kernel_mv_with_config``).
 
     ``path``: ``"fast"`` (expansion) or ``"exact"`` (differences); ``kernel``: ``"fwd"`` (the
     forward launch) or ``"bwd"`` (the dq and dk launches); ``default_launch``: the launch is the
     one ``default_config`` picks for this problem on this device. ``block_o`` (the value tile)
     stays the default's. ``grad_backend``: ``"mosaic"`` runs a ``bwd`` row's sweeps on
-    ``tilax.rbf.pallas_mosaic_grad`` (Hopper; its program tile is 128 rows, warps and stages
+    ``tilax.rbf.mosaic.grad`` (Hopper; its program tile is 128 rows, warps and stages
     are its own), ``None`` the path's backend.
     """
 
@@ -402,33 +402,33 @@ class RbfLaunchCase(RbfCase):
     def config(self, backend: str):
         """The ``PallasConfig`` of this row: the default for the problem, with this row's
         launch in place of its group's (``dq`` and ``dk`` together for ``bwd``)."""
-        from tilax.rbf import pallas_config
+        from tilax.rbf import config as rbf_config
 
         cfg = default_launch_config(backend, self.precision, self.n, self.keys, self.dim,
                                     self.out)
         path = getattr(cfg, self.path)
-        launch = pallas_config.Launch(self.block_p, self.block_l, self.block_o, self.num_warps,
+        launch = rbf_config.Launch(self.block_p, self.block_l, self.block_o, self.num_warps,
                                       self.num_stages, backend=self.grad_backend)
         kernels = {"fwd": ("fwd",), "bwd": ("dq", "dk")}[self.kernel]
         path = dataclasses.replace(path, **dict.fromkeys(kernels, launch))
         return dataclasses.replace(cfg, **{self.path: path})
 
     def shared_memory_model(self) -> int:
-        """``pallas_config``'s shared-memory estimate of this launch in bytes (the largest over
+        """``tilax.rbf.config``'s shared-memory estimate of this launch in bytes (the largest over
         the kernel calls it serves; no device needed), to set beside launches that fail to
         compile for want of shared memory."""
         from tilax import _pallas
-        from tilax.rbf import pallas_config
+        from tilax.rbf import config as rbf_config
 
         name = self.precision or "default"
-        modes = (pallas_config.FAST_MODES if self.path == "fast" else
-                 pallas_config.EXACT_MODES)[name]
-        calls = pallas_config.path_calls(modes, self.dim, _pallas.round_up(self.out,
+        modes = (rbf_config.FAST_MODES if self.path == "fast" else
+                 rbf_config.EXACT_MODES)[name]
+        calls = rbf_config.path_calls(modes, self.dim, _pallas.round_up(self.out,
                                                                            self.block_o))
-        launch = pallas_config.Launch(self.block_p, self.block_l, self.block_o, self.num_warps,
+        launch = rbf_config.Launch(self.block_p, self.block_l, self.block_o, self.num_warps,
                                       self.num_stages)
         names = {"fwd": ("fwd",), "bwd": ("dq", "dk")}[self.kernel]
-        return max(pallas_config.shared_memory_bytes(call, launch)
+        return max(rbf_config.shared_memory_bytes(call, launch)
                    for name in names for call in calls[name])
 
     def unavailable_reason(self) -> str | None:
@@ -442,7 +442,8 @@ class RbfLaunchCase(RbfCase):
 
     def build(self, state):
         from tilax import _pallas
-        from tilax.rbf import numerics, pallas_vjp
+        from tilax.rbf import numerics
+        from tilax.rbf import vjp as rbf_vjp
 
         cfg = self.config(_pallas.resolve_backend("pallas"))
         if self.path == "fast":  # the run-time switch must take the path this row times
@@ -453,20 +454,20 @@ class RbfLaunchCase(RbfCase):
                                  "time the exact path")
 
         def op(q, k, v, scale):
-            return pallas_vjp.kernel_mv_with_config(q, k, v, scale, cfg)
+            return rbf_vjp.kernel_mv_with_config(q, k, v, scale, cfg)
 
         return build_jax(self, state, op=op)
 
 
 def default_launch_config(backend: str, precision, n: int, m: int, dim: int, out: int):
-    from tilax.rbf import pallas_config
+    from tilax.rbf import config as rbf_config
 
-    return pallas_config.default_config(backend, precision, batch=1, n=n, m=m, out=out,
+    return rbf_config.default_config(backend, precision, batch=1, n=n, m=m, out=out,
                                         dim=dim)
 
 
 def group_default(path: str, kernel: str, backend: str, n: int, dim: int, out: int):
-    """The ``pallas_config.Launch`` that ``default_config`` gives the group's kernel on this
+    """The ``tilax.rbf.config.Launch`` that ``default_config`` gives the group's kernel on this
     device; for ``bwd`` the dq launch (dk has the same tiles at n = m). Its ``backend`` is
     ``"mosaic"`` where a Hopper GPU runs the group on Mosaic GPU."""
     precision = LAUNCH_GROUPS[(path, kernel)][0]

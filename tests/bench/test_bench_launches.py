@@ -49,7 +49,7 @@ def test_each_group_has_its_default_launch_once(full):
     """On CPU the grid is listed with the GPU's rules (an sm90 device): the defaults are
     GPU_PREFERRED, the launches the H200 sweep chose; the exact backward's is no row (its dk
     launch has shorter loop tiles than its dq launch, and a row sets both alike)."""
-    from tilax.rbf.pallas_config import GPU_PREFERRED
+    from tilax.rbf.config import GPU_PREFERRED
 
     defaults = [case for case in full if case.default_launch]
     assert sorted(case.group for case in defaults) == ["exact_fwd", "fast_bwd", "fast_fwd"]
@@ -63,20 +63,21 @@ def test_each_group_has_its_default_launch_once(full):
 
 def test_on_hopper_the_defaults_name_their_backend(full, monkeypatch):
     """Where Mosaic GPU runs, the backwards' defaults are the Mosaic GPU sweeps (the fast
-    path's with ``pallas_mosaic_grad.BLOCK_L``, the exact path's with
-    ``pallas_mosaic_exact_grad.BLOCK_L``) and the forwards' (the Mosaic GPU forwards, fast and
+    path's with ``mosaic_grad.BLOCK_L``, the exact path's with
+    ``mosaic_exact_grad.BLOCK_L``) and the forwards' (the Mosaic GPU forwards, fast and
     exact) are no rows of the Triton grid; the rows and their ids are the same as on any other
     device."""
     from tilax import _pallas
-    from tilax.rbf import pallas_mosaic_exact_grad, pallas_mosaic_grad
+    from tilax.rbf.mosaic import exact_grad as mosaic_exact_grad
+    from tilax.rbf.mosaic import grad as mosaic_grad
 
     monkeypatch.setattr(_pallas, "mosaic_unavailable_reason", lambda: None)
     hopper = bench_rbf.launch_cases("full")
     assert sorted(case.id for case in hopper) == sorted(case.id for case in full)
     defaults = {case.group: case for case in hopper if case.default_launch}
     assert sorted(defaults) == ["exact_bwd", "fast_bwd"]
-    for group, block_l in (("fast_bwd", pallas_mosaic_grad.BLOCK_L),
-                           ("exact_bwd", pallas_mosaic_exact_grad.BLOCK_L)):
+    for group, block_l in (("fast_bwd", mosaic_grad.BLOCK_L),
+                           ("exact_bwd", mosaic_exact_grad.BLOCK_L)):
         chosen = defaults[group]
         assert (chosen.grad_backend, chosen.block_p, chosen.block_l) == ("mosaic", 128, block_l)
         assert chosen.extra_info()["bwd_backend"] == "mosaic"
@@ -136,14 +137,14 @@ def test_rows_carry_the_launch_and_satisfy_the_contract(full):
 
 @pytest.mark.parametrize("group", GROUPS)
 def test_config_replaces_only_its_group(full, group):
-    from tilax.rbf import pallas_config
+    from tilax.rbf import config as rbf_config
 
     case = next(c for c in full if c.group == group and not c.default_launch
                 and not c.grad_backend)
     cfg = case.config("triton")
-    default = pallas_config.default_config("triton", case.precision, batch=1, n=case.n,
+    default = rbf_config.default_config("triton", case.precision, batch=1, n=case.n,
                                            m=case.keys, out=case.out, dim=case.dim)
-    launch = pallas_config.Launch(case.block_p, case.block_l, 16, case.num_warps,
+    launch = rbf_config.Launch(case.block_p, case.block_l, 16, case.num_warps,
                                   case.num_stages)
     path, other = (cfg.fast, cfg.exact) if case.path == "fast" else (cfg.exact, cfg.fast)
     default_path = getattr(default, case.path)
@@ -157,16 +158,16 @@ def test_config_replaces_only_its_group(full, group):
 
 def test_mosaic_rows_set_both_sweeps_and_need_hopper(full, monkeypatch):
     from tilax import _pallas
-    from tilax.rbf import pallas_config
+    from tilax.rbf import config as rbf_config
 
     case = next(c for c in full if c.grad_backend)
     cfg = case.config("triton")
-    sweep = pallas_config.Launch(128, case.block_l, 16, case.num_warps, case.num_stages,
+    sweep = rbf_config.Launch(128, case.block_l, 16, case.num_warps, case.num_stages,
                                  backend="mosaic")
     assert cfg.fast.dq == cfg.fast.dk == sweep
     exact_case = next(c for c in full if c.grad_backend and c.path == "exact")
     exact = exact_case.config("triton").exact
-    assert exact.dq == exact.dk == pallas_config.Launch(128, 64, 16, 4, 2, backend="mosaic")
+    assert exact.dq == exact.dk == rbf_config.Launch(128, 64, 16, 4, 2, backend="mosaic")
     monkeypatch.setattr(_pallas, "mosaic_unavailable_reason", lambda: "no Hopper here")
     assert case.unavailable_reason().startswith("unavailable: the Mosaic GPU gradient sweeps")
     monkeypatch.setattr(_pallas, "mosaic_unavailable_reason", lambda: None)

@@ -1,4 +1,5 @@
-"""Float64 oracles for the RBF tests: direct pairwise differences, no tricks, x64 only here."""
+"""Float64 oracles for the RBF tests: direct pairwise differences, no tricks, x64 only here.
+Errors against them: ``helpers.rel_err`` (tests/helpers.py)."""
 
 from __future__ import annotations
 
@@ -62,19 +63,18 @@ def kernel_mv_value_and_grads(q, k, v, lengthscale, cotangent):
         return np.asarray(out), [np.asarray(g) for g in grads]
 
 
+def kernel_mv_float64(q, k, v, lengthscale) -> np.ndarray:
+    """``kernel_mv`` of NumPy-convertible inputs, in float64, as a NumPy array."""
+    with jax.enable_x64(True):
+        return np.asarray(jax.jit(kernel_mv)(*_f64(q, k, v, lengthscale)))
+
+
 def kde_value_and_grads(query, data, bandwidth, weights, cotangent, *, log):
     """Float64 KDE and the gradients of ``sum(out * cotangent)`` w.r.t. all four inputs."""
     with jax.enable_x64(True):
         args = _f64(query, data, bandwidth, weights, cotangent)
         out, grads = _kde_value_and_grads(*args, log=log)
         return np.asarray(out), [np.asarray(g) for g in grads]
-
-
-def rel_err(actual, expected) -> float:
-    """``||actual - expected|| / ||expected||`` in float64."""
-    actual = np.asarray(actual, np.float64)
-    expected = np.asarray(expected, np.float64)
-    return float(np.linalg.norm(actual - expected) / max(np.linalg.norm(expected), 1e-300))
 
 
 def lengthscale_grad_scale(q, k, lengthscale, dq, dk):

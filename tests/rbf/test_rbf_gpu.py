@@ -11,19 +11,19 @@ tests/rbf/test_rbf_numerics.py runs on the GPU too (the extreme-scale cases).
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from rbf_oracle import (
-    kde_value_and_grads,
-    kernel_mv_value_and_grads,
-    lengthscale_grad_scale,
-    rel_err,
-)
+from helpers import rel_err
+from rbf_oracle import kde_value_and_grads, kernel_mv_value_and_grads, lengthscale_grad_scale
 
 import tilax
-from tilax.rbf import pallas_config
+from tilax import _pallas
+from tilax.rbf import config as rbf_config
+from tilax.rbf import vjp as rbf_vjp
 
 pytestmark = [
     pytest.mark.gpu,
@@ -87,21 +87,28 @@ SHAPE_GRID = {
 GRID_CASES = [(p, d, o) for p, shapes in SHAPE_GRID.items() for d, o in shapes]
 
 
-@pytest.fixture
-def large_problem_tiles(monkeypatch):
-    """Tiles as for problems that fill the GPU (the occupancy rule sees one SM)."""
-    monkeypatch.setattr(pallas_config, "_gpu_sm_count", lambda: 1)
-    pallas_config._gpu_path_config.cache_clear()
-    yield
-    pallas_config._gpu_path_config.cache_clear()
+def large_problem_fn(precision, n, m, dim, out):
+    """``rbf_kernel_mv(impl="pallas")``'s value and VJP with the tiles of problems that fill
+    the GPU: planned for this device with one core (no occupancy shrink)."""
+    device = dataclasses.replace(rbf_config.Device.here(), cores=1)
+    cfg = rbf_config.default_config(_pallas.resolve_backend("pallas"), precision, batch=1, n=n,
+                                    m=m, out=out, dim=dim, device=device)
+
+    @jax.jit
+    def run(q, k, v, lengthscale, cotangent):
+        out, vjp = jax.vjp(lambda *a: rbf_vjp.kernel_mv_with_config(*a, cfg), q, k, v,
+                           lengthscale)
+        return out, vjp(cotangent)
+
+    return run
 
 
 @pytest.mark.parametrize("precision, dim, out", GRID_CASES)
-def test_every_shape_runs(large_problem_tiles, precision, dim, out):
+def test_every_shape_runs(precision, dim, out):
     n, m = 520, 300  # not tile multiples: padding and masking run too
     q, k, v, lengthscale, cotangent = make_inputs(7, (), n, m, dim, out)
     lengthscale = lengthscale * np.float32(np.sqrt(dim))  # rho ~ 3-5 at every D
-    run = pallas_fn(precision=precision)
+    run = large_problem_fn(precision, n, m, dim, out)
     tolerance = TOLERANCE[precision or "default"]
     scales = [lengthscale]
     if precision != "highest":  # beyond the budget: the exact path
@@ -116,16 +123,6 @@ def test_every_shape_runs(large_problem_tiles, precision, dim, out):
         scale_l = lengthscale_grad_scale(q, k, scale, ref_grads[0], ref_grads[1])
         error_l = np.abs(np.asarray(grads[3], np.float64) - ref_grads[3])
         assert np.all(error_l <= 5 * tolerance * scale_l)
-
-
-def pallas_fn(**kwargs):
-    @jax.jit
-    def run(q, k, v, lengthscale, cotangent):
-        out, vjp = jax.vjp(lambda *a: tilax.rbf_kernel_mv(*a, impl="pallas", **kwargs), q, k, v,
-                           lengthscale)  # fmt: skip
-        return out, vjp(cotangent)
-
-    return run
 
 
 @pytest.mark.parametrize("precision", [None, "highest"])
@@ -255,18 +252,16 @@ def test_peak_memory_is_linear_in_n():
     assert large < 6 * small, (small, large)
 
 
-
 def test_mosaic_kernels_at_a_size_that_chooses_them():
     """At N = M = 40000 (program tiles of 128 rows keep two programs per SM) the default fast
-    path runs the Mosaic GPU forward (tilax.rbf.pallas_mosaic) and gradient sweeps
-    (tilax.rbf.pallas_mosaic_grad) on Hopper; against ``"highest"`` (float32-exact) on the
+    path runs the Mosaic GPU forward (tilax.rbf.mosaic.forward) and gradient sweeps
+    (tilax.rbf.mosaic.grad) on Hopper; against ``"highest"`` (float32-exact) on the
     same data, with keys not a multiple of the tile."""
-    from tilax import _pallas
 
     if _pallas.mosaic_unavailable_reason() is not None:
         pytest.skip(_pallas.mosaic_unavailable_reason())
     q, k, v, lengthscale, cot = make_inputs(7, (), 40000, 40037, 8, 16)
-    config = pallas_config.default_config("triton", None, batch=1, n=40000, m=40037, out=16,
+    config = rbf_config.default_config("triton", None, batch=1, n=40000, m=40037, out=16,
                                           dim=8)
     assert config.fast.fwd.backend == config.fast.dq.backend == config.fast.dk.backend == (
         "mosaic")
@@ -288,7 +283,6 @@ def test_mosaic_forward_kernel_values_at_most_one_at_the_budget_edge():
     keys carry a one-hot value (column ``i % 16``), so that ``out[i, i % 16]`` is ``K_ii`` plus
     the kernel values of probes of the same column, at least 5.8 lengthscales away (under
     1e-7 together): a bfloat16 ``K_ii`` above 1 would be at least ``1 + 2^-7``."""
-    from tilax import _pallas
     from tilax.rbf import numerics
 
     if _pallas.mosaic_unavailable_reason() is not None:
@@ -304,7 +298,7 @@ def test_mosaic_forward_kernel_values_at_most_one_at_the_budget_edge():
     assert bool(numerics.fast_distance_ok(qs, ks, None))
     assert float(numerics.expansion_error_bound(dim, numerics.spread_ratio(qs, ks))) > (
         0.99 * budget)
-    config = pallas_config.default_config("triton", None, batch=1, n=n, m=n, out=out, dim=dim)
+    config = rbf_config.default_config("triton", None, batch=1, n=n, m=n, out=out, dim=dim)
     assert config.fast.fwd.backend == "mosaic"
     probes = np.arange(1024)
     values = jnp.zeros((n, out), jnp.float32).at[probes, probes % out].set(1.0)
@@ -317,11 +311,9 @@ def test_mosaic_forward_kernel_values_at_most_one_at_the_budget_edge():
 @pytest.mark.parametrize("isotropic", [False, True])
 def test_mosaic_exact_forward_at_a_size_that_chooses_it(isotropic):
     """At N = M = 40000 ``"highest"``'s forward runs the Mosaic GPU exact kernel
-    (tilax.rbf.pallas_mosaic_exact) on Hopper: float32-accurate against float64 on data far
+    (tilax.rbf.mosaic.exact) on Hopper: float32-accurate against float64 on data far
     from the origin at a small lengthscale (where the expansion is useless), with coincident
     points and keys not a multiple of the tile, and as the Triton difference kernel."""
-    from tilax import _pallas
-    from tilax.rbf import pallas_vjp
 
     if _pallas.mosaic_unavailable_reason() is not None:
         pytest.skip(_pallas.mosaic_unavailable_reason())
@@ -333,16 +325,16 @@ def test_mosaic_exact_forward_at_a_size_that_chooses_it(isotropic):
     k = (100.0 + 3e-3 * rng.normal(size=(m, dim))).astype(np.float32)
     k[:1000] = q[:1000]
     v = rng.normal(size=(m, 16)).astype(np.float32)
-    config = pallas_config.default_config("triton", "highest", batch=1, n=n, m=m, out=16,
+    config = rbf_config.default_config("triton", "highest", batch=1, n=n, m=m, out=16,
                                           dim=dim)
     assert config.exact.fwd.backend == "mosaic"
     # Explicit tiles keep the Triton difference kernel (the default ones at this size).
-    triton = pallas_config.default_config("triton", "highest", batch=1, n=n, m=m, out=16,
+    triton = rbf_config.default_config("triton", "highest", batch=1, n=n, m=m, out=16,
                                           dim=dim, block_q=64, block_k=32)
     assert triton.exact.fwd.backend is None
 
     def forward(cfg):
-        return np.asarray(jax.jit(lambda *a: pallas_vjp.kernel_mv_with_config(*a, cfg))(
+        return np.asarray(jax.jit(lambda *a: rbf_vjp.kernel_mv_with_config(*a, cfg))(
             q, k, v, lengthscale), np.float64)
 
     got, baseline = forward(config), forward(triton)
@@ -364,11 +356,9 @@ def test_mosaic_exact_forward_at_a_size_that_chooses_it(isotropic):
 @pytest.mark.parametrize("isotropic", [False, True])
 def test_mosaic_exact_gradient_sweeps(isotropic):
     """``"highest"``'s backward runs the Mosaic GPU exact sweeps
-    (tilax.rbf.pallas_mosaic_exact_grad) by default on Hopper at a size that fills the GPU,
+    (tilax.rbf.mosaic.exact_grad) by default on Hopper at a size that fills the GPU,
     and matches the Triton difference kernels' (explicit tiles) on data far from the origin at
     a small lengthscale, with coincident points and point counts not multiples of a tile."""
-    from tilax import _pallas
-    from tilax.rbf import pallas_vjp
 
     if _pallas.mosaic_unavailable_reason() is not None:
         pytest.skip(_pallas.mosaic_unavailable_reason())
@@ -381,16 +371,16 @@ def test_mosaic_exact_gradient_sweeps(isotropic):
     k[:500] = q[:500]
     v = rng.normal(size=(m, 16)).astype(np.float32)
     cot = rng.normal(size=(n, 16)).astype(np.float32)
-    mosaic = pallas_config.default_config("triton", "highest", batch=1, n=n, m=m, out=16,
+    mosaic = rbf_config.default_config("triton", "highest", batch=1, n=n, m=m, out=16,
                                           dim=dim)
     assert mosaic.exact.dq.backend == mosaic.exact.dk.backend == "mosaic"
-    triton = pallas_config.default_config("triton", "highest", batch=1, n=n, m=m, out=16,
+    triton = rbf_config.default_config("triton", "highest", batch=1, n=n, m=m, out=16,
                                           dim=dim, block_q=64, block_k=32)
     assert triton.exact.dq.backend is None and triton.exact.dk.backend is None
 
     def grads(config):
         def loss(q, k, v, lengthscale):
-            return jnp.sum(pallas_vjp.kernel_mv_with_config(q, k, v, lengthscale, config) * cot)
+            return jnp.sum(rbf_vjp.kernel_mv_with_config(q, k, v, lengthscale, config) * cot)
 
         return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(q, k, v, lengthscale)
 
@@ -405,13 +395,12 @@ def test_mosaic_gradient_sweep_with_wide_operands(dim, out, block_l):
     and wider ones (TF32 parts of 64 columns with 48 value columns), where the default fast
     backward runs the Mosaic GPU sweep with loop tiles of 64: against ``"highest"`` on the
     same data."""
-    from tilax import _pallas
 
     if _pallas.mosaic_unavailable_reason() is not None:
         pytest.skip(_pallas.mosaic_unavailable_reason())
     n, m = 40000, 40037
     q, k, v, lengthscale, cot = make_inputs(17, (), n, m, dim, out)
-    config = pallas_config.default_config("triton", None, batch=1, n=n, m=m, out=out, dim=dim)
+    config = rbf_config.default_config("triton", None, batch=1, n=n, m=m, out=out, dim=dim)
     assert (config.fast.dk.backend, config.fast.dk.block_l) == ("mosaic", block_l)
     fast, fast_grads = pallas_value_and_grads(q, k, v, lengthscale, cot)
     exact, exact_grads = pallas_value_and_grads(q, k, v, lengthscale, cot, precision="highest")
@@ -425,21 +414,19 @@ def test_mosaic_gradient_sweep_under_vmap():
     kernel's batch axis) matches one call per example."""
     import dataclasses
 
-    from tilax import _pallas
-    from tilax.rbf import pallas_vjp
 
     if _pallas.mosaic_unavailable_reason() is not None:
         pytest.skip(_pallas.mosaic_unavailable_reason())
     n, m = 8000, 9001
     q, k, v, lengthscale, cot = make_inputs(13, (2,), n, m, 8, 16)
-    triton = pallas_config.default_config("triton", None, batch=1, n=n, m=m, out=16, dim=8)
+    triton = rbf_config.default_config("triton", None, batch=1, n=n, m=m, out=16, dim=8)
     sweep = dataclasses.replace(triton.fast.dq, block_p=128, block_l=128, backend="mosaic")
     mosaic = dataclasses.replace(triton, fast=dataclasses.replace(triton.fast, dq=sweep,
                                                                   dk=sweep))
 
     def grads(q, k, v, cot):
         def loss(q, k, v, lengthscale):
-            return jnp.sum(pallas_vjp.kernel_mv_with_config(q, k, v, lengthscale, mosaic) * cot)
+            return jnp.sum(rbf_vjp.kernel_mv_with_config(q, k, v, lengthscale, mosaic) * cot)
 
         return jax.grad(loss, argnums=(0, 1, 2, 3))(q, k, v, lengthscale)
 
@@ -452,28 +439,26 @@ def test_mosaic_gradient_sweep_under_vmap():
 
 @pytest.mark.parametrize("block_l", [64, 128])
 def test_mosaic_gradient_sweeps(block_l):
-    """The fast path's backward on the Mosaic GPU sweep (tilax.rbf.pallas_mosaic_grad; the
+    """The fast path's backward on the Mosaic GPU sweep (tilax.rbf.mosaic.grad; the
     launch sweep's candidate rows) is as accurate as on the Triton sweeps: both against
     ``"highest"``'s gradients on the same data, with point counts not multiples of a tile."""
     import dataclasses
 
-    from tilax import _pallas
-    from tilax.rbf import pallas_vjp
 
     if _pallas.mosaic_unavailable_reason() is not None:
         pytest.skip(_pallas.mosaic_unavailable_reason())
     n, m = 20000, 20011
     q, k, v, lengthscale, cot = make_inputs(11, (), n, m, 8, 16)
-    triton = pallas_config.default_config("triton", None, batch=1, n=n, m=m, out=16, dim=8)
+    triton = rbf_config.default_config("triton", None, batch=1, n=n, m=m, out=16, dim=8)
     assert triton.fast.dq.backend is None  # program tiles of 64 at this size: Triton
     sweep = dataclasses.replace(triton.fast.dq, block_p=128, block_l=block_l, backend="mosaic")
     mosaic = dataclasses.replace(triton, fast=dataclasses.replace(triton.fast, dq=sweep,
                                                                   dk=sweep))
-    exact = pallas_config.default_config("triton", "highest", batch=1, n=n, m=m, out=16, dim=8)
+    exact = rbf_config.default_config("triton", "highest", batch=1, n=n, m=m, out=16, dim=8)
 
     def grads(config):
         def loss(q, k, v, lengthscale):
-            return jnp.sum(pallas_vjp.kernel_mv_with_config(q, k, v, lengthscale, config) * cot)
+            return jnp.sum(rbf_vjp.kernel_mv_with_config(q, k, v, lengthscale, config) * cot)
 
         return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(q, k, v, lengthscale)
 

@@ -6,7 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from rbf_oracle import kde_value_and_grads, rel_err
+from helpers import rel_err
+from rbf_oracle import kde_value_and_grads
 
 import tilax
 
@@ -38,9 +39,10 @@ def value_and_grads(query, data, bandwidth, weights, cotangent, **kwargs):
     "impl, log, precision, dim",
     [
         ("pallas", True, "highest", 3),
-        ("pallas", False, "highest", 3),
-        ("pallas", True, "highest", 17),  # beyond pallas_triton.HOISTED_DIMS
-        ("pallas", True, "high", 3),
+        pytest.param("pallas", False, "highest", 3, marks=pytest.mark.kernels),
+        # beyond numerics.HOISTED_DIMS
+        pytest.param("pallas", True, "highest", 17, marks=pytest.mark.kernels),
+        pytest.param("pallas", True, "high", 3, marks=pytest.mark.kernels),
         ("pallas", False, None, 3),
         ("xla", True, None, 3),
         ("dense", False, None, 3),
@@ -68,18 +70,18 @@ def test_uniform_weights_by_default():
     assert rel_err(out, ref) < 3e-6
 
 
-def test_log_density_far_from_data_is_finite_and_accurate():
+@pytest.mark.parametrize("impl", [pytest.param("pallas", marks=pytest.mark.kernels), "xla"])
+def test_log_density_far_from_data_is_finite_and_accurate(impl):
     query, data, bandwidth, weights, _ = make_inputs(2, (), 6, 30, 2, zero_weight=False)
     far = query + np.float32(60.0)  # ~85 bandwidths away: the density underflows to 0
     ref, _ = kde_value_and_grads(far, data, bandwidth, weights, np.ones(6), log=True)
-    for impl in ("pallas", "xla"):
-        log_p = tilax.rbf_kde_density(far, data, bandwidth, weights=weights, log=True, impl=impl)
-        assert np.all(np.isfinite(log_p)) and np.all(np.asarray(log_p) < -1e3)
-        assert rel_err(log_p, ref) < 1e-6, impl
-        p = tilax.rbf_kde_density(far, data, bandwidth, weights=weights, impl=impl)
-        assert not np.any(np.asarray(p))  # the plain density really underflows here
+    log_p = tilax.rbf_kde_density(far, data, bandwidth, weights=weights, log=True, impl=impl)
+    assert np.all(np.isfinite(log_p)) and np.all(np.asarray(log_p) < -1e3)
+    assert rel_err(log_p, ref) < 1e-6, impl
+    p = tilax.rbf_kde_density(far, data, bandwidth, weights=weights, impl=impl)
+    assert not np.any(np.asarray(p))  # the plain density really underflows here
     grad = jax.grad(lambda q: tilax.rbf_kde_density(q, data, bandwidth, log=True,
-                                                    impl="pallas").sum())(far)  # fmt: skip
+                                                    impl=impl).sum())(far)  # fmt: skip
     assert np.all(np.isfinite(grad))
 
 

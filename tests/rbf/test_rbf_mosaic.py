@@ -1,4 +1,4 @@
-"""The Mosaic GPU RBF forward (tilax.rbf.pallas_mosaic) on a CPU: results in JAX's GPU
+"""The Mosaic GPU RBF forward (tilax.rbf.mosaic.forward) on a CPU: results in JAX's GPU
 interpret mode (tests/mosaic_interpret.py), lowering for CUDA, and when it is chosen.
 
 The interpreter runs the three warpgroups thread by thread (slow: one small problem), checks
@@ -12,11 +12,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import rel_err
 from jax import export
+from rbf_oracle import kernel_mv_float64
 
-from tilax import _pallas
-from tilax.rbf import pallas_config, pallas_layout, pallas_mosaic
-from tilax.rbf.pallas_triton import Expansion
+from tilax.rbf import config as rbf_config
+from tilax.rbf import vjp as rbf_vjp
+from tilax.rbf.mosaic import forward as mosaic_forward
+from tilax.rbf.numerics import Expansion
 
 PARTS = Expansion("tf32_parts")
 
@@ -28,19 +31,14 @@ def _operands(n, m, dim, out, lengthscale, seed=0):
     k = rng.standard_normal((1, m, dim)).astype(np.float32)
     v = rng.standard_normal((1, m, out)).astype(np.float32)
     qs, ks = jnp.asarray(q / lengthscale), jnp.asarray(k / lengthscale)
-    rows_q = pallas_mosaic.BLOCK_P * -(-n // pallas_mosaic.BLOCK_P)
+    rows_q = mosaic_forward.BLOCK_P * -(-n // mosaic_forward.BLOCK_P)
     rows_k = 128 * -(-m // 128)
-    x, y = pallas_layout.expansion_points(PARTS, qs, ks, rows_q, rows_k)
-    values = pallas_layout.value_operand(jnp.asarray(v), rows_k, out, "bf16")
+    x, y = rbf_vjp.expansion_points(PARTS, qs, ks, rows_q, rows_k)
+    values = rbf_vjp.value_operand(jnp.asarray(v), rows_k, out, "bf16")
     return (q, k, v), (x, y, values)
 
 
-def _reference(q, k, v, lengthscale):
-    q, k, v = (a[0].astype(np.float64) for a in (q, k, v))
-    d2 = ((q[:, None, :] - k[None, :, :]) ** 2).sum(-1)
-    return np.exp(-d2 / (2 * lengthscale**2)) @ v
-
-
+@pytest.mark.kernels
 @pytest.mark.parametrize("m", [200, 460])  # two key tiles (the ring's slots), four (refills)
 def test_forward_matches_float64_in_interpret_mode(m):
     from mosaic_interpret import available, gpu_interpreter
@@ -59,13 +57,13 @@ def test_forward_matches_float64_in_interpret_mode(m):
     # the index mask in the last tile keeps them out.
     y, values = y.at[:, m:].set(0.0), values.at[:, m:].set(1e3)
     with gpu_interpreter():
-        out = pallas_mosaic.kernel_matmul(
-            x, y, values, distance=PARTS, valid_l=m, block_p=pallas_mosaic.BLOCK_P,
+        out = mosaic_forward.kernel_matmul(
+            x, y, values, distance=PARTS, valid_l=m, block_p=mosaic_forward.BLOCK_P,
             block_l=128, block_o=16, values="bf16", num_stages=2,
         )  # fmt: skip
-    want = _reference(q, k, v, lengthscale)
+    want = kernel_mv_float64(q[0], k[0], v[0], lengthscale)
     got = np.asarray(out)[0, :n]
-    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2  # bfloat16 values
+    assert rel_err(got, want) < 1e-2  # bfloat16 values
 
 
 def test_lowers_for_cuda():
@@ -79,7 +77,7 @@ def test_lowers_for_cuda():
     ]
 
     def forward(x, y, v):
-        return pallas_mosaic.kernel_matmul(
+        return mosaic_forward.kernel_matmul(
             x, y, v, distance=PARTS, valid_l=300, block_p=128, block_l=128, block_o=16,
             values="bf16", num_stages=3,
         )  # fmt: skip
@@ -105,22 +103,24 @@ def test_unsupported_settings_say_why(settings, match):
         | settings
     )
     with pytest.raises(ValueError, match=match):
-        pallas_mosaic.kernel_matmul(x, x, v, **kwargs)
+        mosaic_forward.kernel_matmul(x, x, v, **kwargs)
 
 
-def _fast_forward(precision=None, n=65536, dim=8, out=16):
-    config = pallas_config.default_config(
-        "triton", precision, batch=1, n=n, m=n, out=out, dim=dim, shared_memory=232448
+HOPPER = rbf_config.Device(mosaic=True, cores=132, shared_memory=232448)
+
+
+def _fast_forward(precision=None, n=65536, dim=8, out=16, device=HOPPER):
+    config = rbf_config.default_config(
+        "triton", precision, batch=1, n=n, m=n, out=out, dim=dim, device=device
     )
     return config.fast.fwd
 
 
-def test_chosen_for_the_default_fast_forward_on_hopper(monkeypatch):
-    monkeypatch.setattr(_pallas, "mosaic_unavailable_reason", lambda: None)
+def test_chosen_for_the_default_fast_forward_on_hopper():
     assert _fast_forward().backend == "mosaic"
     assert _fast_forward(out=100).backend == "mosaic"  # two value tiles of 64
     assert _fast_forward("high").backend is None  # bfloat16x3 values: Triton
     assert _fast_forward(dim=20).backend is None  # parts wider than 64 columns
     assert _fast_forward(n=4096).backend is None  # program tiles under 128 rows
-    monkeypatch.setattr(_pallas, "mosaic_unavailable_reason", lambda: "no Hopper here")
-    assert _fast_forward().backend is None
+    no_mosaic = rbf_config.Device(mosaic=False, cores=132, shared_memory=232448)
+    assert _fast_forward(device=no_mosaic).backend is None

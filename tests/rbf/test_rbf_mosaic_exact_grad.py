@@ -1,4 +1,4 @@
-"""The Mosaic GPU exact gradient sweep (tilax.rbf.pallas_mosaic_exact_grad) on a CPU: the whole
+"""The Mosaic GPU exact gradient sweep (tilax.rbf.mosaic.exact_grad) on a CPU: the whole
 ``"highest"`` backward through it in JAX's GPU interpret mode (tests/mosaic_interpret.py)
 against the Triton kernels' (interpreted), its sums against a float64 oracle, lowering for
 CUDA (with the column sums' shuffles, which the interpreter replaces by ``jnp.sum``), and the
@@ -12,24 +12,29 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import rel_err
 from jax import export
 
-from tilax.rbf import pallas_config, pallas_mosaic_exact, pallas_mosaic_exact_grad, pallas_vjp
-from tilax.rbf.pallas_triton import Difference
+from tilax.rbf import config as rbf_config
+from tilax.rbf import vjp as rbf_vjp
+from tilax.rbf.mosaic import exact as mosaic_exact
+from tilax.rbf.mosaic import exact_grad as mosaic_exact_grad
+from tilax.rbf.numerics import Difference
 
-SWEEP = dict(block_p=pallas_mosaic_exact_grad.BLOCK_P, block_l=pallas_mosaic_exact_grad.BLOCK_L)
+SWEEP = dict(block_p=mosaic_exact_grad.BLOCK_P, block_l=mosaic_exact_grad.BLOCK_L)
 
 
 def _mosaic_config(config):
     """``config`` with the exact path's forward and backward (both launches) on Mosaic GPU."""
     exact = config.exact
-    fwd = dataclasses.replace(exact.fwd, block_p=pallas_mosaic_exact.BLOCK_P,
-                              block_l=pallas_mosaic_exact.BLOCK_L, backend="mosaic")
+    fwd = dataclasses.replace(exact.fwd, block_p=mosaic_exact.BLOCK_P,
+                              block_l=mosaic_exact.BLOCK_L, backend="mosaic")
     sweep = dataclasses.replace(exact.dq, **SWEEP, backend="mosaic")
     return dataclasses.replace(config, exact=dataclasses.replace(exact, fwd=fwd, dq=sweep,
                                                                  dk=sweep))
 
 
+@pytest.mark.kernels
 @pytest.mark.parametrize("isotropic", [False, True])
 def test_highest_gradients_match_the_triton_kernels_in_interpret_mode(isotropic):
     from mosaic_interpret import interpreter_for_loads
@@ -44,13 +49,13 @@ def test_highest_gradients_match_the_triton_kernels_in_interpret_mode(isotropic)
     g = rng.standard_normal((n, out)).astype(np.float32)
     lengthscale = (np.float32(1e-3) if isotropic
                    else rng.uniform(5e-4, 2e-3, dim).astype(np.float32))
-    triton = pallas_config.default_config("interpret", "highest", batch=1, n=n, m=m, out=out,
+    triton = rbf_config.default_config("interpret", "highest", batch=1, n=n, m=m, out=out,
                                           dim=dim)
     mosaic = _mosaic_config(triton)
 
     def value_and_grads(config):
         def loss(q, k, v, lengthscale):
-            return jnp.sum(pallas_vjp.kernel_mv_with_config(q, k, v, lengthscale, config) * g)
+            return jnp.sum(rbf_vjp.kernel_mv_with_config(q, k, v, lengthscale, config) * g)
 
         return jax.value_and_grad(loss, argnums=(0, 1, 2, 3))(q, k, v, lengthscale)
 
@@ -60,9 +65,10 @@ def test_highest_gradients_match_the_triton_kernels_in_interpret_mode(isotropic)
     assert np.isclose(got_value, want_value, rtol=1e-5)
     for name, a, b in zip(("dq", "dk", "dv", "dlengthscale"), got, want, strict=True):
         a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-        assert np.linalg.norm(a - b) <= 1e-5 * np.linalg.norm(b), name
+        assert rel_err(a, b) <= 1e-5, name
 
 
+@pytest.mark.kernels
 @pytest.mark.parametrize("per_dimension, dims", [(True, 4), (False, 4), (True, 1)])
 def test_pair_sums_match_float64_in_interpret_mode(per_dimension, dims):
     """Each output of one sweep against float64 sums over the pairs, with a partial last
@@ -79,7 +85,7 @@ def test_pair_sums_match_float64_in_interpret_mode(per_dimension, dims):
     u = rng.normal(size=(1, num_keys, out)).astype(np.float32)
     w = rng.normal(size=(1, num_queries, out)).astype(np.float32)
     with interpreter:
-        got = pallas_mosaic_exact_grad.pair_sums(
+        got = mosaic_exact_grad.pair_sums(
             x, y, distance=Difference(dims, per_dimension), valid_l=valid_l, scale=scale,
             u=u, w=w, with_squares=True)
     got = {name: np.asarray(a, np.float64) for name, a in got.items()}
@@ -105,6 +111,7 @@ def test_pair_sums_match_float64_in_interpret_mode(per_dimension, dims):
                                    atol=1e-5)
 
 
+@pytest.mark.kernels
 def test_pair_sums_under_vmap_fold_the_mapped_axis_into_the_batch():
     """The sweep runs under run_state (no batching rule): vmap gives each item's sums."""
     from mosaic_interpret import interpreter_for_loads
@@ -118,7 +125,7 @@ def test_pair_sums_under_vmap_fold_the_mapped_axis_into_the_batch():
     scale = np.ones(4, np.float32)
 
     def sums(x, y, u):
-        return pallas_mosaic_exact_grad.pair_sums(
+        return mosaic_exact_grad.pair_sums(
             x, y, distance=Difference(4, True), valid_l=64, scale=scale, u=u, w=w,
             with_squares=True)
 
@@ -139,7 +146,7 @@ def test_lowers_for_cuda(per_dimension):
                                                    (2, 320, 32), (8 if per_dimension else 1,))]
 
     def sweep(x, y, u, w, scale):
-        return pallas_mosaic_exact_grad.pair_sums(
+        return mosaic_exact_grad.pair_sums(
             x, y, u=u, w=w, scale=scale, distance=Difference(8, per_dimension), valid_l=300,
             with_squares=True)
 
@@ -161,8 +168,8 @@ def test_unsupported_settings_say_why(settings, match):
     kwargs = dict(distance=Difference(8, True), valid_l=128, scale=jnp.ones(8), u=u, w=u,
                   with_squares=True) | settings
     with pytest.raises(ValueError, match=match):
-        pallas_mosaic_exact_grad.pair_sums(x, x, **kwargs)
+        mosaic_exact_grad.pair_sums(x, x, **kwargs)
     with pytest.raises(ValueError, match="value columns 80"):
         wide = jnp.zeros((1, 128, 80), jnp.float32)
-        pallas_mosaic_exact_grad.pair_sums(
+        mosaic_exact_grad.pair_sums(
             x, x, **(kwargs | dict(u=wide, w=wide, distance=Difference(8, True), block_l=64)))

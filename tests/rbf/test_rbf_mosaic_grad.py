@@ -1,4 +1,4 @@
-"""The Mosaic GPU gradient sweep of the RBF fast path (tilax.rbf.pallas_mosaic_grad) on a CPU:
+"""The Mosaic GPU gradient sweep of the RBF fast path (tilax.rbf.mosaic.grad) on a CPU:
 its three pair sums in JAX's GPU interpret mode against float64 (the queries' sums added up
 across programs by TMA reductions), under vmap, its lowering for CUDA, the settings it refuses,
 and where the default config chooses it. tests/rbf/test_rbf_gpu.py runs it on
@@ -10,11 +10,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import rel_err
 from jax import export
 
-from tilax import _pallas
-from tilax.rbf import pallas_config, pallas_dots, pallas_layout, pallas_mosaic_grad
-from tilax.rbf.pallas_triton import Expansion
+from tilax.rbf import config as rbf_config
+from tilax.rbf import numerics
+from tilax.rbf import vjp as rbf_vjp
+from tilax.rbf.mosaic import grad as mosaic_grad
+from tilax.rbf.numerics import Expansion
 
 PARTS = Expansion("tf32_parts")
 
@@ -32,6 +35,7 @@ def _interpreter():
     return gpu_interpreter()
 
 
+@pytest.mark.kernels
 @pytest.mark.parametrize("n, m, block_l", [(150, 200, 64), (130, 100, 128), (60, 100, 64)])
 def test_pair_sums_match_float64_in_interpret_mode(n, m, block_l):
     """The three sums of one sweep (programs over keys): the keys' sums and dv-like sums, and
@@ -44,16 +48,16 @@ def test_pair_sums_match_float64_in_interpret_mode(n, m, block_l):
     g = rng.standard_normal((1, n, out)).astype(np.float32)
     v = rng.standard_normal((1, m, out)).astype(np.float32)
     rows_q, rows_k = -(-n // block_l) * block_l, -(-m // 128) * 128
-    x, y = pallas_layout.expansion_points(PARTS, jnp.asarray(qs), jnp.asarray(ks), rows_q, rows_k)
-    queries = pallas_layout.augment_queries(jnp.asarray(qs), rows_q)
-    keys = pallas_layout.augment_keys(jnp.asarray(ks), rows_k)
-    g_pad = pallas_layout.value_operand(jnp.asarray(g), rows_q, 16, "bf16")
-    v_pad = pallas_layout.value_operand(jnp.asarray(v), rows_k, 16, "bf16")
+    x, y = rbf_vjp.expansion_points(PARTS, jnp.asarray(qs), jnp.asarray(ks), rows_q, rows_k)
+    queries = rbf_vjp.augment_queries(jnp.asarray(qs), rows_q)
+    keys = rbf_vjp.augment_keys(jnp.asarray(ks), rows_k)
+    g_pad = rbf_vjp.value_operand(jnp.asarray(g), rows_q, 16, "bf16")
+    v_pad = rbf_vjp.value_operand(jnp.asarray(v), rows_k, 16, "bf16")
     # Padded loop rows hold garbage: only the index mask keeps them out.
     g_pad = g_pad.at[:, n:].set(7.0)
     queries = queries.at[:, n:].set(3.0)
     with _interpreter():
-        got = pallas_mosaic_grad.pair_sums(y, x, queries, keys, v_pad, g_pad, valid_l=n,
+        got = mosaic_grad.pair_sums(y, x, queries, keys, v_pad, g_pad, valid_l=n,
                                            block_l=block_l)
     q64, k64 = qs[0].astype(np.float64), ks[0].astype(np.float64)
     kernel = np.exp(-0.5 * ((q64[:, None] - k64[None]) ** 2).sum(-1))  # [n, m]
@@ -71,13 +75,14 @@ def test_pair_sums_match_float64_in_interpret_mode(n, m, block_l):
         assert sums.shape[1] == 16, name
         # Coordinates in bfloat16 hi + lo, TF32 parts exponents: float32-like sums of the
         # rounded weights (unrounded weights, or coordinates in single bfloat16, are 1e-3 off)
-        assert np.linalg.norm(sums[:rows] - want) / np.linalg.norm(want) < 1e-4, name
+        assert rel_err(sums[:rows], want) < 1e-4, name
     assert np.all(np.asarray(got["loop_sums"][0, n:]) == 0.0)  # masked loop rows get nothing
     pw = np.asarray(got["pw"][0, :m, :out], np.float64)
     want_pw = kernel.T @ g16
-    assert np.linalg.norm(pw - want_pw) / np.linalg.norm(want_pw) < 1e-2  # bfloat16 kernel
+    assert rel_err(pw, want_pw) < 1e-2  # bfloat16 kernel
 
 
+@pytest.mark.kernels
 def test_pair_sums_under_vmap_in_interpret_mode():
     """A vmapped axis joins the batch axis (the kernel itself has no batching rule)."""
     rng = np.random.default_rng(4)
@@ -90,7 +95,7 @@ def test_pair_sums_under_vmap_in_interpret_mode():
     v = jnp.asarray(rng.standard_normal((2, 1, rows_k, 16))).astype(jnp.bfloat16)
 
     def sweep(x, y, queries, keys, v, g):
-        return pallas_mosaic_grad.pair_sums(y, x, queries, keys, v, g, valid_l=50, block_l=64)
+        return mosaic_grad.pair_sums(y, x, queries, keys, v, g, valid_l=50, block_l=64)
 
     with _interpreter():
         mapped = jax.vmap(sweep)(x, y, queries, keys, v, g)
@@ -106,7 +111,7 @@ def test_lowers_for_cuda():
     args = [jax.ShapeDtypeStruct(s, t) for s, t in shapes.values()]
 
     def sweep(x, y, coords, own, u, w):
-        return pallas_mosaic_grad.pair_sums(x, y, coords, own, u, w, valid_l=300, block_l=128)
+        return mosaic_grad.pair_sums(x, y, coords, own, u, w, valid_l=300, block_l=128)
 
     module = export.export(jax.jit(sweep), platforms=["cuda"])(*args).mlir_module()
     assert module.count("mosaic_gpu") >= 1
@@ -122,7 +127,6 @@ def test_lowers_for_cuda():
     (dict(u=(1, 128, 128), w=(1, 128, 128)), 64, "value columns 128"),
     (dict(x=(1, 64, 32), u=(1, 64, 16), own=(1, 64, 16)), 64, "P=64"),
     ({}, 32, "loop tile 32"),
-    (dict(x=(1, 128, 64), u=(1, 128, 64), w=(1, 128, 64)), 128, "exceed the .* shared memory"),
 ])
 def test_unsupported_settings_say_why(shapes, block_l, match):
     sizes = dict(x=(1, 128, 32), y=(1, 128, 32), coords=(1, 128, 16), own=(1, 128, 16),
@@ -130,15 +134,17 @@ def test_unsupported_settings_say_why(shapes, block_l, match):
     arrays = {name: jnp.zeros(size, jnp.bfloat16 if name in "uw" else jnp.float32)
               for name, size in sizes.items()}
     with pytest.raises(ValueError, match=match):
-        pallas_mosaic_grad.pair_sums(**arrays, valid_l=128, block_l=block_l)
+        mosaic_grad.pair_sums(**arrays, valid_l=128, block_l=block_l)
 
 
+@pytest.mark.kernels
 def test_fast_path_gradients_through_the_mosaic_sweeps_match_float64_in_interpret_mode():
     import dataclasses
 
-    from rbf_oracle import kernel_mv_value_and_grads, rel_err
+    from rbf_oracle import kernel_mv_value_and_grads
 
-    from tilax.rbf import pallas_config, pallas_vjp
+    from tilax.rbf import config as rbf_config
+    from tilax.rbf import vjp as rbf_vjp
 
     rng = np.random.default_rng(5)
     n, m, dim, out = 130, 150, 3, 5  # partial tiles in both sweeps
@@ -146,13 +152,13 @@ def test_fast_path_gradients_through_the_mosaic_sweeps_match_float64_in_interpre
     ks = (rng.standard_normal((1, m, dim)) * 0.8).astype(np.float32)
     v = rng.standard_normal((1, m, out)).astype(np.float32)
     cot = rng.standard_normal((1, n, out)).astype(np.float32)
-    cfg = pallas_config.default_config("interpret", None, batch=1, n=n, m=m, out=out, dim=dim)
-    sweep = pallas_config.Launch(128, 64, cfg.fast.dq.block_o, backend="mosaic")
+    cfg = rbf_config.default_config("interpret", None, batch=1, n=n, m=m, out=out, dim=dim)
+    sweep = rbf_config.Launch(128, 64, cfg.fast.dq.block_o, backend="mosaic")
     path = dataclasses.replace(cfg.fast, dq=sweep, dk=sweep)
 
     # The forward runs the Triton kernel in interpret mode, the backward the Mosaic sweeps in
     # JAX's GPU interpreter (which takes no Triton kernels).
-    _, backward = jax.vjp(lambda qs, ks, v: pallas_vjp._kernel_mv_fast(qs, ks, v, path),
+    _, backward = jax.vjp(lambda qs, ks, v: rbf_vjp._kernel_mv_fast(qs, ks, v, path),
                           *map(jnp.asarray, (qs, ks, v)))
     with _interpreter():
         grads = backward(jnp.asarray(cot))
@@ -163,14 +169,16 @@ def test_fast_path_gradients_through_the_mosaic_sweeps_match_float64_in_interpre
         assert rel_err(got[0], expected) < 5e-3, name
 
 
-def _gradient_launches(precision=None, n=65536, dim=8, out=16, **settings):
-    config = pallas_config.default_config("triton", precision, batch=1, n=n, m=n, out=out,
-                                          dim=dim, shared_memory=232448, **settings)
+HOPPER = rbf_config.Device(mosaic=True, cores=132, shared_memory=232448)
+
+
+def _gradient_launches(precision=None, n=65536, dim=8, out=16, device=HOPPER, **settings):
+    config = rbf_config.default_config("triton", precision, batch=1, n=n, m=n, out=out,
+                                       dim=dim, device=device, **settings)
     return config.fast.dq, config.fast.dk
 
 
-def test_chosen_for_rbf_kernel_mv_on_hopper(monkeypatch):
-    monkeypatch.setattr(_pallas, "mosaic_unavailable_reason", lambda: None)
+def test_chosen_for_rbf_kernel_mv_on_hopper():
     dq, dk = _gradient_launches()
     assert dq.backend == dk.backend == "mosaic"
     assert (dq.block_p, dq.block_l) == (dk.block_p, dk.block_l) == (128, 128)
@@ -182,45 +190,43 @@ def test_chosen_for_rbf_kernel_mv_on_hopper(monkeypatch):
     assert _gradient_launches(out=100)[0].backend is None  # 128 value columns
     assert _gradient_launches(n=4096)[0].backend is None  # program tiles under 128 rows
     assert _gradient_launches(op="kde")[0].backend is None  # the KDE has no Mosaic sweeps
-    monkeypatch.setattr(_pallas, "mosaic_unavailable_reason", lambda: "no Hopper here")
-    assert _gradient_launches()[0].backend is None
+    no_mosaic = rbf_config.Device(mosaic=False, cores=132, shared_memory=232448)
+    assert _gradient_launches(device=no_mosaic)[0].backend is None
 
 
-def test_loop_tiles_of_64_where_128_do_not_fit(monkeypatch):
+def test_loop_tiles_of_64_where_128_do_not_fit():
     """Wide operands (here D = 10: TF32 parts of 64 columns, with 48 value columns or more)
     take loop tiles of 64, whose buffers fit in shared memory; at every width the kernel
     supports, one of the two fits."""
-    from tilax.rbf.pallas_config import expansion_width, parts_width
+    from tilax.rbf.config import expansion_width, parts_width
 
-    monkeypatch.setattr(_pallas, "mosaic_unavailable_reason", lambda: None)
     for dim, out, block_l in ((8, 16, 128), (8, 64, 128), (10, 32, 128), (10, 48, 64),
                               (19, 16, 64), (19, 64, 64)):
         dq, dk = _gradient_launches(dim=dim, out=out)
         assert dq.backend == dk.backend == "mosaic", (dim, out)
         assert dk.block_l == block_l, (dim, out)
-        need = pallas_mosaic_grad.shared_memory_bytes(
-            parts_width(dim), expansion_width(dim), -(-out // 16) * 16, block_l,
-            pallas_mosaic_grad.STAGES)
-        assert need <= pallas_mosaic_grad.SHARED_MEMORY, (dim, out)
+        need = rbf_config.mosaic_sweep_shared_memory_bytes(
+            parts_width(dim), expansion_width(dim), -(-out // 16) * 16, block_l)
+        assert need <= HOPPER.shared_memory - rbf_config.MOSAIC_BARRIER_BYTES, (dim, out)
     # the caller's 128, which does not fit: Triton
     assert _gradient_launches(dim=10, out=48, block_q=128)[1].backend is None
 
 
 def test_default_config_names_a_wrong_op():
     with pytest.raises(ValueError, match="op must be 'kernel_mv' or 'kde', not 'kmv'"):
-        pallas_config.default_config("triton", None, batch=1, n=8, m=8, out=1, dim=2, op="kmv")
+        rbf_config.default_config("triton", None, batch=1, n=8, m=8, out=1, dim=2, op="kmv")
 
 
 def test_pair_weights_round_to_the_nearest_bfloat16_as_the_triton_sweeps_do():
     """The sweep's integer rounding of the pair weights (no conversion instruction) gives the
-    bits of ``pallas_dots.split``'s bfloat16 ``hi``: nearest, ties away from zero, for either
+    bits of ``numerics.split``'s bfloat16 ``hi``: nearest, ties away from zero, for either
     sign, zero and values whose rounding carries into the exponent."""
     rng = np.random.default_rng(3)
     tie = 1.0 + 2.0**-8  # halfway between two bfloat16 neighbours
     a = np.concatenate([rng.standard_normal(4096) * 10.0 ** rng.integers(-25, 25, 4096),
                         [0.0, -0.0, 1.0, -1.0, tie, -tie, 2.0 - 2.0**-23]]).astype(np.float32)
-    got = pallas_mosaic_grad.rounded_bfloat16(jnp.asarray(a))
-    (want, _) = pallas_dots.split(jnp.asarray(a), "bf16x2")
+    got = mosaic_grad.rounded_bfloat16(jnp.asarray(a))
+    (want, _) = numerics.split(jnp.asarray(a), "bf16x2")
     assert got.dtype == want.dtype == jnp.bfloat16
     np.testing.assert_array_equal(np.asarray(got.view(jnp.uint16)),
                                   np.asarray(want.view(jnp.uint16)))

@@ -14,7 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from rbf_oracle import kde_value_and_grads, kernel_mv_value_and_grads, rel_err
+from helpers import rel_err
+from rbf_oracle import kde_value_and_grads, kernel_mv_value_and_grads
 
 import tilax
 from tilax.rbf import numerics
@@ -84,7 +85,11 @@ def test_coincident_points_at_small_lengthscales(impl, precision):
             assert np.all(np.diag(kernel) == 1.0)
 
 
-@pytest.mark.parametrize("impl, precision", CASES)
+@pytest.mark.parametrize("impl, precision", [
+    pytest.param(impl, precision,
+                 marks=[pytest.mark.kernels] if impl == "pallas" and precision != "highest" else [])
+    for impl, precision in CASES
+])
 def test_extreme_lengthscales(impl, precision):
     rng = np.random.default_rng(1)
     x = rng.uniform(0.0, 3.0, size=(N, D)).astype(np.float32)
@@ -113,7 +118,11 @@ def test_extreme_lengthscales(impl, precision):
             np.testing.assert_allclose(np.asarray(grads[2])[0], g[2] + g[5], rtol=rtol)
 
 
-@pytest.mark.parametrize("impl, precision", CASES)
+@pytest.mark.parametrize("impl, precision", [
+    pytest.param(impl, precision,
+                 marks=[pytest.mark.kernels] if (impl, precision) == ("pallas", "high") else [])
+    for impl, precision in CASES
+])
 def test_offset_data(impl, precision):
     # Points near 1e4 with a spread of ~1: differences, not |q|^2 + |k|^2 - 2 q.k.
     rng = np.random.default_rng(2)
@@ -224,6 +233,7 @@ def test_log_density_at_tiny_bandwidths(impl, precision):
             assert rel_err(grad, expected) < 1e-4, (name, bandwidth, rel_err(grad, expected))
 
 
+@pytest.mark.kernels
 def test_default_gradients_of_distant_clusters():
     """The default precision rounds the gradients' pair weights to bfloat16 but keeps the
     coordinates in two parts (the ``"bf16x2"`` dot mode): for clusters some 40 lengthscales
@@ -249,14 +259,14 @@ def test_default_gradients_of_distant_clusters():
 
 def test_bf16x2_dot_rounds_the_first_operand_only():
     """``"bf16x2"``: ``a`` rounded to bfloat16 (nearest), ``b`` in two bfloat16 parts."""
-    from tilax.rbf import pallas_dots
+    from tilax.rbf import numerics
 
     rng = np.random.default_rng(9)
     a = rng.normal(size=(32, 64)).astype(np.float32)
     b = (rng.normal(size=(64, 16)) * 100.0).astype(np.float32)
-    a_parts = pallas_dots.split(jnp.asarray(a), "bf16x2")
-    b_parts = pallas_dots.split(jnp.asarray(b), "bf16x2")
-    got = np.asarray(pallas_dots.dot(a_parts, b_parts, "bf16x2", "interpret"), np.float64)
+    a_parts = numerics.split(jnp.asarray(a), "bf16x2")
+    b_parts = numerics.split(jnp.asarray(b), "bf16x2")
+    got = np.asarray(numerics.dot(a_parts, b_parts, "bf16x2", "interpret"), np.float64)
     a16 = np.asarray(a_parts[0].astype(jnp.float32), np.float64)
     assert np.max(np.abs(a16 - a)) > 0  # rounded ...
     assert np.all(np.abs(a16 - a) <= 2.0**-8 * np.abs(a))  # ... to the nearest bfloat16

@@ -3,14 +3,17 @@ runs). The GPU side of the same question is tests/rbf/test_rbf_gpu.py::test_ever
 
 from __future__ import annotations
 
-import types
-
 import pytest
 
-from tilax import _pallas
-from tilax.rbf import pallas_config as C
+from tilax.rbf import config as C
 
 H200 = 232448  # opt-in shared memory per block, sm90
+
+
+def gpu(shared_memory: int = H200) -> C.Device:
+    """A GPU (no Mosaic GPU) of ``shared_memory`` bytes per block and an H200's cores."""
+    return C.Device(mosaic=False, cores=132, shared_memory=shared_memory)
+
 BIG = 65536  # N = M of the benchmark rows: the largest tiles
 
 
@@ -36,7 +39,7 @@ def test_every_shape_fits_the_h200_forward_and_backward():
         for dim in range(1, 129):
             for out in range(1, 513):
                 cfg = C.default_config("triton", precision, batch=1, n=BIG, m=BIG, out=out,
-                                       dim=dim, shared_memory=H200)  # fmt: skip
+                                       dim=dim, device=gpu())  # fmt: skip
                 for path in paths(cfg):
                     if (path, dim) in checked:
                         continue
@@ -60,7 +63,7 @@ def test_sampled_shapes_fit_smaller_devices(limit, n):
         for dim in (1, 3, 8, 20, 33, 64):
             for out in (1, 16, 100, 200, 512):
                 cfg = C.default_config("triton", precision, batch=2, n=n, m=n + 7, out=out,
-                                       dim=dim, shared_memory=limit)  # fmt: skip
+                                       dim=dim, device=gpu(limit))  # fmt: skip
                 for path in paths(cfg):
                     for name, launch, call in launches(path, dim):
                         used = C.shared_memory_bytes(call, launch)
@@ -70,7 +73,7 @@ def test_sampled_shapes_fit_smaller_devices(limit, n):
 def test_shapes_beyond_a_small_device_raise_a_clear_error():
     with pytest.raises(ValueError, match="no RBF kernel tiles fit 101376 bytes"):
         C.default_config("triton", "high", batch=1, n=BIG, m=BIG, out=512, dim=128,
-                         shared_memory=101376)  # fmt: skip
+                         device=gpu(101376))  # fmt: skip
 
 
 def test_model_flags_the_measured_overflow_and_passes_what_ran():
@@ -85,7 +88,7 @@ def test_model_flags_the_measured_overflow_and_passes_what_ran():
     assert C.shared_memory_bytes(high, old) >= 237568
     assert C.shared_memory_bytes(default, old) <= H200
     cfg = C.default_config("triton", "high", batch=1, n=600, m=900, out=100, dim=20,
-                           shared_memory=H200)  # fmt: skip
+                           device=gpu())  # fmt: skip
     for _, launch, call in launches(cfg.fast, 20):
         assert C.shared_memory_bytes(call, launch) <= C.SHARED_MEMORY_MARGIN * H200
 
@@ -94,14 +97,14 @@ def test_large_problems_keep_the_tuned_fast_launches():
     # precision=None is "default": TF32-part distances, single-bfloat16 value products, and the
     # H200-tuned launches at the benchmark shape (N = M = 65536, D = 8, O = 16).
     cfg = C.default_config("triton", None, batch=1, n=BIG, m=BIG, out=16, dim=8,
-                           shared_memory=H200)  # fmt: skip
+                           device=gpu())  # fmt: skip
     assert cfg.precision == "default" and cfg.fast.modes == C.FAST_MODES["default"]
     assert (cfg.fast.modes.distance, cfg.fast.modes.values) == ("tf32x3", "bf16")
     assert cfg.fast.fwd == C.Launch(128, 128, 16, num_warps=4, num_stages=3)
     assert cfg.fast.dq == cfg.fast.dk == C.Launch(128, 64, 16, num_warps=4, num_stages=3)
     assert cfg.exact.modes == C.EXACT_MODES["default"]
     highest = C.default_config("triton", "highest", batch=1, n=BIG, m=BIG, out=16, dim=8,
-                               shared_memory=H200)  # fmt: skip
+                               device=gpu())  # fmt: skip
     assert highest.fast is None and highest.exact.modes.distance == "difference"
     assert highest.exact.fwd == C.Launch(64, 32, 16, num_warps=4, num_stages=2)
     assert highest.exact.dq == C.Launch(64, 32, 16, num_warps=4, num_stages=2)
@@ -110,7 +113,7 @@ def test_large_problems_keep_the_tuned_fast_launches():
 
 def test_small_problems_shrink_tiles_for_occupancy():
     cfg = C.default_config("triton", None, batch=1, n=100, m=20, out=3, dim=2,
-                           shared_memory=H200)  # fmt: skip
+                           device=gpu())  # fmt: skip
     fast = cfg.fast
     assert (fast.fwd.block_p, fast.fwd.block_l, fast.fwd.block_o) == (32, 32, 16)
     assert (fast.dq.block_p, fast.dq.block_l, fast.dk.block_p, fast.dk.block_l) == (64, 32, 32, 64)
@@ -135,23 +138,3 @@ def test_fit_launch_shrinks_stages_then_tiles_and_raises_when_nothing_fits():
     assert C.shared_memory_bytes(call, fitted) <= C.SHARED_MEMORY_MARGIN * H200
     with pytest.raises(ValueError, match="no RBF kernel tiles fit 1000 bytes"):
         C.fit_launch(call, start, 1000)
-
-
-def test_shared_memory_limit_from_the_device_else_by_compute_capability(monkeypatch):
-    def limit_with(device, capability):
-        monkeypatch.setattr(C.jax, "devices", lambda: [device])
-        monkeypatch.setattr(_pallas, "gpu_compute_capability", lambda: capability)
-        C.shared_memory_limit.cache_clear()
-        try:
-            return C.shared_memory_limit()
-        finally:
-            C.shared_memory_limit.cache_clear()
-
-    reported = types.SimpleNamespace(shared_memory_per_block_optin=123456)
-    assert limit_with(reported, (9, 0)) == 123456
-    silent = types.SimpleNamespace()
-    assert limit_with(silent, (9, 0)) == H200
-    assert limit_with(silent, (8, 6)) == 101376
-    assert limit_with(silent, (8, 8)) == 166912  # the nearest lower known capability, 8.7
-    assert limit_with(silent, (9, 1)) == H200
-    assert limit_with(silent, None) == H200

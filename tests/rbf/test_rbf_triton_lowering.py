@@ -13,7 +13,8 @@ import jax.numpy as jnp
 import pytest
 from jax import export
 
-from tilax.rbf import pallas_config, pallas_vjp
+from tilax.rbf import config as rbf_config
+from tilax.rbf import vjp as rbf_vjp
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
 
@@ -34,6 +35,10 @@ def lower_for_cuda(fn, *shapes) -> str:
     return exported.mlir_module()
 
 
+#: The launches are Triton's on an H200 (no Mosaic GPU: this test lowers the Triton kernels).
+TRITON_H200 = rbf_config.Device(mosaic=False, cores=132, shared_memory=232448)
+
+
 @pytest.mark.parametrize(
     "precision, dim, out, per_dimension",
     [("highest", 8, 16, True), (None, 20, 100, False), ("high", 3, 1, True),
@@ -41,11 +46,11 @@ def lower_for_cuda(fn, *shapes) -> str:
 )  # fmt: skip
 def test_kernel_mv_forward_and_backward_lower(precision, dim, out, per_dimension):
     n, m = 300, 200
-    cfg = pallas_config.default_config("triton", precision, batch=1, n=n, m=m, out=out, dim=dim,
-                                       shared_memory=232448)  # fmt: skip
+    cfg = rbf_config.default_config("triton", precision, batch=1, n=n, m=m, out=out, dim=dim,
+                                    device=TRITON_H200)
 
     def fwd_bwd(q, k, v, lengthscale, g):
-        out, vjp = jax.vjp(lambda *a: pallas_vjp.kernel_mv(*a, cfg), q, k, v, lengthscale)
+        out, vjp = jax.vjp(lambda *a: rbf_vjp.kernel_mv(*a, cfg), q, k, v, lengthscale)
         return out, vjp(g)
 
     module = lower_for_cuda(fwd_bwd, (1, n, dim), (1, m, dim), (1, m, out),
@@ -58,11 +63,11 @@ def test_kernel_mv_forward_and_backward_lower(precision, dim, out, per_dimension
 @pytest.mark.parametrize("precision, dim", [(None, 3), ("highest", 17)])
 def test_kde_forward_and_backward_lower(precision, dim):
     n, m = 300, 200
-    cfg = pallas_config.default_config("triton", precision, batch=1, n=n, m=m, out=1, dim=dim,
-                                       shared_memory=232448)  # fmt: skip
+    cfg = rbf_config.default_config("triton", precision, batch=1, n=n, m=m, out=1, dim=dim,
+                                    device=TRITON_H200)
 
     def fwd_bwd(query, data, weights, bandwidth, g):
-        out, vjp = jax.vjp(lambda *a: pallas_vjp.kde_log_sum(*a, cfg), query, data, weights,
+        out, vjp = jax.vjp(lambda *a: rbf_vjp.kde_log_sum(*a, cfg), query, data, weights,
                            bandwidth)  # fmt: skip
         return out, vjp(g)
 

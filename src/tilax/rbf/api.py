@@ -3,7 +3,7 @@
 ``rbf_kernel_mv`` and ``rbf_kde_density`` validate their inputs (a ``TypeError`` or
 ``ValueError`` naming the argument, its shape and what was expected), pick an implementation
 (``impl``) and call it: ``tilax.rbf.reference`` for ``"xla"`` and ``"dense"``,
-``tilax.rbf.pallas_vjp`` (launch settings from ``tilax.rbf.pallas_config``) for ``"pallas"``.
+``tilax.rbf.vjp`` (launch settings from ``tilax.rbf.config``) for ``"pallas"``.
 How each keeps kernel values right at every scale is ``tilax.rbf.numerics``.
 """
 
@@ -17,10 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from tilax import _pallas
-from tilax.rbf import numerics, pallas_config, pallas_vjp, reference
+from tilax.rbf import config, numerics, reference, vjp
 
 IMPLS = ("auto", "pallas", "xla", "dense")
-PRECISIONS = pallas_config.PRECISIONS
+PRECISIONS = config.PRECISIONS
 
 
 # ------------------------------------------------------------------------------------------
@@ -115,8 +115,7 @@ def _resolve_impl(impl: Any, dtype: jnp.dtype) -> str:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if impl != "auto":
         return impl
-    # float64 stays float64 on the XLA path; the kernels compute in float32.
-    return "pallas" if _pallas.platform() == "gpu" and dtype != jnp.float64 else "xla"
+    return config.auto_impl(dtype, _pallas.platform())
 
 
 def _resolve_precision(precision: Any) -> str | None:
@@ -184,7 +183,7 @@ def rbf_kernel_mv(
         recent GPUs).
       block_q: query tile size of the forward and both backward kernels for ``impl="pallas"``
         (a power of two, at least 16); ``None`` picks it per problem and device (see
-        ``tilax.rbf.pallas_config.default_config``; on GPUs, for large problems, 128 queries
+        ``tilax.rbf.config.default_config``; on GPUs, for large problems, 128 queries
         in the fast path's kernels and 64 in the exact path's). Tiles shrink where a launch
         would not fit the device's shared memory. On Hopper, tiles the Mosaic GPU kernels
         cannot take (program tiles other than 128 rows) run the Triton kernels instead.
@@ -248,11 +247,11 @@ def rbf_kernel_mv(
         return reference.kernel_mv_dense(q, k, v, lengthscale, precision=precision)
     if impl == "xla":
         return reference.kernel_mv_xla(q, k, v, lengthscale, precision=precision)
-    cfg = pallas_config.default_config(
+    cfg = config.default_config(
         _pallas.resolve_backend("pallas"), precision, batch=math.prod(batch_shape), n=n, m=m,
         out=out_dim, dim=dim, block_q=block_q, block_k=block_k, block_o=block_o,
     )  # fmt: skip
-    return pallas_vjp.kernel_mv_with_config(q, k, v, lengthscale, cfg)
+    return vjp.kernel_mv_with_config(q, k, v, lengthscale, cfg)
 
 
 def rbf_kde_density(
@@ -346,12 +345,12 @@ def rbf_kde_density(
                                          precision=precision)  # fmt: skip
 
     batch = math.prod(batch_shape)
-    cfg = pallas_config.default_config(
+    cfg = config.default_config(
         _pallas.resolve_backend("pallas"), precision, batch=batch, n=n, m=m, out=1, dim=dim,
         block_q=block_q, block_k=block_k, op="kde",
     )  # fmt: skip
     h = bandwidth.astype(jnp.float32)
-    log_sum = pallas_vjp.kde_log_sum(
+    log_sum = vjp.kde_log_sum(
         query.astype(jnp.float32).reshape(batch, n, dim),
         data.astype(jnp.float32).reshape(batch, m, dim),
         weights.astype(jnp.float32).reshape(batch, m),

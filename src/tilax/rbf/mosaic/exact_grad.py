@@ -9,7 +9,7 @@ the queries)::
     pw[i] = sum_l exp2(t) g_l           squares[d, i] = r_d^2 sum_l A e_d^2, or
                                         rows[0, i] = sum_l A t (shared scale)
 
-(``t`` as in ``tilax.rbf.pallas_mosaic_exact``, whose layout this kernel shares: coordinates as
+(``t`` as in ``tilax.rbf.mosaic.exact``, whose layout this kernel shares: coordinates as
 row and column vectors of the ``wgmma`` register layout, differences on the FMA units): dk, dv
 and the lengthscale's pair-by-pair squares from the program's rows, dq from the loop's columns.
 ``v . g`` and ``exp2(t) g`` run on the tensor cores from operands split exactly into three
@@ -37,27 +37,27 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from tilax import _pallas
-from tilax.rbf.pallas_mosaic import (
+from tilax.rbf.mosaic.common import (
     BLOCK_P,
     COMPUTE_WARPGROUPS,
-    ROWS_PER_WARPGROUP,
-    _tiles,
-    plgpu,
-    stream_tiles,
-)
-from tilax.rbf.pallas_mosaic_exact import (
     PRODUCTS,
-    _load,
-    distance_reason,
+    ROWS_PER_WARPGROUP,
+    batch_folding,
+    exact_distance_reason,
+    launch_on_refs,
+    load_in_layout,
     paired_columns,
     paired_keys,
+    plgpu,
+    rotated_tile,
     row_group,
     scale_rows,
     split3,
+    stream_tiles,
+    swizzled,
     wgmma_array,
 )
-from tilax.rbf.pallas_mosaic_grad import _rotated, batch_folding, launch_on_refs
-from tilax.rbf.pallas_triton import FLOAT32_MAX, Distance
+from tilax.rbf.numerics import FLOAT32_MAX, Distance
 
 #: Loop tiles in flight.
 STAGES = 2
@@ -73,19 +73,11 @@ FOLD = 8
 
 def unsupported_reason(distance: Distance, values: str, columns: int) -> str | None:
     """Why this kernel cannot run a sweep of these settings, or ``None``."""
-    if reason := distance_reason(distance, values):
+    if reason := exact_distance_reason(distance, values):
         return reason
     if columns % 16 or columns > MAX_COLUMNS:
         return f"value columns {columns} are not a multiple of 16 up to {MAX_COLUMNS}"
     return None
-
-
-def runs(launch, distance: Distance, values: str, columns: int) -> bool:
-    """Whether a sweep of ``launch`` (a ``pallas_config.Launch``) runs here: on a Hopper GPU,
-    for settings this kernel supports, with its tiles."""
-    return (_pallas.mosaic_unavailable_reason() is None
-            and unsupported_reason(distance, values, columns) is None
-            and launch.block_p == BLOCK_P and launch.block_l == BLOCK_L)
 
 
 # The second pass runs in lane-permuted column order: thread ``32 w + L`` keeps the columns of
@@ -201,7 +193,7 @@ def pair_sums(
     cotangents (``A_il = exp2(t_il) (u_i . w_l)``).
 
     ``x: [B, D, P]`` and ``y: [B, D, L]`` are the exact path's coordinates
-    (``pallas_layout.exact_points``), ``scale`` its residual scale, ``u`` and ``w`` float32.
+    (``vjp.exact_points``), ``scale`` its residual scale, ``u`` and ``w`` float32.
     Returns ``{"sums": [B, D, P], "pw": [B, P, O], "loop_sums": [B, D, 4, L]}`` and with
     ``with_squares`` ``"squares": [B, D, P]`` (per-dimension scale) or ``"rows": [B, 1, P]``;
     ``loop_sums`` holds one row of partial sums a warp, unscaled (the caller adds the rows and
@@ -288,8 +280,8 @@ def _launch_pair_sums(refs, *, per_dimension, squares_out, rows_out, valid_l):
                                         own_ready.at[4 * wg + 1 + part])
             for index in range(4):
                 plgpu.barrier_wait(own_ready.at[4 * wg + index])
-            points = [_load(x_smem.at[d], row_layout) for d in range(dims)]
-            scales = [_load(x_smem.at[dims + d], row_layout)
+            points = [load_in_layout(x_smem.at[d], row_layout) for d in range(dims)]
+            scales = [load_in_layout(x_smem.at[dims + d], row_layout)
                       for d in range(dims if per_dimension else 1)]
 
             def differences(slot, d):
@@ -310,7 +302,7 @@ def _launch_pair_sums(refs, *, per_dimension, squares_out, rows_out, valid_l):
             def step(index, carry, masked):
                 sums, squares, stat, pw = carry
                 slot = slot_of(index)
-                tile = _rotated(index, full_steps, offset)
+                tile = rotated_tile(index, full_steps, offset)
                 plgpu.barrier_wait(y_ready.at[slot])
                 for part in range(3):
                     plgpu.barrier_wait(w_ready.at[3 * slot + part])
@@ -408,7 +400,7 @@ def _launch_pair_sums(refs, *, per_dimension, squares_out, rows_out, valid_l):
             plgpu.set_max_registers(40, action="decrease")
 
             def fetch(index, slot):
-                tile_rows = pl.ds(_rotated(index, full_steps, offset) * block_l, block_l)
+                tile_rows = pl.ds(rotated_tile(index, full_steps, offset) * block_l, block_l)
                 plgpu.copy_gmem_to_smem(y_ref.at[b, :, tile_rows], y_smem.at[slot],
                                         y_ready.at[slot])
                 for part, w_ref in enumerate(w_refs):
@@ -422,10 +414,10 @@ def _launch_pair_sums(refs, *, per_dimension, squares_out, rows_out, valid_l):
         wgs = COMPUTE_WARPGROUPS
         smem = [
             plgpu.SMEM((wgs, width, rows), jnp.float32),
-            plgpu.SMEM((3 * wgs, rows, columns), jnp.bfloat16, transforms=_tiles(columns, 2)),
+            plgpu.SMEM((3 * wgs, rows, columns), jnp.bfloat16, transforms=swizzled(columns, 2)),
             plgpu.SMEM((stages, dims, block_l), jnp.float32),
             plgpu.SMEM((3 * stages, block_l, columns), jnp.bfloat16,
-                       transforms=_tiles(columns, 2)),
+                       transforms=swizzled(columns, 2)),
             plgpu.SMEM((wgs, dims, rows), jnp.float32),
             plgpu.SMEM((wgs, dims, rows), jnp.float32),
             plgpu.SMEM((wgs, rows, columns), jnp.float32),

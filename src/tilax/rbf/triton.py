@@ -6,7 +6,7 @@ accumulators stay in registers and no ``P x L`` matrix exists in memory); kernel
 ``exp2(t)``. How ``t`` is formed is a static *distance*:
 
 * :class:`Expansion`: ``t = min(x_i . y_l, 0)`` for *augmented* points ``x: [B, P, W]``,
-  ``y: [B, L, W]`` whose dot product is the exponent (``tilax.rbf.pallas_layout`` builds them).
+  ``y: [B, L, W]`` whose dot product is the exponent (``tilax.rbf.vjp`` builds them).
   One tensor-core dot per tile; its error grows with the points' norms
   (``tilax.rbf.numerics.expansion_error_bound``).
 * :class:`Difference`: ``t = -sum_d (r_d (x[d, i] - y[d, l]))^2`` for *transposed* coordinates
@@ -20,7 +20,7 @@ Rows of ``y`` at or beyond ``valid_l`` are padding: they are masked by their ind
 tile, and tiles past it are never visited.
 
 Products with values, cotangents and coordinates are dots of a chosen *mode*
-(``tilax.rbf.pallas_dots``).
+(``tilax.rbf.numerics.dot``).
 """
 
 from __future__ import annotations
@@ -35,51 +35,21 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from tilax._pallas import Backend, pallas_call
-from tilax.rbf.pallas_dots import dot, split
+from tilax.rbf.numerics import (
+    DIM_CHUNK,
+    FLOAT32_MAX,
+    HOISTED_DIMS,
+    Difference,
+    Distance,
+    Expansion,
+    dot,
+    split,
+)
 
 #: Largest base-2 exponent relative to a log-sum-exp's row maximum (taken over weighted points):
 #: a zero-weight point closer than every weighted one has ``K / S`` above 1; the clamp keeps its
 #: terms finite.
 EXPONENT_LIMIT = 64.0
-FLOAT32_MAX = float(jnp.finfo(jnp.float32).max)
-#: Difference kernels hold the program's coordinates in registers up to this many dimensions;
-#: beyond, they loop over dimensions and re-read coordinates per tile, and the gradient kernels
-#: split their per-dimension sums into chunks of this many.
-HOISTED_DIMS = DIM_CHUNK = 16
-
-
-def difference_dims(dim: int) -> int:
-    """Dimensions the :class:`Difference` kernels take for ``dim``-dimensional points: ``dim``,
-    or beyond ``DIM_CHUNK`` the next multiple of it (the layout adds zero coordinates)."""
-    return dim if dim <= DIM_CHUNK else -(-dim // DIM_CHUNK) * DIM_CHUNK
-
-
-@dataclasses.dataclass(frozen=True)
-class Expansion:
-    """Exponents ``min(x_i . y_l, 0)`` of augmented points, a ``mode`` dot (see module doc)."""
-
-    mode: str
-
-
-@dataclasses.dataclass(frozen=True)
-class Difference:
-    """Exponents ``-sum_{d < dim} (r_d (x[d, i] - y[d, l]))^2`` of transposed coordinates.
-
-    ``per_dimension``: ``r`` has ``dim`` entries; otherwise one, applied once per pair to the
-    summed squares. ``rounded``: every square is rounded before it is summed (a ``max`` with 0
-    that compilers cannot fuse into the sum), so that every kernel, however compiled, gets the
-    same bits; the KDE subtracts the forward pass's row maximum from exponents recomputed in
-    its backward pass, and beyond 2^24 two roundings of one exponent differ by more than 1.
-    """
-
-    dim: int
-    per_dimension: bool
-    rounded: bool = False
-
-
-Distance = Expansion | Difference
-
-
 def _tile(index, size: int) -> pl.Slice:
     """Rows ``[index * size, (index + 1) * size)``; a traced start is marked as a multiple."""
     if isinstance(index, int):

@@ -19,7 +19,7 @@ Backward of ``out = K @ v`` with cotangent ``g`` and ``A = K * (g @ v.T)``:
 padded value columns number at most 64 and the exact path has at most 16 dimensions, dv in the
 same sweep; otherwise dv is the forward kernel with queries and keys swapped). On Hopper the
 fast path of ``rbf_kernel_mv`` runs one sweep over key tiles for all three
-(``tilax.rbf.pallas_mosaic_grad``: dq's sums added up across programs). The fast path
+(``tilax.rbf.mosaic.grad``: dq's sums added up across programs). The fast path
 forms the pair sums as ``sum_j A_ij ks_j - qs_i sum_j A_ij`` (tensor-core dots of the augmented
 rows), the exact path from each pair's coordinate differences. Peak memory stays
 ``O((N + M) * (D + O))``.
@@ -39,31 +39,29 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from tilax import _pallas
-from tilax.rbf import (
-    numerics,
-    pallas_mosaic,
-    pallas_mosaic_exact,
-    pallas_mosaic_exact_grad,
-    pallas_mosaic_grad,
-    pallas_triton,
-)
-from tilax.rbf import pallas_layout as layout
-from tilax.rbf.pallas_config import (
+from tilax.rbf import numerics, triton
+from tilax.rbf.config import (
     Launch,
     PallasConfig,
     PathConfig,
     backward_distance,
+    expansion_width,
     forward_distance,
     fuses_dv,
     kde_coords,
 )
-from tilax.rbf.pallas_triton import Expansion
+from tilax.rbf.mosaic import exact as mosaic_exact
+from tilax.rbf.mosaic import exact_grad as mosaic_exact_grad
+from tilax.rbf.mosaic import forward as mosaic_forward
+from tilax.rbf.mosaic import grad as mosaic_grad
+from tilax.rbf.numerics import Expansion
 
 LOG2E, LN2 = numerics.LOG2E, numerics.LN2
 
@@ -72,6 +70,107 @@ _SECOND_ORDER_MESSAGE = (
     "a Pallas kernel without derivative rules. For Hessians or other higher-order derivatives "
     "use impl='xla' (memory-light, differentiable to any order) or impl='dense'."
 )
+
+
+
+# ------------------------------------------------------------------------------------------
+# Kernel operands, built from the points, values and cotangents
+#
+# Operands of the RBF Pallas kernels, built from the points, values and cotangents.
+#
+# Expansion (fast) path: *augmented* points whose dot product is the base-2 exponent::
+#
+#     x_i = [qs_i,          -0.5 log2(e) |qs_i|^2, 1]
+#     y_j = [log2(e) ks_j,  1,  -0.5 log2(e) |ks_j|^2]
+#     x_i . y_j = -0.5 log2(e) |qs_i - ks_j|^2,          K_ij = exp2(min(x_i . y_j, 0))
+#
+# for centred, scaled points ``qs = (q - c) / l``, ``ks = (k - c) / l``, zero-padded to
+# ``config.expansion_width`` columns (Triton dots need every dimension >= 16), or laid out
+# as TF32 parts (``numerics.tf32x3_parts``) for the forward kernels. The same rows carry the
+# gradient sums: ``A @ y`` gives ``sum_j A_ij ks_j`` (times log2 e) and the row sum of ``A``.
+#
+# Exact (difference) path: coordinates multiplied by a power of two per dimension (exact) and
+# transposed to ``[B, D, rows]``, so that a kernel reads one dimension of a tile as one
+# contiguous row; the residual scale (in ``[1, 2)``) is a separate operand.
+#
+# Rows that pad a point count to a tile multiple are zeros; the kernels mask them by index.
+
+
+def pad_rows_cols(x: jax.Array, rows: int, cols: int) -> jax.Array:
+    """``x: [B, R, C]`` zero-padded to ``[B, rows, cols]``."""
+    return jnp.pad(x, [(0, 0), (0, rows - x.shape[1]), (0, cols - x.shape[2])])
+
+
+def pad_rows(x: jax.Array, rows: int, value: float = 0.0) -> jax.Array:
+    """``x: [B, R]`` padded with ``value`` to ``[B, rows]``."""
+    return jnp.pad(x, [(0, 0), (0, rows - x.shape[1])], constant_values=value)
+
+
+def _augmented(blocks: list[jax.Array], rows: int, *, parts: bool, first: bool) -> jax.Array:
+    """Augmented points ``[B, R, D + 2]`` given as column ``blocks``, with zero rows up to
+    ``rows``, as a kernel operand: TF32 parts, or zero-padded to ``expansion_width``."""
+    blocks = [pad_rows_cols(b, rows, b.shape[2]) for b in blocks]
+    if parts:
+        return numerics.tf32x3_parts(blocks, first=first)
+    x = jnp.concatenate(blocks, axis=-1)
+    return pad_rows_cols(x, rows, expansion_width(x.shape[-1] - 2))
+
+
+def _squared_norms(x: jax.Array) -> jax.Array:
+    """``sum(x * x, axis=-1, keepdims=True)``, for up to 16 columns as a sum of columns: XLA
+    then computes it inside the operand's one concatenation, where a reduce would be a kernel
+    of its own."""
+    if x.shape[-1] > 16:
+        return jnp.sum(x * x, axis=-1, keepdims=True)
+    columns = [x[..., d : d + 1] for d in range(x.shape[-1])]
+    return functools.reduce(operator.add, [c * c for c in columns])
+
+
+def augment_queries(qs: jax.Array, rows: int, *, parts: bool = False) -> jax.Array:
+    """``[qs, -0.5 log2e |qs|^2, 1]`` with zero rows up to ``rows``."""
+    alpha = -0.5 * LOG2E * _squared_norms(qs)
+    return _augmented([qs, alpha, jnp.ones_like(alpha)], rows, parts=parts, first=True)
+
+
+def augment_keys(ks: jax.Array, rows: int, *, parts: bool = False) -> jax.Array:
+    """``[log2e ks, 1, -0.5 log2e |ks|^2]`` with zero rows up to ``rows``."""
+    beta = -0.5 * LOG2E * _squared_norms(ks)
+    return _augmented([LOG2E * ks, jnp.ones_like(beta), beta], rows, parts=parts, first=False)
+
+
+def expansion_points(distance, qs: jax.Array, ks: jax.Array, rows_q: int, rows_k: int):
+    """(queries, keys) augmented for ``distance`` (TF32 parts for ``"tf32_parts"``)."""
+    parts = distance.mode == "tf32_parts"
+    return augment_queries(qs, rows_q, parts=parts), augment_keys(ks, rows_k, parts=parts)
+
+
+def exact_points(x: jax.Array, power_of_two: jax.Array, rows: int) -> jax.Array:
+    """``x: [B, R, D]`` times ``power_of_two`` (scalar or ``[D]``), as ``[B, Dk, rows]`` with
+    ``Dk = numerics.difference_dims(D)`` (zero coordinates add nothing)."""
+    scaled = numerics.prescale(x.astype(jnp.float32), power_of_two)
+    dims = numerics.difference_dims(x.shape[2])
+    return jnp.swapaxes(pad_rows_cols(scaled, rows, dims), 1, 2)
+
+
+def exact_scale(residual: jax.Array, dim: int | None = None) -> jax.Array:
+    """The residual scale as the kernels' ``scale`` operand: one shared, or per dimension
+    (``dim`` of them, padded to ``numerics.difference_dims(dim)`` with ones)."""
+    residual = residual.astype(jnp.float32)
+    if dim is None:
+        return jnp.reshape(residual, (1,))
+    residual = jnp.broadcast_to(residual, (dim,))
+    return jnp.pad(residual, (0, numerics.difference_dims(dim) - dim), constant_values=1.0)
+
+
+def value_operand(a: jax.Array, rows: int, cols: int, values_mode: str) -> jax.Array:
+    """Values or cotangents ``[B, R, O]`` padded to ``[B, rows, cols]``; stored in bfloat16 when
+    every product with them rounds to bfloat16 anyway (the same numbers, half the bytes)."""
+    a = pad_rows_cols(a.astype(jnp.float32), rows, cols)
+    return a.astype(jnp.bfloat16) if values_mode == "bf16" else a
+
+
+# ------------------------------------------------------------------------------------------
+# Kernel calls
 
 
 def _run(name: str, kernel, path: PathConfig, launch: Launch, arrays: dict, **static):
@@ -117,9 +216,9 @@ def _exact_operands(q, k, scale, rows_q: int, rows_k: int, *, per_dimension: boo
     """
     power, residual = numerics.exact_scales(scale)
     factor = -2.0 * LN2 * power * (residual if per_dimension else residual * residual)
-    xq = layout.exact_points(q, power, rows_q)
-    xk = layout.exact_points(k, power, rows_k)
-    return xq, xk, layout.exact_scale(residual, q.shape[-1] if per_dimension else None), factor
+    xq = exact_points(q, power, rows_q)
+    xk = exact_points(k, power, rows_k)
+    return xq, xk, exact_scale(residual, q.shape[-1] if per_dimension else None), factor
 
 
 # ------------------------------------------------------------------------------------------
@@ -137,10 +236,10 @@ def _kernel_mv_fast_fwd(qs, ks, v, path: PathConfig):
     (_, n, dim), m, out_dim = qs.shape, ks.shape[1], v.shape[2]
     distance = forward_distance(path.modes, dim)
     rows_q, rows_k = path.query_rows(n, backward=False), path.key_rows(m, backward=False)
-    x, y = layout.expansion_points(distance, qs, ks, rows_q, rows_k)
-    values = layout.value_operand(v, rows_k, path.cols, path.modes.values)
-    kernel = pallas_mosaic.kernel_matmul if path.fwd.backend == "mosaic" else (
-        pallas_triton.kernel_matmul)
+    x, y = expansion_points(distance, qs, ks, rows_q, rows_k)
+    values = value_operand(v, rows_k, path.cols, path.modes.values)
+    kernel = mosaic_forward.kernel_matmul if path.fwd.backend == "mosaic" else (
+        triton.kernel_matmul)
     out = _run(
         "rbf_kernel_mv", kernel, path, path.fwd, dict(x=x, y=y, v=values),
         distance=distance, valid_l=m, block_o=path.fwd.block_o, values=path.modes.values,
@@ -155,20 +254,20 @@ def _mv_grad_sweeps(path: PathConfig, distance, x, y, g_pad, v_pad, n, m, dim, s
     dots = dict(distance=distance, values=modes.values, coords=modes.coords)
 
     r = _run(
-        "rbf_kernel_mv", pallas_triton.kernel_matmul_grad, path, path.dq,
+        "rbf_kernel_mv", triton.kernel_matmul_grad, path, path.dq,
         dict(x=x, y=y, u=g_pad, w=v_pad, scale=scale), valid_l=m, with_squares=scale is not None,
         block_o=path.dq.block_o, **dots,
     )  # fmt: skip
     fuse_dv = fuses_dv(modes, dim, path.cols)
     c = _run(
-        "rbf_kernel_mv", pallas_triton.kernel_matmul_grad, path, path.dk,
+        "rbf_kernel_mv", triton.kernel_matmul_grad, path, path.dk,
         dict(x=y, y=x, u=v_pad, w=g_pad, scale=scale), valid_l=n, with_pw=fuse_dv,
         block_o=path.dk.block_o, **dots,
     )  # fmt: skip
     if fuse_dv:
         return r, c, c["pw"]
     dv = _run(
-        "rbf_kernel_mv", pallas_triton.kernel_matmul, path, path.dk,
+        "rbf_kernel_mv", triton.kernel_matmul, path, path.dk,
         dict(x=y, y=x, v=g_pad, scale=scale), distance=distance, valid_l=n,
         block_o=path.dk.block_o, values=modes.values,
     )  # fmt: skip
@@ -177,17 +276,17 @@ def _mv_grad_sweeps(path: PathConfig, distance, x, y, g_pad, v_pad, n, m, dim, s
 
 def _mosaic_grad_sweep(path: PathConfig, qs, ks, g, v):
     """(query sums, key sums, dv) of the fast path from one sweep over the pairs
-    (``tilax.rbf.pallas_mosaic_grad``: programs over keys with the ``dk`` launch's tiles, the
+    (``tilax.rbf.mosaic.grad``: programs over keys with the ``dk`` launch's tiles, the
     queries' sums added up across programs): the distance from TF32 parts, the pair sums
     against the augmented points."""
     (_, n, _), m = qs.shape, ks.shape[1]
-    rows_q = _pallas.round_up(n, max(pallas_mosaic_grad.BLOCK_P, path.dk.block_l))
-    rows_k = _pallas.round_up(m, pallas_mosaic_grad.BLOCK_P)
-    x_parts, y_parts = layout.expansion_points(Expansion("tf32_parts"), qs, ks, rows_q, rows_k)
-    x, y = layout.augment_queries(qs, rows_q), layout.augment_keys(ks, rows_k)
-    g_pad = layout.value_operand(g, rows_q, path.cols, "bf16")
-    v_pad = layout.value_operand(v, rows_k, path.cols, "bf16")  # zero rows: padded keys add 0
-    sums = _run("rbf_kernel_mv", pallas_mosaic_grad.pair_sums, path, path.dk,
+    rows_q = _pallas.round_up(n, max(mosaic_grad.BLOCK_P, path.dk.block_l))
+    rows_k = _pallas.round_up(m, mosaic_grad.BLOCK_P)
+    x_parts, y_parts = expansion_points(Expansion("tf32_parts"), qs, ks, rows_q, rows_k)
+    x, y = augment_queries(qs, rows_q), augment_keys(ks, rows_k)
+    g_pad = value_operand(g, rows_q, path.cols, "bf16")
+    v_pad = value_operand(v, rows_k, path.cols, "bf16")  # zero rows: padded keys add 0
+    sums = _run("rbf_kernel_mv", mosaic_grad.pair_sums, path, path.dk,
                 dict(x=y_parts, y=x_parts, coords=x, own=y, u=v_pad, w=g_pad), valid_l=n)
     return sums["loop_sums"], sums["sums"], sums["pw"]
 
@@ -201,9 +300,9 @@ def _kernel_mv_fast_bwd(path: PathConfig, residuals, g):
         dks = c[:, :m, :dim] - ks * c[:, :m, dim + 1 : dim + 2]
         return dqs, dks, dv[:, :m, :out_dim]
     rows_q, rows_k = path.query_rows(n, backward=True), path.key_rows(m, backward=True)
-    x, y = layout.augment_queries(qs, rows_q), layout.augment_keys(ks, rows_k)
-    g_pad = layout.value_operand(g, rows_q, path.cols, path.modes.values)
-    v_pad = layout.value_operand(v, rows_k, path.cols, path.modes.values)
+    x, y = augment_queries(qs, rows_q), augment_keys(ks, rows_k)
+    g_pad = value_operand(g, rows_q, path.cols, path.modes.values)
+    v_pad = value_operand(v, rows_k, path.cols, path.modes.values)
     distance = backward_distance(path.modes, dim)
     r, c, dv = _mv_grad_sweeps(path, distance, x, y, g_pad, v_pad, n, m, dim)
     # Augmented columns: r = [log2e sum_j A ks_j, sum_j A, .], c = [sum_i A qs_i, ., sum_i A].
@@ -234,9 +333,9 @@ def _kernel_mv_exact_fwd(q, k, v, lengthscale, path: PathConfig):
     rows_q, rows_k = path.query_rows(n, backward=False), path.key_rows(m, backward=False)
     xq, xk, scale, _ = _exact_operands(q, k, lengthscale, rows_q, rows_k,
                                        per_dimension=per_dimension)  # fmt: skip
-    values = layout.value_operand(v, rows_k, path.cols, path.modes.values)
-    kernel = pallas_mosaic_exact.kernel_matmul if path.fwd.backend == "mosaic" else (
-        pallas_triton.kernel_matmul)
+    values = value_operand(v, rows_k, path.cols, path.modes.values)
+    kernel = mosaic_exact.kernel_matmul if path.fwd.backend == "mosaic" else (
+        triton.kernel_matmul)
     out = _run(
         "rbf_kernel_mv", kernel, path, path.fwd,
         dict(x=xq, y=xk, v=values, scale=scale), distance=distance, valid_l=m,
@@ -247,10 +346,10 @@ def _kernel_mv_exact_fwd(q, k, v, lengthscale, path: PathConfig):
 
 def _mosaic_exact_pair_sums(path: PathConfig, distance, xq, xk, g_pad, v_pad, n, scale):
     """(query sums, key sums, dv) of the exact path from one sweep over the pairs
-    (``tilax.rbf.pallas_mosaic_exact_grad``: programs over keys with the ``dk`` launch's tiles,
+    (``tilax.rbf.mosaic.exact_grad``: programs over keys with the ``dk`` launch's tiles,
     the queries' sums added up across programs), as ``_mv_grad_sweeps`` returns them, with the
     lengthscale's squares among the key sums."""
-    c = _run("rbf_kernel_mv", pallas_mosaic_exact_grad.pair_sums, path, path.dk,
+    c = _run("rbf_kernel_mv", mosaic_exact_grad.pair_sums, path, path.dk,
              dict(x=xk, y=xq, u=v_pad, w=g_pad, scale=scale), distance=distance, valid_l=n,
              with_squares=True)
     # Per warp, unscaled, keys minus queries: the query sweep's sums are minus their total.
@@ -267,8 +366,8 @@ def _kernel_mv_exact_bwd(path: PathConfig, residuals, g):
     per_dimension = jnp.ndim(lengthscale) == 1
     xq, xk, scale, factor = _exact_operands(q, k, lengthscale, rows_q, rows_k,
                                             per_dimension=per_dimension)  # fmt: skip
-    g_pad = layout.value_operand(g, rows_q, path.cols, path.modes.values)
-    v_pad = layout.value_operand(v, rows_k, path.cols, path.modes.values)
+    g_pad = value_operand(g, rows_q, path.cols, path.modes.values)
+    v_pad = value_operand(v, rows_k, path.cols, path.modes.values)
     distance = backward_distance(path.modes, dim, per_dimension)
     if path.dk.backend == "mosaic":  # the squares come with the key sums
         r, c, dv = _mosaic_exact_pair_sums(path, distance, xq, xk, g_pad, v_pad, n, scale)
@@ -300,10 +399,10 @@ def _kde_fast_fwd(xq, xd, w, path: PathConfig):
     (_, n, dim), m = xq.shape, xd.shape[1]
     distance = forward_distance(path.modes, dim)
     rows_q, rows_d = path.query_rows(n, backward=False), path.key_rows(m, backward=False)
-    x, y = layout.expansion_points(distance, xq, xd, rows_q, rows_d)
+    x, y = expansion_points(distance, xq, xd, rows_q, rows_d)
     row_max, row_sum = _run(
-        "rbf_kde_density", pallas_triton.kernel_logsumexp, path, path.fwd,
-        dict(x=x, y=y, y_weight=layout.pad_rows(w, rows_d)), distance=distance, valid_l=m,
+        "rbf_kde_density", triton.kernel_logsumexp, path, path.fwd,
+        dict(x=x, y=y, y_weight=pad_rows(w, rows_d)), distance=distance, valid_l=m,
     )  # fmt: skip
     row_max, row_sum = row_max[:, :n], _floored_sum(row_sum[:, :n], w)
     return _log_sum(row_max, row_sum), (xq, xd, w, row_max, row_sum)
@@ -329,16 +428,16 @@ def _kde_grad_sweeps(path: PathConfig, distance, x, y, w, row_max, row_sum, g, n
     rows_d = y.shape[-1] if scale is not None else y.shape[1]
     # Rows without a finite maximum or sum have no finite pair weights: they get none.
     finite = jnp.isfinite(row_max) & (row_sum > 0)
-    shift = layout.pad_rows(jnp.where(finite, -row_max, 0.0), rows_q)
-    coef = layout.pad_rows(jnp.where(finite, g.astype(jnp.float32) / row_sum, 0.0), rows_q)
+    shift = pad_rows(jnp.where(finite, -row_max, 0.0), rows_q)
+    coef = pad_rows(jnp.where(finite, g.astype(jnp.float32) / row_sum, 0.0), rows_q)
     dots = dict(distance=distance, coords=kde_coords(path.modes))
     by_query = _run(
-        "rbf_kde_density", pallas_triton.kernel_matmul_grad, path, path.dq,
-        dict(x=x, y=y, scale=scale, x_offset=shift, x_coef=coef, y_coef=layout.pad_rows(w, rows_d)),
+        "rbf_kde_density", triton.kernel_matmul_grad, path, path.dq,
+        dict(x=x, y=y, scale=scale, x_offset=shift, x_coef=coef, y_coef=pad_rows(w, rows_d)),
         valid_l=m, with_squares=scale is not None, **dots,
     )  # fmt: skip
     by_data = _run(
-        "rbf_kde_density", pallas_triton.kernel_matmul_grad, path, path.dk,
+        "rbf_kde_density", triton.kernel_matmul_grad, path, path.dk,
         dict(x=y, y=x, scale=scale, y_offset=shift, y_coef=coef), valid_l=n,
         with_rowsum=scale is not None, **dots,
     )  # fmt: skip
@@ -349,7 +448,7 @@ def _kde_fast_bwd(path: PathConfig, residuals, g):
     xq, xd, w, row_max, row_sum = residuals
     (_, n, dim), m = xq.shape, xd.shape[1]
     rows_q, rows_d = path.query_rows(n, backward=True), path.key_rows(m, backward=True)
-    x, y = layout.augment_queries(xq, rows_q), layout.augment_keys(xd, rows_d)
+    x, y = augment_queries(xq, rows_q), augment_keys(xd, rows_d)
     distance = backward_distance(path.modes, dim)
     r, c = _kde_grad_sweeps(path, distance, x, y, w, row_max, row_sum, g, n, m)
     # r = [log2e sum_j A xd_j, sum_j A, .] (A = g p), c = [sum_i A xq_i, ., sum_i A].
@@ -380,8 +479,8 @@ def _kde_exact_fwd(query, data, w, bandwidth, path: PathConfig):
     rows_q, rows_d = path.query_rows(n, backward=False), path.key_rows(m, backward=False)
     xq, xd, scale, _ = _exact_operands(query, data, bandwidth, rows_q, rows_d, per_dimension=True)
     row_max, row_sum = _run(
-        "rbf_kde_density", pallas_triton.kernel_logsumexp, path, path.fwd,
-        dict(x=xq, y=xd, scale=scale, y_weight=layout.pad_rows(w, rows_d)), distance=distance,
+        "rbf_kde_density", triton.kernel_logsumexp, path, path.fwd,
+        dict(x=xq, y=xd, scale=scale, y_weight=pad_rows(w, rows_d)), distance=distance,
         valid_l=m,
     )  # fmt: skip
     row_max, row_sum = row_max[:, :n], _floored_sum(row_sum[:, :n], w)

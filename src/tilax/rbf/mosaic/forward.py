@@ -10,7 +10,7 @@ ptxas moves the "done with the exps" arrival above the exps (it depends on no re
 the turn passes as a warpgroup starts its exps and both warpgroups' exps overlap; that was the
 fastest schedule measured on the H200 (docs/performance/rbf.md).
 
-Operands are the Triton forward's (``tilax.rbf.pallas_layout``): the augmented points as TF32
+Operands are the Triton forward's (``tilax.rbf.vjp`` builds them): the augmented points as TF32
 parts ``x: [B, P, W]`` (first) and ``y: [B, L, W]`` (second), so that one TF32 dot gives the
 base-2 exponent, and the values ``v: [B, L, O]`` in bfloat16 (the ``"bf16"`` values mode). Keys
 at or beyond ``valid_l`` are masked by their index in the last tile.
@@ -24,19 +24,18 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from tilax import _pallas
-from tilax.rbf.pallas_triton import Distance, Expansion
+from tilax.rbf.mosaic.common import (
+    BLOCK_P,
+    COMPUTE_WARPGROUPS,
+    MAX_WIDTH,
+    ROWS_PER_WARPGROUP,
+    launch_forward,
+    plgpu,
+    stream_tiles,
+    swizzled,
+)
+from tilax.rbf.numerics import Distance, Expansion
 
-try:
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-except ImportError:  # tilax imports anyway; _pallas.mosaic_unavailable_reason says why
-    plgpu = None
-
-ROWS_PER_WARPGROUP = 64
-COMPUTE_WARPGROUPS = 2
-#: Rows a program owns: the forward launch's ``block_p`` on this backend.
-BLOCK_P = ROWS_PER_WARPGROUP * COMPUTE_WARPGROUPS
-#: Widest TF32 parts operand (columns) the kernel's shared memory is planned for.
-MAX_WIDTH = 64
 #: Key/value tiles in flight (on the H200, two ran faster than three).
 KEY_STAGES = 2
 
@@ -52,82 +51,6 @@ def unsupported_reason(distance: Distance, values: str, width: int, block_o: int
     if block_o % 16 or block_o > 256:
         return f"value tile {block_o} is not a multiple of 16 up to 256"
     return None
-
-
-def runs(launch, distance: Distance, values: str, width: int) -> bool:
-    """Whether the fast forward of ``launch`` (a ``pallas_config.Launch``) runs here: on a
-    Hopper GPU, for settings this kernel supports, with its program tile."""
-    return (_pallas.mosaic_unavailable_reason() is None
-            and unsupported_reason(distance, values, width, launch.block_o) is None
-            and launch.block_p == BLOCK_P and launch.block_l % 64 == 0)
-
-
-def _tiles(cols: int, itemsize: int):
-    swizzle = plgpu.find_swizzle(cols * itemsize * 8)
-    return plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)
-
-
-def compiler_params():
-    """Settings of every RBF Mosaic GPU kernel: the exp unit's approximate ``exp2``, and no
-    warpgroup barriers around each load and store (``unsafe_no_auto_barriers``). Pallas puts
-    them there in case a thread reads what another thread of its warpgroup stored; in these
-    kernels nothing is read that way except through ``commit_smem`` (which has its own
-    barrier), stored operand tiles are reused only after the ``wgmma`` that read them was waited
-    for, and ring slots only after mbarriers say they were read. On the H200 the barriers
-    (under jax 0.11, two a dimension a tile around the exact sweep's atomic column sums) cost
-    4% of a forward+backward at either precision (docs/performance/rbf.md)."""
-    return plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=True)
-
-
-def stream_tiles(steps: int, stages: int, fetch, wait_free, *, one_warp: bool = True) -> None:
-    """The memory warpgroup's loop: ``fetch(tile, slot)`` the first ``stages`` tiles, then
-    each next tile into its slot once ``wait_free(slot)`` returns; at the end, wait for every
-    slot's last release (a barrier phase nobody waits for is a bug in the eyes of JAX's GPU
-    interpreter, and costs nothing here).
-
-    With ``one_warp`` (on the GPU) one warp of the warpgroup runs it and the other three wait
-    at the join: a waiting warp polls its barrier in a loop that takes issue slots from the
-    compute warps (2% of them in the exact kernels, as ncu counted on the H200; the exact
-    forward+backward ran 1.0% faster so, the fast one 1.2% slower)."""
-
-    def loop():
-        for slot in range(stages):
-            fetch(slot, slot)
-
-        @pl.loop(0, steps - stages)
-        def _(step):
-            slot = lax.rem(step, jnp.array(stages, step.dtype))
-            wait_free(slot)
-            fetch(step + stages, slot)
-
-        for last in range(steps - stages, steps):
-            wait_free(last % stages)
-
-    if not one_warp or _pallas.interpreted():  # (the interpreter runs warpgroups, not warps)
-        loop()
-        return
-
-    @plgpu.warp_map
-    def _one_warp(warp):
-        pl.when(warp == 0)(loop)
-
-
-def launch_forward(entry, out_shape: tuple[int, int, int], block_p: int, block_o: int,
-                   name: str):
-    """``plgpu.kernel`` of a forward kernel ``entry``: float32 ``out_shape`` ``[B, P, O]``,
-    grid (P tiles, O tiles, batch), the compute warpgroups and the memory warpgroup, with
-    ``compiler_params()``."""
-    batch, num_p, num_o = out_shape
-    return plgpu.kernel(
-        entry,
-        out_type=jax.ShapeDtypeStruct(out_shape, jnp.float32),
-        grid=(num_p // block_p, num_o // block_o, batch),
-        grid_names=("p", "o", "b"),
-        num_threads=COMPUTE_WARPGROUPS + 1,
-        thread_name="wg",
-        compiler_params=compiler_params(),
-        kernel_name=name,
-    )
 
 
 def kernel_matmul(
@@ -147,7 +70,7 @@ def kernel_matmul(
     num_stages: int | None = None,
 ) -> jax.Array:
     """``out[b, i, :] = sum_{l < valid_l} exp2(x[b, i] . y[b, l]) v[b, l, :]``, float32
-    ``[B, P, O]``; the signature of ``pallas_triton.kernel_matmul`` (``backend``, ``scale``,
+    ``[B, P, O]``; the signature of ``tilax.rbf.triton.kernel_matmul`` (``backend``, ``scale``,
     ``num_warps`` and ``num_stages`` are not used: one backend, no residual scale, three
     warpgroups, ``KEY_STAGES``)."""
     del backend, num_warps, num_stages
@@ -261,9 +184,10 @@ def kernel_matmul(
 
     def entry(x_ref, y_ref, v_ref, out_ref):
         smem = [
-            plgpu.SMEM((COMPUTE_WARPGROUPS, rows, width), jnp.float32, transforms=_tiles(width, 4)),
-            plgpu.SMEM((steps, block_l, width), jnp.float32, transforms=_tiles(width, 4)),
-            plgpu.SMEM((steps, block_l, block_o), jnp.bfloat16, transforms=_tiles(block_o, 2)),
+            plgpu.SMEM((COMPUTE_WARPGROUPS, rows, width), jnp.float32,
+                       transforms=swizzled(width, 4)),
+            plgpu.SMEM((steps, block_l, width), jnp.float32, transforms=swizzled(width, 4)),
+            plgpu.SMEM((steps, block_l, block_o), jnp.bfloat16, transforms=swizzled(block_o, 2)),
             plgpu.SMEM((COMPUTE_WARPGROUPS, rows, block_o), jnp.float32),
         ]
         pl.run_scoped(

@@ -15,7 +15,7 @@ against the coordinates' ``[hi | lo]``; the points' column of ones gives the wei
 from the same product). Each pair's exponential is computed once; the two sweeps this
 replaces (one over queries for dq, one over keys for dk and dv) computed it twice.
 
-The shape is the forward's (``tilax.rbf.pallas_mosaic``): a memory warpgroup streams the loop
+The shape is the forward's (``tilax.rbf.mosaic.forward``): a memory warpgroup streams the loop
 tiles through TMA into ``STAGES`` slots, two compute warpgroups own 64 rows each and run freely:
 the forward's turns on the tensor cores (a shared barrier twice a tile) made this kernel 2%
 slower on the H200 (docs/performance/rbf.md). The program's sums stay in registers.
@@ -24,9 +24,9 @@ multiplies them, transposed, by its own rows' coordinates; the ``[block_l, 2 C]`
 added into a zeroed buffer by a TMA reduction (``reduction_op="add"``), across all programs.
 Programs start their loops at different tiles so that their additions spread over the buffer.
 
-Runs where a path's ``dk`` launch names ``backend="mosaic"`` (program tile 128).
-``pallas_config.default_config`` chooses it for ``rbf_kernel_mv`` wherever it runs (:func:`runs`)
-with loop tiles of ``BLOCK_L``; docs/performance/rbf.md has the measurements.
+Runs where a path's ``dk`` launch names ``backend="mosaic"`` (program tile 128): the
+``mosaic_fast_bwd`` rows of ``tilax.rbf.config.RULES`` (loop tiles of ``BLOCK_L``, or 64 where
+the buffers, ``config.mosaic_sweep_shared_memory_bytes``, do not fit), with their stored runs.
 """
 
 from __future__ import annotations
@@ -39,37 +39,27 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from tilax import _pallas
-from tilax.rbf.pallas_dots import split
-from tilax.rbf.pallas_mosaic import (
+from tilax.rbf.mosaic.common import (
     BLOCK_P,
     COMPUTE_WARPGROUPS,
     MAX_WIDTH,
     ROWS_PER_WARPGROUP,
-    _tiles,
-    compiler_params,
+    batch_folding,
+    bfloat16_bits,
+    launch_on_refs,
     plgpu,
+    rotated_tile,
     stream_tiles,
+    swizzled,
 )
+from tilax.rbf.numerics import split
 
 #: Loop tiles in flight.
 STAGES = 2
-#: Shared memory a program may use: the H100/H200 limit less room for the barriers.
-SHARED_MEMORY = 232448 - 2048
 #: Widest value/cotangent operand (columns): every column is in one program's registers.
 MAX_COLUMNS = 64
 #: Default loop tile (the faster of 64 and 128 on the H200; 64 where 128 does not fit).
 BLOCK_L = 128
-
-
-def shared_memory_bytes(parts_width: int, coords_width: int, columns: int, block_l: int,
-                        stages: int) -> int:
-    """Bytes of the kernel's shared-memory buffers (``_sweep``'s list, in its order)."""
-    rows, wgs = ROWS_PER_WARPGROUP, COMPUTE_WARPGROUPS
-    own = wgs * rows * (4 * parts_width + 2 * columns + 2 * 2 * coords_width)
-    loop = stages * block_l * (4 * parts_width + 2 * columns + 2 * 2 * coords_width)
-    weights = wgs * rows * block_l * 2
-    staging = wgs * (block_l * coords_width + rows * columns) * 4  # sums: the loop's
-    return own + loop + weights + staging
 
 
 def unsupported_reason(parts_width: int, coords_width: int, columns: int, block_l: int) -> (
@@ -83,43 +73,15 @@ def unsupported_reason(parts_width: int, coords_width: int, columns: int, block_
         return f"value columns {columns} are not a multiple of 16 up to {MAX_COLUMNS}"
     if block_l not in (64, 128):
         return f"loop tile {block_l} is not 64 or 128"
-    need = shared_memory_bytes(parts_width, coords_width, columns, block_l, STAGES)
-    if need > SHARED_MEMORY:
-        return (f"its buffers ({need} bytes with loop tile {block_l}) exceed the "
-                f"{SHARED_MEMORY} bytes of shared memory")
     return None
-
-
-def _bfloat16_bits(bits: jax.Array) -> jax.Array:
-    """The bfloat16 whose bits are the high half of ``bits`` (uint32): float32 truncated."""
-    return lax.bitcast_convert_type((bits >> 16).astype(jnp.uint16), jnp.bfloat16)
 
 
 def rounded_bfloat16(a: jax.Array) -> jax.Array:
     """``a`` (float32) rounded to the nearest bfloat16, ties away from zero (as
-    ``pallas_dots.split``'s ``hi``), by integer operations on the ALU. Conversion instructions
+    ``numerics.split``'s ``hi``), by integer operations on the ALU. Conversion instructions
     run on the exp unit (XU), which the exps keep busy already (ncu on the H200: with two
     conversions per pair it was the sweep's busiest pipe, 72%)."""
-    return _bfloat16_bits(lax.bitcast_convert_type(a, jnp.uint32) + jnp.uint32(0x8000))
-
-
-def runs(launch, values: str, coords: str, parts_width: int, coords_width: int,
-         columns: int) -> bool:
-    """Whether a sweep of ``launch`` (a ``pallas_config.Launch``) runs here: on a Hopper GPU,
-    for a path whose values are multiplied in bfloat16 and coordinates in ``"bf16x2"`` (the
-    default precision's), at widths this kernel supports, with its program tile."""
-    return (_pallas.mosaic_unavailable_reason() is None
-            and (values, coords) == ("bf16", "bf16x2")
-            and unsupported_reason(parts_width, coords_width, columns, launch.block_l) is None
-            and launch.block_p == BLOCK_P)
-
-
-def _rotated(index, full_steps: int, offset):
-    """The loop tile of step ``index``: the full tiles from ``offset`` on, wrapping around, then
-    the partial tile, if any."""
-    if full_steps == 0:
-        return index
-    return jnp.where(index < full_steps, lax.rem(index + offset, full_steps), index)
+    return bfloat16_bits(lax.bitcast_convert_type(a, jnp.uint32) + jnp.uint32(0x8000))
 
 
 def pair_sums(
@@ -142,7 +104,7 @@ def pair_sums(
     ``own: [B, P, C]`` (float32), ``u: [B, P, O]`` and ``w: [B, L, O]`` (bfloat16). ``P`` is a
     multiple of ``BLOCK_P`` (the program tile, ``block_p``), ``L`` of ``block_l``; loop rows at
     or beyond ``valid_l`` are masked by index, and program rows whose ``u`` is zero add nothing
-    to the loop sums. ``backend``, ``num_warps`` and ``num_stages`` (a ``pallas_config.Launch``'s)
+    to the loop sums. ``backend``, ``num_warps`` and ``num_stages`` (a ``config.Launch``'s)
     are not used: one backend, three warpgroups, ``STAGES``."""
     del backend, num_warps, num_stages
     num_l, coords_width, columns = y.shape[1], coords.shape[2], u.shape[2]
@@ -164,27 +126,6 @@ def pair_sums(
     sweep = batch_folding(functools.partial(_sweep, valid_l=valid_l, block_l=block_l))
     loop_sums, sums, pw = sweep(*operands)
     return {"sums": sums, "pw": pw, "loop_sums": loop_sums}
-
-
-def batch_folding(kernel):
-    """``kernel(*operands) -> tuple of arrays`` (each operand ``[B, R, C]``, each output with the
-    batch axis first) with a ``vmap`` rule that folds the vmapped axis into the batch axis: the
-    sweeps run under ``run_state``, which has no batching rule."""
-
-    @jax.custom_batching.custom_vmap
-    def batched(*operands):
-        return kernel(*operands)
-
-    @batched.def_vmap
-    def _(axis_size, in_batched, *operands):
-        merged = [(a if batched else jnp.broadcast_to(a, (axis_size, *a.shape))).reshape(
-            axis_size * a.shape[-3], *a.shape[-2:])
-            for a, batched in zip(operands, in_batched, strict=True)]
-        outs = batched(*merged)
-        return (tuple(out.reshape(axis_size, -1, *out.shape[1:]) for out in outs),
-                (True,) * len(outs))
-
-    return batched
 
 
 def _lo_plus_hi(sums: jax.Array) -> jax.Array:
@@ -234,7 +175,7 @@ def _sweep(x, y, c_parts, o_parts, u, w, *, valid_l: int, block_l: int):
 
             def step(index, sums_ref, pw_ref, masked):
                 slot = slot_of(index)
-                tile = _rotated(index, full_steps, offset)
+                tile = rotated_tile(index, full_steps, offset)
 
                 def scores(t_ref, uw_ref):
                     plgpu.wgmma(t_ref, x_smem, _pallas.transposed_ref(y_smem.at[slot]))
@@ -317,7 +258,7 @@ def _sweep(x, y, c_parts, o_parts, u, w, *, valid_l: int, block_l: int):
             plgpu.set_max_registers(40, action="decrease")
 
             def fetch(index, slot):
-                tile_rows = pl.ds(_rotated(index, full_steps, offset) * block_l, block_l)
+                tile_rows = pl.ds(rotated_tile(index, full_steps, offset) * block_l, block_l)
                 plgpu.copy_gmem_to_smem(y_ref.at[b, tile_rows], y_smem.at[slot],
                                         y_ready.at[slot])
                 plgpu.copy_gmem_to_smem(w_ref.at[b, tile_rows], w_smem.at[slot],
@@ -330,13 +271,13 @@ def _sweep(x, y, c_parts, o_parts, u, w, *, valid_l: int, block_l: int):
 
     def entry(*refs):
         wgs = COMPUTE_WARPGROUPS
-        coords_tiles = _tiles(2 * coords_width, 2)
+        coords_tiles = swizzled(2 * coords_width, 2)
         smem = [
-            plgpu.SMEM((wgs, rows, width), jnp.float32, transforms=_tiles(width, 4)),
-            plgpu.SMEM((wgs, rows, columns), jnp.bfloat16, transforms=_tiles(columns, 2)),
+            plgpu.SMEM((wgs, rows, width), jnp.float32, transforms=swizzled(width, 4)),
+            plgpu.SMEM((wgs, rows, columns), jnp.bfloat16, transforms=swizzled(columns, 2)),
             plgpu.SMEM((wgs, rows, 2 * coords_width), jnp.bfloat16, transforms=coords_tiles),
-            plgpu.SMEM((stages, block_l, width), jnp.float32, transforms=_tiles(width, 4)),
-            plgpu.SMEM((stages, block_l, columns), jnp.bfloat16, transforms=_tiles(columns, 2)),
+            plgpu.SMEM((stages, block_l, width), jnp.float32, transforms=swizzled(width, 4)),
+            plgpu.SMEM((stages, block_l, columns), jnp.bfloat16, transforms=swizzled(columns, 2)),
             plgpu.SMEM((stages, block_l, 2 * coords_width), jnp.bfloat16,
                        transforms=coords_tiles),
             # The pair weights as the loop sums' operand A (read transposed): its swizzle must
@@ -364,17 +305,3 @@ def _sweep(x, y, c_parts, o_parts, u, w, *, valid_l: int, block_l: int):
     return tuple(pl.run_state(launch)((x, y, c_parts, o_parts, u, w, *zeros))[-3:])
 
 
-def launch_on_refs(entry, refs, *, programs: int, batch: int, name: str) -> None:
-    """Run ``entry(*refs)`` as a kernel of grid ``(programs, batch)`` with the compute
-    warpgroups and the memory warpgroup, on the Refs of ``run_state``: the sweeps add their loop
-    sums into a zeroed buffer, which ``plgpu.kernel`` cannot take (it aliases no input to an
-    output)."""
-    mesh = plgpu.Mesh(grid=(programs, batch), grid_names=("p", "b"),
-                      num_threads=COMPUTE_WARPGROUPS + 1, thread_name="wg")
-    params = dict(compiler_params=compiler_params(), name=name)
-    # jax 0.11 deprecates core_map for pl.kernel; jax 0.10's GPU interpreter cannot run
-    # pl.kernel with Ref operands (both lower for CUDA).
-    if jax.__version_info__ >= (0, 11):
-        pl.kernel(entry, out_type=(), mesh=mesh, **params)(*refs)
-    else:
-        pl.core_map(mesh, **params)(lambda: entry(*refs))
