@@ -6,7 +6,7 @@ token, so its speed matters: for bfloat16 tokens :func:`router_logits` computes 
 products exactly on the tensor cores (the router split into three bfloat16 pieces) instead of
 a float32 matmul, and :func:`top_k_experts` picks a few experts by repeated ``argmax`` rather
 than a sort. For ``impl="mosaic"`` on Hopper the softmax, the top-k and their gradient run as
-two Mosaic GPU kernels instead of XLA's chain of small ones (``router_mosaic``).
+two Mosaic GPU kernels instead of XLA's chain of small ones (``mosaic.router``).
 
 :func:`skew_tokens` is the benchmark/test knob that makes routing skewed. It moves the *inputs*
 along a direction the router maps onto a fixed per-expert bias, so the layer itself and its
@@ -21,7 +21,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from tilax.moe import dispatch, router_mosaic
+from tilax.moe import dispatch, rules
+from tilax.moe.mosaic import router as router_mosaic
 
 # The router's matmul decides which experts run: keep it at full float32 precision on every
 # device (GPUs would otherwise use TF32 and may flip near-ties between implementations).
@@ -53,12 +54,13 @@ def route(
     Ties between equal probabilities go to the lower expert index (``jax.lax.top_k``).
     Differentiable with respect to ``x`` and ``router`` through the logits, the probabilities
     and the weights. ``backend`` ``"mosaic"`` takes the Mosaic GPU kernels of
-    ``router_mosaic`` for bfloat16 ``x`` where they apply (the same math; the softmax's
+    ``mosaic.router`` for bfloat16 ``x`` where they apply (the same math; the softmax's
     ``exp`` and division are the GPU's approximate ones, so the probabilities may differ from
     XLA's in their last bits); otherwise XLA routes.
     """
     ranked = None
-    if backend == "mosaic" and x.dtype == jnp.bfloat16:
+    if (backend == "mosaic" and x.dtype == jnp.bfloat16
+            and rules.variant("router") == "kernels"):  # the router rule of tilax.moe.rules
         if router_mosaic.block_tokens(x.shape[0], router.shape[1], top_k) is not None:
             ranked = _ranked_on_mosaic(top_k, x, router.astype(jnp.float32))
     if ranked is None:
@@ -158,7 +160,7 @@ _bf16_logits.defvjp(_bf16_logits_fwd, _bf16_logits_bwd)
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _ranked_on_mosaic(top_k, x, router32):
     """``(logits, probs, expert_ids, top_probs)`` of bfloat16 ``x`` by the kernels of
-    ``router_mosaic``: the logits' pieces by one bfloat16 matmul (:func:`_logit_parts`), the
+    ``mosaic.router``: the logits' pieces by one bfloat16 matmul (:func:`_logit_parts`), the
     rest by one kernel forward and one backward."""
     return _ranked_on_mosaic_fwd(top_k, x, router32)[0]
 

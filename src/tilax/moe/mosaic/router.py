@@ -32,8 +32,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from tilax import _pallas
-from tilax.moe import gmm_mosaic_parts as parts
-from tilax.moe.gmm_mosaic_parts import plgpu
+from tilax.moe.mosaic import common
+from tilax.moe.mosaic.common import plgpu
 
 # Tokens per block: one tile of the warpgroup's register layout (``WGMMA``), whose rows come
 # in tiles of 64; a block's three float32 pieces of the logits take 48 KiB of shared memory.
@@ -76,7 +76,7 @@ def _launch(body, num_tokens: int, block: int, out_type, scratch_types, name: st
     block into a slot with ``fetch(first_token, slot)`` one block ahead of ``compute``, once
     the block before has been stored (a slot's shared memory may stage its outputs)."""
     num_blocks = num_tokens // block
-    num_programs = min(PROGRAMS_PER_SM * parts.sm_count(), num_blocks)
+    num_programs = min(PROGRAMS_PER_SM * common.sm_count(), num_blocks)
 
     def block_loop(fetch, compute):
         pid = lax.axis_index("sm")
@@ -101,7 +101,7 @@ def _launch(body, num_tokens: int, block: int, out_type, scratch_types, name: st
     return plgpu.kernel(
         lambda *refs: body(block_loop, *refs), out_type=out_type, grid=(num_programs,),
         grid_names=("sm",), scratch_types=scratch_types, kernel_name=name,
-        compiler_params=parts.compiler_params(),
+        compiler_params=common.compiler_params(),
     )
 
 
