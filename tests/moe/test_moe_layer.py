@@ -108,6 +108,15 @@ def test_every_impl_and_dispatch(impl, dispatch, routing):
     )
 
 
+def test_one_pallas_layer_in_the_interpreter():
+    """The fast suite's Pallas layer (the other interpreted cases are marked ``kernels``):
+    padded features, the gathering SwiGLU kernel and the XLA combine, against the oracle."""
+    check_against_oracle(
+        "odd_shared", 1e-5, impl="pallas", dispatch="fused", routing="dropless",
+        dtype=jnp.float32, **SMALL_TILES,
+    )
+
+
 @pytest.mark.parametrize(
     "impl,dispatch,routing,tiles",
     interpreted_marked([
