@@ -96,7 +96,7 @@ def ep_inputs(config, tokens, skew_to=None):
 
 
 def router_logit_parts(rng, tokens: int, experts: int):
-    """``[T, 3E]`` float32 pieces of router logits (``router._bf16_logits``'s product) whose
+    """``[T, 3E]`` float32 pieces of router logits (``router.router_logits``'s product) whose
     thirds add up to logits that tie on a coarse grid for a tenth of the tokens, with one NaN."""
     import jax.numpy as jnp
 
@@ -104,5 +104,5 @@ def router_logit_parts(rng, tokens: int, experts: int):
     logits[: tokens // 10] = np.round(logits[: tokens // 10])  # equal logits: tied experts
     logits[tokens // 2, experts // 2] = np.nan
     small = rng.standard_normal((tokens, experts)) * 1e-4
-    # thirds that add up to the logits, the smallest first as router._sum_thirds adds them
+    # thirds that add up to the logits, the smallest first as router.sum_thirds adds them
     return jnp.asarray(np.concatenate([logits - 2 * small, small, small], axis=1), jnp.float32)

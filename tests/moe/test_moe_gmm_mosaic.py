@@ -388,7 +388,7 @@ def test_router_rank_is_xlas(rng, few_sms, tokens, experts, top_k):
     parts = router_logit_parts(rng, tokens, experts)
     with gpu_interpreter():
         logits, probs, ids, top = jax.jit(mosaic_router.rank, static_argnums=1)(parts, top_k)
-    expected_logits = router._sum_thirds(parts)
+    expected_logits = router.sum_thirds(parts)
     np.testing.assert_array_equal(np.asarray(logits), np.asarray(expected_logits))
     expected_probs = jax.nn.softmax(expected_logits, axis=-1)
     np.testing.assert_allclose(np.asarray(probs), np.asarray(expected_probs), rtol=1e-6, atol=0)
@@ -424,7 +424,7 @@ def test_router_logit_grad_pieces(rng, few_sms, dense):
     thirds = [d_pieces[:, i * experts : (i + 1) * experts] for i in range(3)]
     np.testing.assert_allclose((thirds[2] + thirds[1]) + thirds[0], np.asarray(expected),
                                rtol=1e-5, atol=1e-7)
-    expected_pieces = router._bf16_pieces(jnp.asarray((thirds[2] + thirds[1]) + thirds[0]))
+    expected_pieces = router.bf16_pieces(jnp.asarray((thirds[2] + thirds[1]) + thirds[0]))
     for third, piece in zip(thirds, expected_pieces, strict=True):
         np.testing.assert_array_equal(third, _f32(piece))
     np.testing.assert_array_equal(dx_pieces, np.concatenate([thirds[0], thirds[0], thirds[1]], 1))

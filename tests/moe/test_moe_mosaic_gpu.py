@@ -94,7 +94,7 @@ def test_mosaic_router_rank_is_xlas(tokens, experts, top_k):
     an order of its own (seen on the H200), so that token is checked apart."""
     parts = router_logit_parts(np.random.default_rng(tokens), tokens, experts)
     logits, probs, ids, top = jax.jit(mosaic_router.rank, static_argnums=1)(parts, top_k)
-    expected_logits = router._sum_thirds(parts)
+    expected_logits = router.sum_thirds(parts)
     np.testing.assert_array_equal(np.asarray(logits), np.asarray(expected_logits))
     np.testing.assert_allclose(np.asarray(probs), np.asarray(jax.nn.softmax(expected_logits)),
                                rtol=2e-6, atol=1e-30)

@@ -88,7 +88,7 @@ def router_logits(x: jax.Array, router: jax.Array) -> jax.Array:
     return jnp.dot(x.astype(jnp.float32), router32, precision=ROUTER_PRECISION)
 
 
-def _bf16_pieces(a: jax.Array) -> list[jax.Array]:
+def bf16_pieces(a: jax.Array) -> list[jax.Array]:
     """Three bfloat16 arrays that add up to float32 ``a`` exactly (8 significant bits each,
     and each rounding's remainder is exact in float32)."""
     pieces = []
@@ -101,7 +101,7 @@ def _bf16_pieces(a: jax.Array) -> list[jax.Array]:
     return pieces
 
 
-def _sum_thirds(parts: jax.Array) -> jax.Array:
+def sum_thirds(parts: jax.Array) -> jax.Array:
     """``[..., 3n] -> [..., n]``: the three pieces' partial results, smallest first."""
     n = parts.shape[-1] // 3
     return (parts[..., 2 * n :] + parts[..., n : 2 * n]) + parts[..., :n]
@@ -112,13 +112,13 @@ def _bf16_logits(x: jax.Array, router32: jax.Array) -> jax.Array:
     """``x @ router32`` for bfloat16 ``x``: a product of a bfloat16 and a bfloat16 piece of the
     router is exact in float32, so one bfloat16 matmul against the three pieces side by side
     (float32 accumulation) gives float32 logits; only the sums round, as in a float32 matmul."""
-    return _sum_thirds(_logit_parts(x, router32))
+    return sum_thirds(_logit_parts(x, router32))
 
 
 def _logit_parts(x: jax.Array, router32: jax.Array) -> jax.Array:
     """``[T, 3E]`` float32: bfloat16 ``x`` times the router's three pieces side by side, one
     matmul; its thirds add up to the logits."""
-    pieces = jnp.concatenate(_bf16_pieces(router32), axis=1)
+    pieces = jnp.concatenate(bf16_pieces(router32), axis=1)
     return jnp.dot(x, pieces, preferred_element_type=jnp.float32)
 
 
@@ -128,7 +128,7 @@ def _bf16_logits_fwd(x, router32):
 
 def _bf16_logits_bwd(residuals, d_logits):
     x, router32 = residuals
-    d0, d1, d2 = _bf16_pieces(d_logits)
+    d0, d1, d2 = bf16_pieces(d_logits)
     return _logits_grads(x, router32, jnp.concatenate([d0, d1, d2], axis=1),
                          jnp.concatenate([d0, d0, d1], axis=1))
 
@@ -137,7 +137,7 @@ def _logits_grads(x, router32, d_pieces, dx_pieces):
     """The gradients of ``x @ router32`` (bfloat16 ``x``) from the logits' gradient as its
     bfloat16 pieces ``d_pieces = [g0 | g1 | g2]`` and ``dx_pieces = [g0 | g0 | g1]``."""
     # d_router = x^T @ d_logits: exact products again (x is bfloat16).
-    d_router = _sum_thirds(
+    d_router = sum_thirds(
         jax.lax.dot_general(
             x, d_pieces, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32
         )
@@ -145,7 +145,7 @@ def _logits_grads(x, router32, d_pieces, dx_pieces):
     # d_x = d_logits @ router^T, rounded to bfloat16: the three largest of the nine piece
     # products, g0 r0 + g0 r1 + g1 r0 (relative error ~2**-16), are far more than its 8 bits
     # need.
-    r_pieces = _bf16_pieces(router32.T)
+    r_pieces = bf16_pieces(router32.T)
     d_x = jnp.dot(
         dx_pieces,
         jnp.concatenate([r_pieces[0], r_pieces[1], r_pieces[0]], axis=0),

@@ -1,7 +1,7 @@
 """The router's softmax, top-k and their gradient on Hopper: two Mosaic GPU passes.
 
 For bfloat16 tokens ``router.route`` computes the float32 logits as one bfloat16 matmul against
-the router's three bfloat16 pieces (``router._bf16_logits``): ``parts = x @ [r0 | r1 | r2]``,
+the router's three bfloat16 pieces (``router.router_logits``): ``parts = x @ [r0 | r1 | r2]``,
 ``[T, 3E]`` float32, whose thirds add up to the logits. In XLA what follows is a chain of small
 kernels: the thirds' sum, the softmax's two, ``k`` argmax reductions and the gather of the
 top probabilities forward; a scatter, the softmax's backward, three conversions to the
@@ -44,7 +44,7 @@ SLOTS = 2
 # tokens took 7.88, 7.98, 8.01 ms with one against 7.74, 7.95, 7.98 ms with two (three
 # interleaved rounds in one process).
 PROGRAMS_PER_SM = 2
-# The logits' three bfloat16 pieces (router._bf16_pieces).
+# The logits' three bfloat16 pieces (router.bf16_pieces).
 PIECES = 3
 
 
@@ -110,7 +110,7 @@ def rank(logit_parts: jax.Array, top_k: int):
 
     Args:
         logit_parts: ``[T, 3E]`` float32, ``x @ [r0 | r1 | r2]``; its thirds add up to the
-            logits as ``router._sum_thirds`` adds them (smallest first).
+            logits as ``router.sum_thirds`` adds them (smallest first).
         top_k: experts per token.
 
     Returns:
@@ -190,7 +190,7 @@ def logit_grad_pieces(
 
     With ``dp = d_probs + (d_top scattered to expert_ids)``, the logits' gradient is
     ``g = probs * dp - probs * sum(probs * dp) + d_logits``, and ``g = g0 + g1 + g2`` its three
-    bfloat16 pieces (``router._bf16_pieces``).
+    bfloat16 pieces (``router.bf16_pieces``).
 
     Args:
         probs: ``[T, E]`` float32 router probabilities.
