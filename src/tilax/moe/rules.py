@@ -212,8 +212,11 @@ _VARIANT_ROWS = (
         "shared", ("kernels", "xla"), "kernels",
         "the shared expert's SwiGLU runs in its products' epilogues (mosaic/shared.py) where "
         "its shapes take whole tiles; elsewhere XLA's products and elementwise passes",
-        unstored="mosaic/shared.py's figures; the stored runs around the change "
-                 "(f53ca07 and eae54e0 decoder-peers-131k) differ within their spread",
+        unstored="no stored run shows it faster: across the change the E64 decoder's train "
+                 "step at 131 072 tokens was 7.534 ms (IQR 7.499-7.558, "
+                 "h200-20261204-f53ca07-decoder-peers-131k.json) before and 7.608 (IQR "
+                 "7.582-7.638, h200-20261205-eae54e0-decoder-peers-131k.json) after; an "
+                 "H200 A/B in one process decides",
     ),
     VariantRule(
         "joined_dx", ("off", "on", "overlap"), "off",
