@@ -17,6 +17,10 @@ One table, ``RULES``, of two kinds of rows:
   docstring, which came from diagnostic runs that were not stored (such rows need an H200
   run in one process).
 
+Each kernel's own launch constants (ring depths, warpgroup registers, the router and row-copy
+kernels' programs per SM) stay beside it with the figures that set them: they tune a kernel,
+they do not choose between kernels.
+
 ``tests/moe/test_moe_rules.py`` reads every row's files and fails unless the chosen side is
 faster beyond the spread of both rows (its upper quartile under the other's lower), and fails
 for a row that has neither evidence nor a named unstored figure.
