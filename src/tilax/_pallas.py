@@ -1,13 +1,19 @@
-"""Shared Pallas helpers: backend detection, padding to tiles, dtype/precision policy.
+"""Shared Pallas helpers: backend detection, device facts, padding to tiles, dtype policy.
 
 Every op family calls these instead of asking JAX about the device itself, so that the
-choice "interpret on CPU, Triton on any GPU, Mosaic GPU on sm90+" is made in one place.
+choice "interpret on CPU, Triton on any GPU, Mosaic GPU on sm90+" is made in one place, and
+the device facts the kernels size themselves by (shared memory per block and per SM, SM
+count, compute capability) are written here and nowhere else. :func:`assume_device` states
+those facts for a device that is not here: tests on a CPU, or lowering with ``jax.export``
+for a GPU of another size.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
 import jax
@@ -17,9 +23,46 @@ from jax.experimental import pallas as pl
 Backend = Literal["interpret", "triton", "mosaic"]
 
 
+# Device facts stated by ``assume_device`` (name -> value); empty: the device's own.
+_ASSUMED: contextvars.ContextVar[dict[str, Any]] = contextvars.ContextVar(
+    "tilax_assumed_device", default={}  # noqa: B039 (never mutated: assume_device copies it)
+)
+_FACTS = ("platform", "device_kind", "compute_capability", "sm_count", "mosaic_import_error",
+          "mosaic_unavailable_reason")
+
+
+@contextlib.contextmanager
+def assume_device(**facts: Any) -> Iterator[None]:
+    """Within the block, answer as if the device had these facts (the others stay its own).
+
+    ``platform`` (``"cpu"``/``"gpu"``), ``device_kind`` (e.g. ``"NVIDIA H200"``),
+    ``compute_capability`` (e.g. ``(9, 0)``), ``sm_count`` (persistent kernels launch per SM),
+    ``mosaic_import_error`` (``None``: Mosaic GPU imports) and
+    ``mosaic_unavailable_reason`` (``None``: the Mosaic GPU backend can run). The tests run
+    the Mosaic GPU kernels in JAX's GPU interpreter on a CPU with
+    ``mosaic_unavailable_reason=None`` and ``sm_count=2`` (the interpreter runs every
+    program). The facts are read when a function is traced: a function already jitted
+    outside the block keeps what it saw.
+
+    Examples:
+        >>> from tilax import _pallas
+        >>> with _pallas.assume_device(platform="gpu", device_kind="NVIDIA H200"):
+        ...     _pallas.gpu_device_kind()
+        'NVIDIA H200'
+    """
+    unknown = set(facts) - set(_FACTS)
+    if unknown:
+        raise TypeError(f"assume_device takes {_FACTS}, got {sorted(unknown)}")
+    token = _ASSUMED.set({**_ASSUMED.get(), **facts})
+    try:
+        yield
+    finally:
+        _ASSUMED.reset(token)
+
+
 def platform() -> str:
     """The default JAX platform: ``"cpu"``, ``"gpu"`` or ``"tpu"``."""
-    return jax.default_backend()
+    return _ASSUMED.get().get("platform") or jax.default_backend()
 
 
 def interpreted() -> bool:
@@ -33,11 +76,16 @@ def interpreted() -> bool:
     return state is not None and state.value is not None
 
 
-@functools.cache
 def gpu_compute_capability() -> tuple[int, int] | None:
     """Compute capability of the first CUDA device, or ``None`` off CUDA GPUs."""
-    if platform() != "gpu":
-        return None
+    assumed = _ASSUMED.get()
+    if "compute_capability" in assumed:
+        return assumed["compute_capability"]
+    return _reported_compute_capability() if platform() == "gpu" else None
+
+
+@functools.cache
+def _reported_compute_capability() -> tuple[int, int] | None:
     capability = getattr(jax.devices()[0], "compute_capability", None)
     if not capability:
         return None
@@ -47,16 +95,70 @@ def gpu_compute_capability() -> tuple[int, int] | None:
 
 def gpu_device_kind() -> str | None:
     """``device_kind`` of the first GPU (e.g. ``"NVIDIA H200"``), or ``None`` off GPUs."""
+    assumed = _ASSUMED.get()
+    if "device_kind" in assumed:
+        return assumed["device_kind"]
     return jax.devices()[0].device_kind if platform() == "gpu" else None
 
 
-@functools.cache
 def gpu_core_count() -> int | None:
     """Streaming multiprocessors of the first CUDA device (persistent kernels launch one
     program per SM), or ``None`` off CUDA GPUs."""
-    if platform() != "gpu":
-        return None
+    assumed = _ASSUMED.get()
+    if "sm_count" in assumed:
+        return assumed["sm_count"]
+    return _reported_core_count() if platform() == "gpu" else None
+
+
+@functools.cache
+def _reported_core_count() -> int | None:
     return getattr(jax.devices()[0], "core_count", None) or None
+
+
+#: SMs of an H100/H200 SXM: the count where JAX does not say (lowering without a GPU).
+DEFAULT_SM_COUNT = 132
+
+
+def sm_count() -> int:
+    """This GPU's SMs, ``DEFAULT_SM_COUNT`` where JAX does not say (off GPUs)."""
+    return gpu_core_count() or DEFAULT_SM_COUNT
+
+
+#: Per-block shared memory (bytes, the opt-in maximum) by compute capability, for devices that
+#: do not report ``shared_memory_per_block_optin`` (CUDA's tables; sm90: 227 KiB).
+SHARED_MEMORY_PER_BLOCK_BY_CAPABILITY = {
+    (7, 0): 98304, (7, 5): 65536, (8, 0): 166912, (8, 6): 101376, (8, 7): 166912,
+    (8, 9): 101376, (9, 0): 232448, (10, 0): 232448, (12, 0): 101376,
+}  # fmt: skip
+#: Shared memory the system keeps per block: an SM's shared memory is the per-block opt-in
+#: maximum plus this (sm90: 228 KiB = 227 KiB + 1 KiB).
+RESERVED_SHARED_MEMORY_PER_BLOCK = 1024
+
+
+def shared_memory_per_block(capability: tuple[int, int] | None = None) -> int:
+    """The most shared memory one block may have (bytes, the opt-in maximum): of a GPU of
+    compute ``capability``; without one, of the first GPU as it reports it, else by its
+    capability. Capabilities between the known ones of ``SHARED_MEMORY_PER_BLOCK_BY_CAPABILITY``
+    take the nearest lower one's; where none is known (no GPU: launches planned on a CPU), the
+    sm90 value (H100, H200)."""
+    if capability is None:
+        reported = _reported_shared_memory() if platform() == "gpu" else None
+        if reported:
+            return reported
+        capability = gpu_compute_capability()
+    table = SHARED_MEMORY_PER_BLOCK_BY_CAPABILITY
+    known = [cc for cc in table if capability and cc <= capability]
+    return table[max(known)] if known else table[(9, 0)]
+
+
+@functools.cache
+def _reported_shared_memory() -> int | None:
+    return int(getattr(jax.devices()[0], "shared_memory_per_block_optin", 0) or 0) or None
+
+
+def shared_memory_per_sm() -> int:
+    """Shared memory of one SM (bytes): what blocks sharing it divide between them."""
+    return shared_memory_per_block() + RESERVED_SHARED_MEMORY_PER_BLOCK
 
 
 def is_hopper_or_newer() -> bool:
@@ -65,9 +167,16 @@ def is_hopper_or_newer() -> bool:
     return capability is not None and capability >= (9, 0)
 
 
-@functools.cache
 def mosaic_import_error() -> str | None:
     """Why ``jax.experimental.pallas.mosaic_gpu`` does not import here, or ``None``."""
+    assumed = _ASSUMED.get()
+    if "mosaic_import_error" in assumed:
+        return assumed["mosaic_import_error"]
+    return _mosaic_import_error()
+
+
+@functools.cache
+def _mosaic_import_error() -> str | None:
     try:
         import jax.experimental.pallas.mosaic_gpu  # noqa: F401
     except ImportError as err:  # jax 0.10's Mosaic GPU imports absl-py, not a jax dependency
@@ -77,6 +186,9 @@ def mosaic_import_error() -> str | None:
 
 def mosaic_unavailable_reason() -> str | None:
     """Why the Mosaic GPU backend cannot run here, or ``None`` when it can."""
+    assumed = _ASSUMED.get()
+    if "mosaic_unavailable_reason" in assumed:
+        return assumed["mosaic_unavailable_reason"]
     if platform() != "gpu":
         return f"Mosaic GPU kernels need an NVIDIA GPU; the default JAX platform is {platform()!r}"
     capability = gpu_compute_capability()
@@ -91,7 +203,7 @@ def resolve_backend(requested: str) -> Backend:
     """Map a user-facing kernel choice to the Pallas backend that will run it.
 
     ``"auto"``/``"pallas"`` pick Triton on GPUs and interpret mode on CPU (the MoE layer's
-    ``impl="auto"`` consults its measured table first: ``tilax.moe.auto_rules``).
+    ``impl="auto"`` consults its measured table first: ``tilax.moe.rules``).
     ``"triton"`` runs the Triton kernel, interpreted on CPU (the same kernel code, so CPU tests
     cover it). ``"mosaic"`` needs Hopper and raises ``ValueError`` with the reason elsewhere.
     """
@@ -214,22 +326,3 @@ def dot_precision(precision: str | None) -> jax.lax.Precision | None:
             f"precision must be one of {sorted(names)} or None, got {precision!r}"
         )
     return names[precision]
-
-
-def gpu_shared_memory_per_block(capability: tuple[int, int] | None = None) -> int:
-    """Shared memory one block may use, in bytes (the opt-in maximum): of a GPU of compute
-    ``capability``, or without one of the first GPU, as it reports it
-    (``shared_memory_per_block_optin``) or else by its capability. Capabilities between the
-    known ones take the nearest lower one's; where none is known (no GPU: launches planned on a
-    CPU) it is sm90's, the Hopper GPUs' (H100, H200)."""
-    by_capability = {
-        (7, 0): 98304, (7, 5): 65536, (8, 0): 166912, (8, 6): 101376, (8, 7): 166912,
-        (8, 9): 101376, (9, 0): 232448, (10, 0): 232448, (12, 0): 101376,
-    }  # fmt: skip
-    if capability is None:
-        reported = getattr(jax.devices()[0], "shared_memory_per_block_optin", None)
-        if reported:
-            return int(reported)
-        capability = gpu_compute_capability()
-    known = [cc for cc in by_capability if capability and cc <= capability]
-    return by_capability[max(known)] if known else by_capability[(9, 0)]

@@ -40,7 +40,7 @@ TOKENS_PER_DEVICE = (65536, 131072)
 # (shape, dispatch): the E8 layer and the E64 decoder layer
 SHAPES = ((bench_moe.SEED_LAYER, "sorted"), (bench_moe.SEED_DECODER, "fused"))
 SMOKE_SHAPES = ((bench_moe.SMOKE_LAYER, "sorted"), (bench_moe.SMOKE_DECODER, "fused"))
-TRANSPORTS = ("all_gather", "ragged", "all_to_all")
+TRANSPORTS = ("all_gather", "all_to_all")
 LINKS = ("all_to_all", "all_gather")  # the collective each link row times
 CHUNKS = (2, 4)  # all_gather steps also in this many chunks (MoEConfig.exchange_chunks)
 MESH_AXIS = "expert"

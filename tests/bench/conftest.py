@@ -110,7 +110,7 @@ ep               expert parallelism on n local GPUs (``bench_ep``): E8 top2   44
                  d512 h1024 and E64 top8 w128 + shared 1024, bf16 train      (2 GPUs)
                  step, 1 GPU at T and n GPUs at n*T tokens (T 65k, 131k;
                  n every count from 2 to the host's that divides the
-                 experts), all_gather (also in 2 and 4 chunks), ragged and
+                 experts), all_gather (also in 2 and 4 chunks) and
                  all_to_all exchange, the exchange alone, and the links (a
                  plain all-to-all and all-gather of the same bytes) first
 guide_gp         the RBF guide's Gaussian-process lengthscale step, run as   1     ~1

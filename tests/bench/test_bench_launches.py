@@ -61,7 +61,7 @@ def test_each_group_has_its_default_launch_once(full):
         assert case.block_o == 16  # the value tile at O = 16
 
 
-def test_on_hopper_the_defaults_name_their_backend(full, monkeypatch):
+def test_on_hopper_the_defaults_name_their_backend(full):
     """Where Mosaic GPU runs, the backwards' defaults are the Mosaic GPU sweeps (the fast
     path's with ``mosaic_grad.BLOCK_L``, the exact path's with
     ``mosaic_exact_grad.BLOCK_L``) and the forwards' (the Mosaic GPU forwards, fast and
@@ -71,16 +71,16 @@ def test_on_hopper_the_defaults_name_their_backend(full, monkeypatch):
     from tilax.rbf.mosaic import exact_grad as mosaic_exact_grad
     from tilax.rbf.mosaic import grad as mosaic_grad
 
-    monkeypatch.setattr(_pallas, "mosaic_unavailable_reason", lambda: None)
-    hopper = bench_rbf.launch_cases("full")
-    assert sorted(case.id for case in hopper) == sorted(case.id for case in full)
-    defaults = {case.group: case for case in hopper if case.default_launch}
-    assert sorted(defaults) == ["exact_bwd", "fast_bwd"]
-    for group, block_l in (("fast_bwd", mosaic_grad.BLOCK_L),
-                           ("exact_bwd", mosaic_exact_grad.BLOCK_L)):
-        chosen = defaults[group]
-        assert (chosen.grad_backend, chosen.block_p, chosen.block_l) == ("mosaic", 128, block_l)
-        assert chosen.extra_info()["bwd_backend"] == "mosaic"
+    with _pallas.assume_device(mosaic_unavailable_reason=None):
+        hopper = bench_rbf.launch_cases("full")
+        assert sorted(case.id for case in hopper) == sorted(case.id for case in full)
+        defaults = {case.group: case for case in hopper if case.default_launch}
+        assert sorted(defaults) == ["exact_bwd", "fast_bwd"]
+        for group, block_l in (("fast_bwd", mosaic_grad.BLOCK_L),
+                               ("exact_bwd", mosaic_exact_grad.BLOCK_L)):
+            chosen = defaults[group]
+            assert (chosen.grad_backend, chosen.block_p, chosen.block_l) == ("mosaic", 128, block_l)
+            assert chosen.extra_info()["bwd_backend"] == "mosaic"
 
 
 def test_defaults_then_neighbours_run_first(full):
@@ -156,7 +156,7 @@ def test_config_replaces_only_its_group(full, group):
     assert dataclasses.replace(cfg, **{case.path: default_path}) == default
 
 
-def test_mosaic_rows_set_both_sweeps_and_need_hopper(full, monkeypatch):
+def test_mosaic_rows_set_both_sweeps_and_need_hopper(full):
     from tilax import _pallas
     from tilax.rbf import config as rbf_config
 
@@ -168,10 +168,11 @@ def test_mosaic_rows_set_both_sweeps_and_need_hopper(full, monkeypatch):
     exact_case = next(c for c in full if c.grad_backend and c.path == "exact")
     exact = exact_case.config("triton").exact
     assert exact.dq == exact.dk == rbf_config.Launch(128, 64, 16, 4, 2, backend="mosaic")
-    monkeypatch.setattr(_pallas, "mosaic_unavailable_reason", lambda: "no Hopper here")
-    assert case.unavailable_reason().startswith("unavailable: the Mosaic GPU gradient sweeps")
-    monkeypatch.setattr(_pallas, "mosaic_unavailable_reason", lambda: None)
-    assert case.unavailable_reason() is None
+    with _pallas.assume_device(mosaic_unavailable_reason="no Hopper here"):
+        assert case.unavailable_reason().startswith(
+            "unavailable: the Mosaic GPU gradient sweeps")
+    with _pallas.assume_device(mosaic_unavailable_reason=None):
+        assert case.unavailable_reason() is None
 
 
 def test_quick_and_smoke_are_small():

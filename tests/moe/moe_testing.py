@@ -1,4 +1,6 @@
-"""Helpers shared by the MoE tests (a plain module: test folders share no conftest names)."""
+"""Helpers shared by the MoE tests (a plain module: test folders share no conftest names): the
+grouped matmul's oracle (the layer's is ``tilax.moe.reference.moe_oracle``), the mesh runner and
+inputs. Errors are measured with ``tests/helpers.py``'s ``rel_err``/``peak_rel_err``."""
 
 import os
 import subprocess
@@ -6,17 +8,47 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 # CPU devices the expert-parallel tests need (meshes of 2 x 2, 4 and 8 devices).
 MESH_DEVICES = 8
 TESTS_MOE = Path(__file__).resolve().parent
 
 
-def rel_err(actual, expected) -> float:
-    """Max absolute difference relative to the largest reference magnitude."""
-    actual = np.asarray(actual, np.float64)
-    expected = np.asarray(expected, np.float64)
-    return float(np.max(np.abs(actual - expected)) / max(np.max(np.abs(expected)), 1e-30))
+# Implementations whose layer runs the Pallas kernels in interpret mode on a CPU.
+INTERPRETED_IMPLS = ("pallas", "triton", "mosaic", "auto")
+
+
+def interpreted_marked(cases):
+    """``cases`` for ``pytest.mark.parametrize``, those naming an impl of
+    ``INTERPRETED_IMPLS`` marked ``kernels``: a layer in the Pallas interpreter takes 5-40 s
+    a case on two cores, so ``nox -s tests_kernels`` runs them and ``nox -s tests`` the rest."""
+    marked = []
+    for case in cases:
+        values = case if isinstance(case, tuple) else (case,)
+        if any(isinstance(value, str) and value in INTERPRETED_IMPLS for value in values):
+            marked.append(pytest.param(*values, marks=pytest.mark.kernels))
+        else:
+            marked.append(case)
+    return marked
+
+
+def row_experts(group_sizes, padded_rows: int) -> np.ndarray:
+    """Expert of every row of a padded row space holding ``group_sizes[e]`` rows of expert
+    ``e`` in order; padding rows belong to the last expert, as ``dispatch.gmm_schedule``
+    schedules them."""
+    experts = np.repeat(np.arange(len(group_sizes)), group_sizes)
+    return np.concatenate([experts, np.full(padded_rows - len(experts), len(group_sizes) - 1)])
+
+
+def gmm_oracle(lhs_rows, rhs, group_sizes, transpose: bool = False) -> np.ndarray:
+    """The grouped matmul's oracle (float32 numpy): ``out[r] = lhs_rows[r] @ rhs[e(r)]``
+    (``rhs[e(r)].T`` with ``transpose``), ``e`` from :func:`row_experts`."""
+    lhs_rows = np.asarray(lhs_rows, np.float32)
+    weights = np.asarray(rhs, np.float32)
+    weights = np.swapaxes(weights, 1, 2) if transpose else weights
+    experts = row_experts(group_sizes, lhs_rows.shape[0])
+    return np.einsum("rk,rkn->rn", lhs_rows, weights[experts])
 
 
 def on_cpu_devices(check, *args, timeout: float = 600) -> None:
@@ -64,7 +96,7 @@ def ep_inputs(config, tokens, skew_to=None):
 
 
 def router_logit_parts(rng, tokens: int, experts: int):
-    """``[T, 3E]`` float32 pieces of router logits (``router._bf16_logits``'s product) whose
+    """``[T, 3E]`` float32 pieces of router logits (``router.router_logits``'s product) whose
     thirds add up to logits that tie on a coarse grid for a tenth of the tokens, with one NaN."""
     import jax.numpy as jnp
 
@@ -72,5 +104,5 @@ def router_logit_parts(rng, tokens: int, experts: int):
     logits[: tokens // 10] = np.round(logits[: tokens // 10])  # equal logits: tied experts
     logits[tokens // 2, experts // 2] = np.nan
     small = rng.standard_normal((tokens, experts)) * 1e-4
-    # thirds that add up to the logits, the smallest first as router._sum_thirds adds them
+    # thirds that add up to the logits, the smallest first as router.sum_thirds adds them
     return jnp.asarray(np.concatenate([logits - 2 * small, small, small], axis=1), jnp.float32)

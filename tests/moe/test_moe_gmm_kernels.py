@@ -4,10 +4,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from moe_testing import rel_err
+from helpers import peak_rel_err
+from moe_testing import gmm_oracle, row_experts
 
-from tilax.moe import dispatch, gmm_triton
-from tilax.moe.gmm_triton import Tiles
+from tilax.moe import dispatch, triton
+from tilax.moe.triton import Tiles
 
 TILES = Tiles(block_m=16, block_n=16, block_k=16, num_warps=4, num_stages=2)
 # Expert 1 and 4 get no rows, expert 0 ends mid-tile, expert 2 spans three tiles.
@@ -30,9 +31,7 @@ def _schedule():
 
 
 def _row_experts():
-    """Expert of every padded row; padding rows belong to the last expert, as scheduled."""
-    experts = np.repeat(np.arange(len(GROUP_SIZES)), GROUP_SIZES)
-    return np.concatenate([experts, np.full(PADDED_ROWS - NUM_ROWS, len(GROUP_SIZES) - 1)])
+    return row_experts(GROUP_SIZES, PADDED_ROWS)
 
 
 def _normal(rng, *shape):
@@ -40,9 +39,7 @@ def _normal(rng, *shape):
 
 
 def _reference_gmm(lhs_rows, rhs, transpose=False):
-    experts = _row_experts()
-    weights = np.swapaxes(rhs, 1, 2) if transpose else rhs
-    return np.einsum("rk,rkn->rn", lhs_rows, weights[experts])
+    return gmm_oracle(lhs_rows, rhs, GROUP_SIZES, transpose)
 
 
 def test_schedule_covers_every_row_once():
@@ -81,12 +78,12 @@ def test_gmm(rng, variant):
         expected = scale[:, None] * (
             _reference_gmm(lhs_rows, rhs, True) + _reference_gmm(lhs2, rhs2, True)
         )
-    out = gmm_triton.gmm(
+    out = triton.gmm(
         jnp.asarray(lhs), jnp.asarray(rhs), _schedule(), tiles=TILES, backend="interpret",
         **kwargs,
     )
     assert out.shape == (PADDED_ROWS, n_dim)
-    assert rel_err(out, expected) < 1e-5
+    assert peak_rel_err(out, expected) < 1e-5
 
 
 def test_gmm_swiglu_and_backward(rng):
@@ -95,34 +92,34 @@ def test_gmm_swiglu_and_backward(rng):
     index = rng.integers(0, tokens, PADDED_ROWS).astype(np.int32)
     w_gate, w_up = _normal(rng, 6, d_dim, h_dim), _normal(rng, 6, d_dim, h_dim)
     w_down = _normal(rng, 6, h_dim, d_dim)
-    act, gate, up = gmm_triton.gmm_swiglu(
+    act, gate, up = triton.gmm_swiglu(
         jnp.asarray(x), jnp.asarray(w_gate), jnp.asarray(w_up), _schedule(), tiles=TILES,
         backend="interpret", index=jnp.asarray(index), save_preactivations=True,
     )
     gate_ref = _reference_gmm(x[index], w_gate)
     up_ref = _reference_gmm(x[index], w_up)
     silu = gate_ref / (1 + np.exp(-gate_ref))
-    assert rel_err(gate, gate_ref) < 1e-5 and rel_err(up, up_ref) < 1e-5
-    assert rel_err(act, silu * up_ref) < 1e-5
+    assert peak_rel_err(gate, gate_ref) < 1e-5 and peak_rel_err(up, up_ref) < 1e-5
+    assert peak_rel_err(act, silu * up_ref) < 1e-5
 
     scale = _normal(rng, PADDED_ROWS)
-    (act_scaled,) = gmm_triton.gmm_swiglu(
+    (act_scaled,) = triton.gmm_swiglu(
         jnp.asarray(x), jnp.asarray(w_gate), jnp.asarray(w_up), _schedule(), tiles=TILES,
         backend="interpret", index=jnp.asarray(index), row_scale=jnp.asarray(scale),
     )
-    assert rel_err(act_scaled, scale[:, None] * silu * up_ref) < 1e-5
+    assert peak_rel_err(act_scaled, scale[:, None] * silu * up_ref) < 1e-5
 
     dy = _normal(rng, tokens, d_dim)
-    d_gate, d_up, dw_partial = gmm_triton.gmm_swiglu_bwd(
+    d_gate, d_up, dw_partial = triton.gmm_swiglu_bwd(
         jnp.asarray(dy), jnp.asarray(w_down), gate, up, jnp.asarray(scale), _schedule(),
         tiles=TILES, backend="interpret", index=jnp.asarray(index),
     )
     dz = _reference_gmm(dy[index], w_down, transpose=True)
     sig = 1 / (1 + np.exp(-gate_ref))
     d_act = scale[:, None] * dz
-    assert rel_err(d_up, d_act * silu) < 1e-5
-    assert rel_err(d_gate, d_act * up_ref * sig * (1 + gate_ref * (1 - sig))) < 1e-5
-    assert rel_err(dw_partial.sum(0), np.sum(dz * silu * up_ref, axis=1)) < 1e-5
+    assert peak_rel_err(d_up, d_act * silu) < 1e-5
+    assert peak_rel_err(d_gate, d_act * up_ref * sig * (1 + gate_ref * (1 - sig))) < 1e-5
+    assert peak_rel_err(dw_partial.sum(0), np.sum(dz * silu * up_ref, axis=1)) < 1e-5
 
 
 @pytest.mark.parametrize("scaled", [True, False])
@@ -136,7 +133,7 @@ def test_gmm_combine_sums_into_tokens(rng, scaled):
         [rng.permutation(tokens)[:size] for size in GROUP_SIZES]
         + [np.full(PADDED_ROWS - NUM_ROWS, tokens)]
     ).astype(np.int32)
-    out = gmm_triton.gmm_combine(
+    out = triton.gmm_combine(
         jnp.asarray(hidden), jnp.asarray(w_down), jnp.asarray(scale) if scaled else None,
         jnp.asarray(target),
         _schedule(), num_tokens=tokens, tiles=TILES, backend="interpret",
@@ -146,7 +143,7 @@ def test_gmm_combine_sums_into_tokens(rng, scaled):
     for row in range(NUM_ROWS):
         expected[target[row]] += rows[row]
     assert out.dtype == jnp.float32
-    assert rel_err(out, expected) < 1e-5
+    assert peak_rel_err(out, expected) < 1e-5
 
 
 @pytest.mark.parametrize("gathered", [False, True])
@@ -165,7 +162,7 @@ def test_tgmm_ragged_contraction(rng, gathered):
         lhs = lhs_rows = _normal(rng, PADDED_ROWS, k_dim)
     # Garbage past the groups must not leak into any expert's gradient.
     rhs[NUM_ROWS:] = np.nan
-    out, out2 = gmm_triton.tgmm(
+    out, out2 = triton.tgmm(
         jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(offsets, jnp.int32), tiles=TILES,
         backend="interpret", rhs2=jnp.asarray(rhs2), **kwargs,
     )
@@ -177,8 +174,8 @@ def test_tgmm_ragged_contraction(rng, gathered):
 
 
 def test_fit_block():
-    assert gmm_triton.fit_block(64, 48) == 16
-    assert gmm_triton.fit_block(128, 1024) == 128
-    assert gmm_triton.fit_block(64, 32) == 32
+    assert triton.fit_block(64, 48) == 16
+    assert triton.fit_block(128, 1024) == 128
+    assert triton.fit_block(64, 32) == 32
     with pytest.raises(ValueError, match="multiple of 16"):
-        gmm_triton.fit_block(64, 24)
+        triton.fit_block(64, 24)

@@ -18,13 +18,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import peak_rel_err
 from moe_gpu_testing import DECODER, DISPATCHES, LAYER, check_deterministic, compare_forward
 from moe_gpu_testing import compare as _compare
-from moe_testing import rel_err, router_logit_parts
+from moe_testing import router_logit_parts
 
 from tilax import _pallas
 from tilax.moe import dispatch as row_dispatch
-from tilax.moe import gmm_mosaic_rows, router, router_mosaic
+from tilax.moe import router
+from tilax.moe.mosaic import gmm as mosaic_gmm
+from tilax.moe.mosaic import router as mosaic_router
 
 pytestmark = [
     pytest.mark.gpu,
@@ -49,7 +52,7 @@ def test_mosaic_matches_oracle(dispatch, routing):
 @pytest.mark.parametrize("dispatch", DISPATCHES)
 def test_mosaic_train_step_on_copied_rows(dispatch):
     # 2048 tokens: blocks of 32, so the train step's sorted copies of x and dy come from
-    # gmm_mosaic_rows (the token counts above fall back to XLA's gather)
+    # mosaic.gmm_rows (the token counts above fall back to XLA's gather)
     _compare(LAYER, 2048, "bfloat16", impl="mosaic", dispatch=dispatch)
 
 
@@ -72,7 +75,7 @@ def test_mosaic_copy_rows_is_the_gather(tokens, top_k, experts, width, dtype):
     ids = np.argsort(rng.random((tokens, experts)), axis=1)[:, :top_k].astype(np.int32)
     layout = row_dispatch.sort_by_expert(jnp.asarray(ids), experts, row_multiple=128)
     x = jnp.asarray(rng.standard_normal((tokens, width)), dtype)
-    copied = jax.jit(gmm_mosaic_rows.copy_rows)(x, layout)
+    copied = jax.jit(mosaic_gmm.copy_rows)(x, layout)
     assert np.array_equal(np.asarray(copied), np.asarray(x[layout.row_token]))
 
 
@@ -90,8 +93,8 @@ def test_mosaic_router_rank_is_xlas(tokens, experts, top_k):
     ranks its first k experts in order, where XLA's argmax on the GPU picks among the NaNs in
     an order of its own (seen on the H200), so that token is checked apart."""
     parts = router_logit_parts(np.random.default_rng(tokens), tokens, experts)
-    logits, probs, ids, top = jax.jit(router_mosaic.rank, static_argnums=1)(parts, top_k)
-    expected_logits = router._sum_thirds(parts)
+    logits, probs, ids, top = jax.jit(mosaic_router.rank, static_argnums=1)(parts, top_k)
+    expected_logits = router.sum_thirds(parts)
     np.testing.assert_array_equal(np.asarray(logits), np.asarray(expected_logits))
     np.testing.assert_allclose(np.asarray(probs), np.asarray(jax.nn.softmax(expected_logits)),
                                rtol=2e-6, atol=1e-30)
@@ -131,8 +134,8 @@ def test_mosaic_route_matches_xla(aux):
     np.testing.assert_allclose(float(value), float(value_x), rtol=1e-5)
     # The probabilities differ in their last bits (the GPU's approximate exp): the bfloat16
     # input gradient by a rounding at most, the float32 router gradient by about as little.
-    assert rel_err(grads[0], grads_x[0]) < 2**-8
-    assert rel_err(grads[1], grads_x[1]) < 1e-5
+    assert peak_rel_err(grads[0], grads_x[0]) < 2**-8
+    assert peak_rel_err(grads[1], grads_x[1]) < 1e-5
 
 
 @needs_mosaic
@@ -165,7 +168,7 @@ def test_mosaic_fine_grained_decoder(dispatch):
 @needs_mosaic
 def test_mosaic_decoder_skewed_routing():
     # A few experts hold nearly every copy, the others none: dx and the gate/up gradients
-    # (one kernel at the decoder's shapes, gmm_mosaic_dx) run long items beside empty ones
+    # (one kernel at the decoder's shapes, mosaic.gmm_dx) run long items beside empty ones
     _compare(DECODER, 2049, "bfloat16", skew=0.9, impl="mosaic", dispatch="fused")
 
 
@@ -180,7 +183,7 @@ def test_mosaic_decoder_skewed_routing():
 ])  # fmt: skip
 def test_mosaic_forward_gathers_rows_in_the_kernel(dispatch, tokens, skew, dtype, tiles):
     # the decoder's SwiGLU kernel has 1 column tile of 128: an inference forward gathers x's
-    # rows itself (tilax.moe.gmm_mosaic_gather), where a train step reads a sorted copy
+    # rows itself (tilax.moe.mosaic.gmm_gather), where a train step reads a sorted copy
     compare_forward(DECODER, tokens, dtype, skew=skew, impl="mosaic", dispatch=dispatch,
                     **tiles)
 
@@ -208,5 +211,5 @@ def test_mosaic_fused_gsum_top2_is_deterministic():
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_mosaic_decoder_shared_expert_in_the_products_epilogues(dtype):
     # 1024 tokens fill whole 128-row tiles, so the shared expert's SwiGLU runs in the dense
-    # products' epilogues (tilax.moe.shared_mosaic) rather than as XLA's elementwise passes
+    # products' epilogues (tilax.moe.mosaic.shared) rather than as XLA's elementwise passes
     _compare(DECODER, 1024, dtype, impl="mosaic", dispatch="fused")

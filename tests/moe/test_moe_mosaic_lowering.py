@@ -10,7 +10,6 @@ sizes, so every kernel is lowered with the tiles it gets there. What lowering ca
 from __future__ import annotations
 
 import dataclasses
-from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -20,11 +19,11 @@ from jax.experimental.mosaic.gpu import core as mosaic_core
 
 import tilax
 from tilax import _pallas
-from tilax.moe import gmm_mosaic, shared_mosaic
-from tilax.moe import gmm_mosaic_dx as joined_dx
-from tilax.moe import gmm_mosaic_gather as gather
-from tilax.moe import gmm_mosaic_parts as parts
-from tilax.moe import gmm_mosaic_ws as warp_specialised
+from tilax.moe import rules
+from tilax.moe.mosaic import common
+
+# Each case exports a whole train step (10-20 s on two cores): nox -s tests_kernels runs them.
+pytestmark = pytest.mark.kernels
 
 MOSAIC_CALL = "stablehlo.custom_call @mosaic_gpu_v2"
 WS_KERNEL = "moe_gmm_ws_mosaic_mosaic_gpu"  # the symbol in each serialized kernel
@@ -34,15 +33,15 @@ COPY_KERNEL = "moe_copy_rows_mosaic_mosaic_gpu"
 KERNELS = {"sorted": 3 + 4, "gather": 3 + 4, "fused": 2 + 4, "fused_gsum": 2 + 4}
 # Plus, where every copy has a row, the sorted copies of x (forward) and dy (backward).
 ROW_COPIES = 2
-# Plus the router's softmax and top-k, and their backward (router_mosaic), where a block of
+# Plus the router's softmax and top-k, and their backward (mosaic.router), where a block of
 # its tokens divides the tokens.
 ROUTER = 2
 # Plus, with a shared expert whose shapes take whole tiles, its forward and backward
-# (shared_mosaic).
+# (mosaic.shared).
 SHARED = 2
 SHARED_KERNELS = ("shared_swiglu_fwd_mosaic_mosaic_gpu", "shared_swiglu_bwd_mosaic_mosaic_gpu")
 # Less, where d_model is a multiple of 128 and d_hidden 64 or 128 (the decoder): dx and the
-# gate/up weight gradients as one kernel (gmm_mosaic_dx).
+# gate/up weight gradients as one kernel (mosaic.gmm_dx).
 JOINED = 1
 DX_KERNEL = "moe_gmm_dx_mosaic_mosaic_gpu"
 ROUTER_KERNEL = "moe_router_rank_mosaic_mosaic_gpu"
@@ -51,10 +50,10 @@ DECODER = dict(d_model=512, d_hidden=128, num_experts=64, top_k=8, shared_hidden
 
 
 @pytest.fixture(autouse=True)
-def as_on_hopper(monkeypatch):
-    monkeypatch.setattr(_pallas, "mosaic_unavailable_reason", lambda: None)
+def as_on_hopper():
     # The joined dx kernel is off in the layer until measured on the H200: lower it here.
-    monkeypatch.setattr(joined_dx, "ENABLED", True)
+    with _pallas.assume_device(mosaic_unavailable_reason=None), rules.choose(joined_dx="on"):
+        yield
 
 
 def lower_train_step(config, tokens: int) -> str:
@@ -73,14 +72,13 @@ def lower_train_step(config, tokens: int) -> str:
         step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
         return export.export(step, platforms=["cuda"])(params, x).mlir_module()
 
-    programs = parts.tiles_for(config).programs_per_sm
-    limit = min(parts.SMEM_PER_BLOCK, parts.SMEM_PER_SM // programs - 1024)
-    with (mock.patch.object(warp_specialised, "layout", lambda *args: None),
-          mock.patch.object(joined_dx, "layout", lambda *args: None),
-          mock.patch.object(shared_mosaic, "applies", lambda *args: False),
+    programs = common.tiles_for(config).programs_per_sm
+    limit = min(_pallas.shared_memory_per_block(),
+                _pallas.shared_memory_per_sm() // programs - 1024)
+    with (rules.choose(gmm_ws="off", joined_dx="off", shared="xla"),
           mosaic_core.artificial_shared_memory_limit(limit)):
         lower()
-    with mosaic_core.artificial_shared_memory_limit(parts.SMEM_PER_BLOCK):
+    with mosaic_core.artificial_shared_memory_limit(_pallas.shared_memory_per_block()):
         return lower()
 
 
@@ -119,17 +117,17 @@ def test_variants_lower(overrides):
     assert lower_train_step(config, 1000).count(MOSAIC_CALL) >= KERNELS["sorted"]
 
 
-def test_one_program_per_sm_lowers(monkeypatch):
-    whole_sm = dataclasses.replace(parts.default_config(jnp.bfloat16), programs_per_sm=1)
-    monkeypatch.setattr(parts, "default_config", lambda dtype: whole_sm)
+def test_one_program_per_sm_lowers():
     config = tilax.MoEConfig(**LAYER, impl="mosaic", dispatch="fused_gsum")
     expected = KERNELS["fused_gsum"] + ROW_COPIES + ROUTER
-    assert lower_train_step(config, 4096).count(MOSAIC_CALL) == expected
+    with rules.choose(programs_per_sm=1):
+        assert common.tiles_for(config).programs_per_sm == 1
+        assert lower_train_step(config, 4096).count(MOSAIC_CALL) == expected
 
 
 @pytest.mark.parametrize(("tokens", "ranked_by_kernel"), [(2048, True), (1000, False)])
 def test_router_ranks_with_the_kernel_where_blocks_divide_the_tokens(tokens, ranked_by_kernel):
-    """The router's softmax and top-k run as one kernel (``router_mosaic``) where blocks of 64
+    """The router's softmax and top-k run as one kernel (``mosaic.router``) where blocks of 64
     tokens divide the token count; XLA's softmax and argmax passes (reductions) the others."""
     config = tilax.MoEConfig(**DECODER, impl="mosaic", dispatch="fused")
     module = lower_forward(config, tokens)
@@ -154,31 +152,31 @@ def lower_forward(config, tokens: int) -> str:
     (DECODER, 64, True),  # 64-row items (block_n 128): one sub-tile each
     (LAYER, None, False),  # 16 column tiles: each would gather the rows again
 ])  # fmt: skip
-def test_fused_forward_gathers_rows_in_the_kernel(monkeypatch, dims, block_m, in_kernel):
+def test_fused_forward_gathers_rows_in_the_kernel(dims, block_m, in_kernel):
     """The SwiGLU kernel of the fused dispatches reads ``x`` through the sort index itself
-    (``gmm_mosaic_gather``) where it pays: then the forward has one XLA row gather fewer."""
+    (``mosaic.gmm_gather``) where it pays: then the forward has one XLA row gather fewer."""
     config = tilax.MoEConfig(**dims, impl="mosaic", dispatch="fused", block_m=block_m,
                              block_n=None if block_m is None else 128)
     gathers = lower_forward(config, 2048).count("stablehlo.gather")
-    monkeypatch.setattr(gather, "gathering_tiles", lambda *args: None)
-    gathers_by_xla = lower_forward(config, 2048).count("stablehlo.gather")
+    with rules.choose(gather_rows="off"):
+        gathers_by_xla = lower_forward(config, 2048).count("stablehlo.gather")
     assert gathers_by_xla > gathers if in_kernel else gathers_by_xla == gathers
 
 
-def test_train_step_reads_copied_rows(monkeypatch):
+def test_train_step_reads_copied_rows():
     """A dropless train step's kernels read sorted copies of ``x`` and ``dy`` that
-    ``gmm_mosaic_rows`` makes (each token read once), not XLA's gathers of them, and its
+    ``mosaic.gmm_rows`` makes (each token read once), not XLA's gathers of them, and its
     forward never gathers in the kernel (the backward reads the same copy)."""
     config = tilax.MoEConfig(**DECODER, impl="mosaic", dispatch="fused")
     module = lower_train_step(config, 2048)
     assert module.count(COPY_KERNEL) == ROW_COPIES
     gathers = module.count("stablehlo.gather")
-    monkeypatch.setattr(gather, "gathering_tiles", lambda *args: None)
-    assert lower_train_step(config, 2048).count("stablehlo.gather") == gathers
+    with rules.choose(gather_rows="off"):
+        assert lower_train_step(config, 2048).count("stablehlo.gather") == gathers
     # The kernels gathering through XLA instead: XLA's gathers of x and dy come back (four
     # in jax 0.10.2's module, one per kernel reading them; two in jax 0.11.2's).
-    monkeypatch.setattr(gmm_mosaic, "GATHERS_IN_TRAINING", True)
-    module = lower_train_step(config, 2048)
+    with rules.choose(train_rows="gather"):
+        module = lower_train_step(config, 2048)
     assert module.count(COPY_KERNEL) == 0
     assert module.count("stablehlo.gather") >= gathers + 2
 
@@ -192,7 +190,7 @@ def test_capacity_drops_gather_in_xla():
 
 @pytest.mark.parametrize(("dims", "dispatch", "launches", "narrow_launches"), [
     # The down projection (contraction 128); dx runs with the gate/up weight gradients
-    # (gmm_mosaic_dx) at d_model 512.
+    # (mosaic.gmm_dx) at d_model 512.
     (DECODER, "fused", 1, 0),
     (DECODER, "fused_gsum", 1, 0),  # the combine's down projection (unscaled rows)
     (DECODER, "sorted", 1, 0),  # not gate and up: their contraction is d_model = 512

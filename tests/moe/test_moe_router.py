@@ -125,7 +125,7 @@ def test_skew_tokens_rejects_out_of_range(skew):
 
 def test_bf16_pieces_add_up_to_the_float32_exactly():
     a = jax.random.normal(jax.random.key(0), (257, 9)) * jnp.logspace(-20, 20, 9)
-    pieces = jax.jit(router._bf16_pieces)(a)  # compiled: XLA must keep every rounding
+    pieces = jax.jit(router.bf16_pieces)(a)  # compiled: XLA must keep every rounding
     assert all(p.dtype == jnp.bfloat16 for p in pieces)
     total = (pieces[2].astype(jnp.float32) + pieces[1]) + pieces[0]
     np.testing.assert_array_equal(total, a)

@@ -26,7 +26,7 @@ FIRST_SCREEN_LINES = 40
 
 # What each column header means, as stored in extra_info: (impl, dispatch); dispatch None for
 # the peers, which have none. "tilax default": dispatch="sorted" (MoEConfig's default) on the
-# backend impl="auto" runs for the row's layer on the file's GPU (tilax.moe.auto_rules:
+# backend impl="auto" runs for the row's layer on the file's GPU (tilax.moe.rules:
 # "mosaic" where a rule holds, else Triton, stored as "pallas"). "tilax fastest": the fastest
 # Pallas impl/dispatch, which the cell names.
 PALLAS_IMPLS = ("pallas", "triton", "mosaic")
@@ -143,10 +143,10 @@ def fastest_pallas_row(file: StoredFile, setting: dict) -> dict:
 
 def default_row(file: StoredFile, setting: dict) -> dict:
     """The stored row of what ``impl="auto"``, ``dispatch="sorted"`` runs for ``setting``."""
-    from tilax.moe import auto_rules
+    from tilax.moe import rules
 
-    rule = auto_rules.rule_for(file.machine.get("gpu"), "bfloat16", "sorted",
-                               setting["experts"], setting["top_k"])
+    rule = rules.rule_for(file.machine.get("gpu"), "bfloat16", "sorted",
+                          setting["experts"], setting["top_k"])
     return stored_row(file, setting, rule.backend if rule else "pallas", "sorted")
 
 

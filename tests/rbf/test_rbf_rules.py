@@ -149,15 +149,15 @@ def test_auto_impl_rule(dtype, platform, impl):
 def test_the_device_here_comes_from_pallas():
     here = rbf_config.Device.here()
     assert here.mosaic == (_pallas.mosaic_unavailable_reason() is None)
-    assert here.shared_memory == _pallas.gpu_shared_memory_per_block()
+    assert here.shared_memory == _pallas.shared_memory_per_block()
     assert here.cores == (_pallas.gpu_core_count() or rbf_config.PLANNED_CORES)
 
 
 def test_shared_memory_by_compute_capability():
-    assert _pallas.gpu_shared_memory_per_block((8, 6)) == 101376
-    assert _pallas.gpu_shared_memory_per_block((8, 8)) == 166912  # the nearest lower: 8.7
-    assert _pallas.gpu_shared_memory_per_block((9, 0)) == 232448
-    assert _pallas.gpu_shared_memory_per_block((6, 1)) == 232448  # unknown: sm90's
+    assert _pallas.shared_memory_per_block((8, 6)) == 101376
+    assert _pallas.shared_memory_per_block((8, 8)) == 166912  # the nearest lower: 8.7
+    assert _pallas.shared_memory_per_block((9, 0)) == 232448
+    assert _pallas.shared_memory_per_block((6, 1)) == 232448  # unknown: sm90's
 
 
 def test_the_rules_agree_with_what_the_mosaic_kernels_take():

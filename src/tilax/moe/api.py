@@ -2,10 +2,12 @@
 
 This file validates inputs and chooses the implementation; the work happens elsewhere:
 
+- ``rules.py`` holds every kernel choice as data (the backend ``impl="auto"`` runs, and each
+  Mosaic GPU kernel variant), each row naming the stored run behind it;
 - ``router.py`` routes tokens and computes ``aux``; ``dispatch.py`` builds the row layout;
 - ``IMPLEMENTATIONS`` maps an implementation name (``resolve_impl``) to its routed experts
   (a ``base.RoutedExperts``): the Pallas path (``pallas.py``, which owns the custom VJP) once
-  per kernel backend (``gmm_triton.py``, ``gmm_mosaic.py``), and the plain-XLA ones of
+  per kernel backend (``triton.py``, ``mosaic/gmm.py``), and the plain-XLA ones of
   ``reference.py``;
 - with a mesh, ``expert_parallel.py`` runs the same pieces on every device and moves the token
   copies between the devices that own their experts.
@@ -24,18 +26,9 @@ import jax
 import jax.numpy as jnp
 
 from tilax import _pallas
-from tilax.moe import (
-    auto_rules,
-    dispatch,
-    exchange,
-    expert_parallel,
-    gmm_triton,
-    pallas,
-    reference,
-    router,
-    shared_mosaic,
-)
+from tilax.moe import dispatch, expert_parallel, pallas, reference, router, rules
 from tilax.moe.base import RoutedCopies
+from tilax.moe.mosaic import shared as shared_mosaic
 
 IMPLS = ("auto", "pallas", "triton", "mosaic", "blocked", "ragged_dot")
 DISPATCHES = ("sorted", "gather", "fused", "fused_gsum")
@@ -58,7 +51,7 @@ class MoEConfig:
             ``C = ceil(capacity_factor * T * k / E)`` copies per expert, earliest tokens first,
             the rest dropped) or ``"dense"`` (every expert on every token, weighted).
         impl: routed-expert implementation: ``"auto"`` (the Pallas kernels on the backend
-            measured faster for this config and GPU, ``tilax.moe.auto_rules``: Mosaic GPU
+            measured faster for this config and GPU, ``tilax.moe.rules``: Mosaic GPU
             where a stored run shows it winning, else Triton; interpret mode on CPU),
             ``"pallas"``/``"triton"`` (Triton on GPUs, interpret mode on CPU), ``"mosaic"``
             (Mosaic GPU kernels, Hopper and newer, bfloat16/float16 only), ``"blocked"``
@@ -89,10 +82,9 @@ class MoEConfig:
         exchange: how expert parallelism (``moe_apply(..., mesh=)``) moves tokens between
             devices: ``"all_gather"`` (each device gets its expert group's tokens, computes
             the copies for its own experts, and the partial outputs are reduce-scattered),
-            ``"all_to_all"`` (copies in fixed worst-case blocks), ``"ragged"``
-            (``jax.lax.ragged_all_to_all``: only the copies; emulated on CPU) or ``"auto"``
-            (``"all_gather"``: the fewest bytes of the first two and the fastest measured on
-            H200s). All are dropless and give the same result up to float rounding.
+            ``"all_to_all"`` (copies in fixed worst-case blocks) or ``"auto"``
+            (``"all_gather"``: the fewer bytes of the two and the faster measured on
+            H200s). Both are dropless and give the same result up to float rounding.
         exchange_chunks: with ``exchange="all_gather"`` (or ``"auto"``), split each device's
             tokens into this many chunks, each gathered, computed and reduce-scattered on its
             own, so that XLA can overlap one chunk's collectives with another's experts.
@@ -143,7 +135,7 @@ class MoEConfig:
             ("routing", ROUTINGS),
             ("impl", IMPLS),
             ("dispatch", DISPATCHES),
-            ("exchange", exchange.TRANSPORTS),
+            ("exchange", expert_parallel.TRANSPORTS),
         ):
             value = getattr(self, name)
             if value not in allowed:
@@ -168,7 +160,7 @@ class MoEConfig:
         for name in ("block_m", "block_n", "block_k"):
             value = getattr(self, name)
             if value is not None:
-                _check_int(name, value, minimum=gmm_triton.MIN_BLOCK)
+                _check_int(name, value, minimum=_pallas.MIN_BLOCK)
                 if value & (value - 1):
                     raise ValueError(f"{name} must be a power of two >= 16, got {value}")
         if self.num_warps is not None:
@@ -294,7 +286,7 @@ def resolve_impl(config: MoEConfig) -> str:
     Returns ``"dense"`` for dense routing, ``"blocked"``/``"ragged_dot"`` for the XLA
     baselines, ``"mosaic"`` for ``impl="mosaic"``, and for the other Pallas names the backend:
     ``"triton"`` on GPUs, ``"interpret"`` on CPU; ``impl="auto"`` runs ``"mosaic"`` where
-    ``tilax.moe.auto_rules`` holds a measured win for the config on this GPU.
+    ``tilax.moe.rules`` holds a measured win for the config on this GPU.
 
     Raises:
         ValueError: ``impl="mosaic"`` on a device that cannot run Mosaic GPU (with the reason),
@@ -316,7 +308,7 @@ def resolve_impl(config: MoEConfig) -> str:
     if config.impl in ("blocked", "ragged_dot"):
         return config.impl
     if config.impl == "auto":
-        return auto_rules.auto_backend(config)
+        return rules.auto_backend(config)
     return _pallas.resolve_backend(config.impl)
 
 
@@ -438,9 +430,11 @@ def shared_expert(
     params: dict, x: jax.Array, config: MoEConfig, backend: str | None = None
 ) -> jax.Array:
     """The shared expert on tokens ``x`` (already in ``config.dtype``): with the routed experts
-    on Mosaic GPU, its SwiGLU in the products' epilogues (``shared_mosaic``) where its shapes
-    allow, else XLA's products and elementwise passes (``reference.shared_expert``)."""
+    on Mosaic GPU, its SwiGLU in the products' epilogues (``mosaic.shared``) where its shapes
+    allow and the ``shared`` rule of ``tilax.moe.rules`` takes it, else XLA's products and
+    elementwise passes (``reference.shared_expert``)."""
     shared = {n: params["shared"][n].astype(config.dtype) for n in ("w_gate", "w_up", "w_down")}
-    if backend == "mosaic" and shared_mosaic.applies(x, shared):
+    if (backend == "mosaic" and rules.variant("shared") == "kernels"
+            and shared_mosaic.applies(x, shared)):
         return shared_mosaic.shared_expert(x, shared["w_gate"], shared["w_up"], shared["w_down"])
     return reference.shared_expert(x, shared)

@@ -4,8 +4,8 @@ returns, and what a Pallas grouped-matmul backend must provide.
 ``api.py`` picks an implementation by name from its registry (``api.IMPLEMENTATIONS``); every
 entry is a :class:`RoutedExperts`: the XLA ones in ``reference.py``, the Pallas path in
 ``pallas.py`` once per backend. The Pallas path owns the custom VJP and calls its backend only
-through the :class:`GmmKernels` functions, so a backend is one kernel file (``gmm_triton.py``;
-``gmm_mosaic.py``, with its building blocks in ``gmm_mosaic_parts.py``) registered in
+through the :class:`GmmKernels` functions, so a backend is one kernel file (``triton.py``;
+``mosaic/gmm.py``, with its building blocks in ``mosaic/common.py``) registered in
 ``pallas.KERNELS``.
 """
 
@@ -69,7 +69,7 @@ class RoutedExperts(Protocol):
 
 
 class GmmKernels(Protocol):
-    """The kernel set of a Pallas grouped-matmul backend (a module such as ``gmm_triton``).
+    """The kernel set of a Pallas grouped-matmul backend (a module such as ``triton``).
 
     Rows live in the *row space*: token copies sorted by expert (``dispatch.sort_by_expert``),
     padded to ``tiles.row_multiple``. Forward-type kernels follow a ``dispatch.GmmSchedule`` of
@@ -81,8 +81,9 @@ class GmmKernels(Protocol):
     - ``copy_rows(x, layout)``: ``x[layout.row_token]``, a sorted copy for its kernels, for a
       layout in which every copy has a row (no capacity drops; the path gathers in XLA
       otherwise).
-    - ``GATHERS_IN_TRAINING``: whether a train step's kernels gather rows through ``index``;
-      where not, the path hands them copies of ``x`` and ``dy`` made by ``copy_rows``.
+    - ``gathers_in_training()``: whether a train step's kernels gather rows through
+      ``index``; where not, the path hands them copies of ``x`` and ``dy`` made by
+      ``copy_rows``.
     - ``gmm(lhs, rhs, schedule, *, tiles, backend, index=None, transpose_rhs=False,
       lhs2=None, rhs2=None, row_scale=None, out_dtype=None)``:
       ``out[r] = scale[r] * (lhs[r] @ rhs[e(r)] + lhs2[r] @ rhs2[e(r)])``.
@@ -112,7 +113,7 @@ class GmmKernels(Protocol):
       ``d_hidden`` to a multiple of it, 16 for Triton, 64 for Mosaic GPU's 128-byte rows).
     """
 
-    GATHERS_IN_TRAINING: bool
+    def gathers_in_training(self) -> bool: ...
 
     def copy_rows(self, x, layout) -> jax.Array: ...
 

@@ -14,7 +14,7 @@ each device:
    (an ``all_gather`` of the per-device counts), and it is kept when below
    ``C = ceil(capacity_factor * T * k / E)`` with the global ``T``;
 3. ``aux`` from sums over every device (``psum``): the same numbers as on one device;
-4. send each kept copy along ``expert_axis`` to its expert's device (``exchange.py``: a
+4. send each kept copy along ``expert_axis`` to its expert's device (the exchange below: a
    dropless exchange sized for the worst case), run the local experts on what arrived with
    the same implementation as on one device (the Pallas kernels compute only the rows that
    arrived), send the results back and combine them with the routing weights where the token
@@ -26,12 +26,24 @@ its row of ``expert_axis``, applies its own experts weighted by the routing weig
 partial sums), and a ``psum_scatter`` adds the partial sums up and hands each device its own
 tokens' outputs. Gradients come from JAX's transposes of the collectives and the custom VJPs
 of the expert path and of the exchange's gathers.
+
+The exchange (``all_to_all``): on the sending device every kept copy gets a *slot* in a send
+buffer, grouped by destination device and, within one, by expert (one ``argsort`` of the
+copies by expert, as on one device). One ``jax.lax.all_to_all`` moves ``[n, B, ...]`` blocks,
+block ``j`` for device ``j``; ``B = T_local * min(top_k, E_local)`` bounds the copies one
+device can send another (a token sends at most one copy to each expert), so no routing,
+however skewed, overflows it; the price is that every block travels whole, full or not. The
+receiving device gets ``n * B`` rows (rows past what arrived are marked empty) with each row's
+expert on that device. Moving data between token space and slots is a gather in both
+directions (custom VJPs below), as on one device. The ``all_gather`` transport
+(:func:`_gathered_experts`) moves tokens instead of copies.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -40,7 +52,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tilax import _pallas
-from tilax.moe import dispatch, exchange, reference, router
+from tilax.moe import dispatch, reference, router
 from tilax.moe.base import RoutedCopies
 
 EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down")
@@ -102,7 +114,7 @@ def moe_apply_sharded(params, x, config, experts, *, mesh, expert_axis):
             num_tokens, config.top_k, config.num_experts, config.capacity_factor
         )
     plan = MeshPlan(token_axes, tuple(mesh.shape[a] for a in token_axes), expert_axis,
-                    num_tokens, capacity, exchange.resolve_transport(config.exchange))
+                    num_tokens, capacity, resolve_transport(config.exchange))
     used = {name: params[name] for name in ("router", *EXPERT_WEIGHTS)}
     specs = {"router": P(), **{name: P(expert_axis) for name in EXPERT_WEIGHTS}}
     if config.shared_hidden:
@@ -199,18 +211,11 @@ def _exchanged_experts(config, experts, x, weights, routed, kept, plan: MeshPlan
     results back and combine them: ``[T_local, d]``."""
     devices = plan.expert_devices
     local_experts = config.num_experts // devices
-    rows = exchange.block_rows(x.shape[0], config.top_k, local_experts, plan.capacity)
-    ragged = plan.transport == "ragged"
-    slots = exchange.make_slots(routed.expert_ids, kept, config.num_experts, devices, rows,
-                                packed=ragged)
-    if ragged:
-        transport = exchange.Ragged.create(plan.expert_axis, devices, rows, slots)
-        received = transport.there(exchange.to_slots(x, slots))
-        expert = transport.there(slots.slot_expert, fill=local_experts)
-    else:
-        transport = exchange.AllToAll(plan.expert_axis, devices, rows)
-        received = transport.there(exchange.to_slots(x, slots))
-        expert = transport.there(slots.slot_expert)
+    rows = block_rows(x.shape[0], config.top_k, local_experts, plan.capacity)
+    slots = make_slots(routed.expert_ids, kept, config.num_experts, devices, rows)
+    transport = AllToAll(plan.expert_axis, devices, rows)
+    received = transport.there(to_slots(x, slots))
+    expert = transport.there(slots.slot_expert)
     arrived = expert < local_experts
     copies = RoutedCopies(
         expert_ids=jnp.where(arrived, expert, 0)[:, None],
@@ -219,11 +224,7 @@ def _exchanged_experts(config, experts, x, weights, routed, kept, plan: MeshPlan
         sparse_rows=True,
     )
     results, _ = experts(config, received, *weights, copies)
-    if ragged:
-        back = transport.back(results, slots.slot_copy.shape[0])
-    else:
-        back = transport.back(results)
-    return exchange.from_slots(back, routed.weights, slots)
+    return from_slots(transport.back(results), routed.weights, slots)
 
 
 def _gathered_experts(config, experts, x, weights, routed, kept, plan: MeshPlan):
@@ -280,3 +281,154 @@ def _dense_experts(x, weights, routed, token_valid, plan: MeshPlan):
         group_x, *weights, group_ids - first_expert, group_combine
     )
     return lax.psum_scatter(partial, axis, scatter_dimension=0, tiled=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# The exchange: slots, gathers both ways, the transport
+
+TRANSPORTS = ("auto", "all_gather", "all_to_all")
+
+
+class Slots(NamedTuple):
+    """Where the copies of one device's tokens sit in its send buffer (``S`` slots).
+
+    Attributes:
+        copy_slot: ``[T, k]`` int32 slot of each copy (in range, meaningless where not kept).
+        copy_kept: ``[T, k]`` bool, the copy is sent.
+        slot_copy: ``[S]`` int32 copy held by each slot (``t * k + j``; 0 where empty).
+        slot_valid: ``[S]`` bool, the slot holds a copy.
+        slot_expert: ``[S]`` int32 the copy's expert on its destination device (its index
+            among that device's experts), ``E_local`` where empty.
+        dest_start: ``[n]`` int32 first row of each destination's copies in expert order.
+        dest_count: ``[n]`` int32 copies for each destination.
+    """
+
+    copy_slot: jax.Array
+    copy_kept: jax.Array
+    slot_copy: jax.Array
+    slot_valid: jax.Array
+    slot_expert: jax.Array
+    dest_start: jax.Array
+    dest_count: jax.Array
+
+
+def block_rows(tokens: int, top_k: int, local_experts: int, capacity: int | None) -> int:
+    """``B``: the most copies one device can send one destination (all its tokens' copies for
+    that destination's experts), further bounded by the destination's capacity under capacity
+    routing."""
+    rows = tokens * min(top_k, local_experts)
+    return rows if capacity is None else min(rows, local_experts * capacity)
+
+
+def resolve_transport(transport: str) -> str:
+    """``auto``: ``all_gather`` (``_gathered_experts``). It never moves more
+    bytes than ``all_to_all`` (each trip sends a device's ``T_local`` tokens once, against
+    ``T_local * min(top_k, E_local)`` rows per destination), and on two H200s (jax 0.11.2,
+    ``ep`` suite, run ``fee7429``) its train step was the fastest of the transports measured
+    at every size."""
+    if transport == "auto":
+        return "all_gather"
+    return transport
+
+
+def make_slots(expert_ids, kept, num_experts: int, devices: int, rows: int):
+    """The send buffer's slots for copies ``expert_ids: [T, k]`` (``kept``: ``[T, k]`` bool):
+    slot ``j * rows + i`` for the ``i``-th copy to device ``j`` (``S = devices * rows``)."""
+    local_experts = num_experts // devices
+    layout = dispatch.sort_by_expert(expert_ids, num_experts, kept=kept)
+    bounds = layout.group_offsets[::local_experts]  # [devices + 1]
+    dest_start, dest_count = bounds[:-1], bounds[1:] - bounds[:-1]
+    flat_expert = expert_ids.reshape(-1)
+    dest = jnp.arange(devices * rows, dtype=jnp.int32) // rows
+    within = jnp.arange(devices * rows, dtype=jnp.int32) % rows
+    slot_valid = within < dest_count[dest]
+    slot_row = jnp.where(slot_valid, dest_start[dest] + within, 0)
+    copy_dest = expert_ids // local_experts
+    copy_slot = copy_dest * rows + layout.copy_row - dest_start[copy_dest]
+    copy_slot = jnp.where(layout.copy_kept, copy_slot, 0)
+    slot_copy = jnp.where(slot_valid, layout.row_copy[slot_row], 0)
+    slot_expert = jnp.where(slot_valid, flat_expert[slot_copy] % local_experts, local_experts)
+    return Slots(copy_slot, layout.copy_kept, slot_copy, slot_valid,
+                 slot_expert.astype(jnp.int32), dest_start, dest_count)
+
+
+# ----------------------------------------------------------------------------------------------
+# Token space <-> slots, gathers both ways
+
+
+@jax.custom_vjp
+def to_slots(x, slots: Slots):
+    """``send[s] = x[token of slot s]`` (zero where empty): ``[S, d]``."""
+    top_k = slots.copy_slot.shape[1]
+    rows = jnp.take(x, slots.slot_copy // top_k, axis=0)
+    return jnp.where(slots.slot_valid[:, None], rows, jnp.zeros((), x.dtype))
+
+
+def _to_slots_fwd(x, slots):
+    return to_slots(x, slots), (slots, x.shape[0])
+
+
+def _to_slots_bwd(residuals, d_send):
+    slots, _ = residuals
+    values = jnp.take(d_send, slots.copy_slot, axis=0).astype(jnp.float32)
+    values = jnp.where(slots.copy_kept[..., None], values, 0.0)
+    return jnp.sum(values, axis=1).astype(d_send.dtype), None
+
+
+to_slots.defvjp(_to_slots_fwd, _to_slots_bwd)
+
+
+@jax.custom_vjp
+def from_slots(back, weights, slots: Slots):
+    """The weighted combine of returned results: ``y[t] = sum_j w[t, j] * back[slot(t, j)]``
+    over sent copies (float32 sum), ``[T, d]`` in ``back.dtype``."""
+    return _combine(back, weights, slots)[0]
+
+
+def _combine(back, weights, slots):
+    values = jnp.take(back, slots.copy_slot, axis=0)
+    values = jnp.where(slots.copy_kept[..., None], values, jnp.zeros((), back.dtype))
+    weights = jnp.where(slots.copy_kept, weights.astype(jnp.float32), 0.0)
+    y = jnp.sum(values.astype(jnp.float32) * weights[..., None], axis=1).astype(back.dtype)
+    return y, values
+
+
+def _from_slots_fwd(back, weights, slots):
+    y, values = _combine(back, weights, slots)
+    return y, (values, weights, slots)
+
+
+def _from_slots_bwd(residuals, dy):
+    values, weights, slots = residuals
+    top_k = weights.shape[1]
+    slot_weight = jnp.take(weights.reshape(-1).astype(jnp.float32), slots.slot_copy)
+    slot_dy = jnp.take(dy, slots.slot_copy // top_k, axis=0).astype(jnp.float32)
+    d_back = jnp.where(slots.slot_valid[:, None], slot_weight[:, None] * slot_dy, 0.0)
+    d_weights = jnp.sum(values.astype(jnp.float32) * dy[:, None, :].astype(jnp.float32), -1)
+    d_weights = jnp.where(slots.copy_kept, d_weights, 0.0)
+    return d_back.astype(values.dtype), d_weights.astype(weights.dtype), None
+
+
+from_slots.defvjp(_from_slots_fwd, _from_slots_bwd)
+
+
+# ----------------------------------------------------------------------------------------------
+# Transports
+
+
+class AllToAll(NamedTuple):
+    """Whole ``[n, B]`` blocks through ``jax.lax.all_to_all`` (slots ``j * B + i``)."""
+
+    axis: str
+    devices: int
+    rows: int
+
+    def there(self, send):
+        """Send buffer ``[n * B, ...]`` -> receive buffer ``[n * B, ...]`` (row ``i * B + r``
+        from device ``i``)."""
+        blocks = send.reshape((self.devices, self.rows) + send.shape[1:])
+        return lax.all_to_all(blocks, self.axis, 0, 0).reshape(send.shape)
+
+    def back(self, results):
+        """Receive-buffer rows back to the slots they came from (the same exchange)."""
+        return self.there(results)

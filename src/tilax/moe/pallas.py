@@ -39,11 +39,12 @@ import jax
 import jax.numpy as jnp
 
 from tilax import _pallas
-from tilax.moe import dispatch, gmm_mosaic, gmm_triton, pallas_slices, reference
+from tilax.moe import dispatch, pallas_slices, reference, triton
 from tilax.moe.base import RoutedCopies
+from tilax.moe.mosaic import gmm as mosaic
 
 # Pallas backend name (``_pallas.resolve_backend``) -> its kernel module (``base.GmmKernels``).
-KERNELS = {"triton": gmm_triton, "interpret": gmm_triton, "mosaic": gmm_mosaic}
+KERNELS = {"triton": triton, "interpret": triton, "mosaic": mosaic}
 
 
 def kernel_tiles(config, backend: str | None = None):
@@ -91,7 +92,7 @@ class Plan:
         """Whether the kernels read sorted copies of ``x`` (and in the backward of ``dy``):
         the sorted dispatch's always, a train step's where the backend's kernels do not
         gather in training."""
-        return self.dispatch == "sorted" or (save and not self.kernels.GATHERS_IN_TRAINING)
+        return self.dispatch == "sorted" or (save and not self.kernels.gathers_in_training())
 
     def schedule(self, group_offsets: jax.Array, num_rows: int) -> dispatch.GmmSchedule:
         return dispatch.gmm_schedule(

@@ -6,7 +6,7 @@ token, so its speed matters: for bfloat16 tokens :func:`router_logits` computes 
 products exactly on the tensor cores (the router split into three bfloat16 pieces) instead of
 a float32 matmul, and :func:`top_k_experts` picks a few experts by repeated ``argmax`` rather
 than a sort. For ``impl="mosaic"`` on Hopper the softmax, the top-k and their gradient run as
-two Mosaic GPU kernels instead of XLA's chain of small ones (``router_mosaic``).
+two Mosaic GPU kernels instead of XLA's chain of small ones (``mosaic.router``).
 
 :func:`skew_tokens` is the benchmark/test knob that makes routing skewed. It moves the *inputs*
 along a direction the router maps onto a fixed per-expert bias, so the layer itself and its
@@ -21,7 +21,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from tilax.moe import dispatch, router_mosaic
+from tilax.moe import dispatch, rules
+from tilax.moe.mosaic import router as router_mosaic
 
 # The router's matmul decides which experts run: keep it at full float32 precision on every
 # device (GPUs would otherwise use TF32 and may flip near-ties between implementations).
@@ -53,12 +54,13 @@ def route(
     Ties between equal probabilities go to the lower expert index (``jax.lax.top_k``).
     Differentiable with respect to ``x`` and ``router`` through the logits, the probabilities
     and the weights. ``backend`` ``"mosaic"`` takes the Mosaic GPU kernels of
-    ``router_mosaic`` for bfloat16 ``x`` where they apply (the same math; the softmax's
+    ``mosaic.router`` for bfloat16 ``x`` where they apply (the same math; the softmax's
     ``exp`` and division are the GPU's approximate ones, so the probabilities may differ from
     XLA's in their last bits); otherwise XLA routes.
     """
     ranked = None
-    if backend == "mosaic" and x.dtype == jnp.bfloat16:
+    if (backend == "mosaic" and x.dtype == jnp.bfloat16
+            and rules.variant("router") == "kernels"):  # the router rule of tilax.moe.rules
         if router_mosaic.block_tokens(x.shape[0], router.shape[1], top_k) is not None:
             ranked = _ranked_on_mosaic(top_k, x, router.astype(jnp.float32))
     if ranked is None:
@@ -86,7 +88,7 @@ def router_logits(x: jax.Array, router: jax.Array) -> jax.Array:
     return jnp.dot(x.astype(jnp.float32), router32, precision=ROUTER_PRECISION)
 
 
-def _bf16_pieces(a: jax.Array) -> list[jax.Array]:
+def bf16_pieces(a: jax.Array) -> list[jax.Array]:
     """Three bfloat16 arrays that add up to float32 ``a`` exactly (8 significant bits each,
     and each rounding's remainder is exact in float32)."""
     pieces = []
@@ -99,7 +101,7 @@ def _bf16_pieces(a: jax.Array) -> list[jax.Array]:
     return pieces
 
 
-def _sum_thirds(parts: jax.Array) -> jax.Array:
+def sum_thirds(parts: jax.Array) -> jax.Array:
     """``[..., 3n] -> [..., n]``: the three pieces' partial results, smallest first."""
     n = parts.shape[-1] // 3
     return (parts[..., 2 * n :] + parts[..., n : 2 * n]) + parts[..., :n]
@@ -110,13 +112,13 @@ def _bf16_logits(x: jax.Array, router32: jax.Array) -> jax.Array:
     """``x @ router32`` for bfloat16 ``x``: a product of a bfloat16 and a bfloat16 piece of the
     router is exact in float32, so one bfloat16 matmul against the three pieces side by side
     (float32 accumulation) gives float32 logits; only the sums round, as in a float32 matmul."""
-    return _sum_thirds(_logit_parts(x, router32))
+    return sum_thirds(_logit_parts(x, router32))
 
 
 def _logit_parts(x: jax.Array, router32: jax.Array) -> jax.Array:
     """``[T, 3E]`` float32: bfloat16 ``x`` times the router's three pieces side by side, one
     matmul; its thirds add up to the logits."""
-    pieces = jnp.concatenate(_bf16_pieces(router32), axis=1)
+    pieces = jnp.concatenate(bf16_pieces(router32), axis=1)
     return jnp.dot(x, pieces, preferred_element_type=jnp.float32)
 
 
@@ -126,7 +128,7 @@ def _bf16_logits_fwd(x, router32):
 
 def _bf16_logits_bwd(residuals, d_logits):
     x, router32 = residuals
-    d0, d1, d2 = _bf16_pieces(d_logits)
+    d0, d1, d2 = bf16_pieces(d_logits)
     return _logits_grads(x, router32, jnp.concatenate([d0, d1, d2], axis=1),
                          jnp.concatenate([d0, d0, d1], axis=1))
 
@@ -135,7 +137,7 @@ def _logits_grads(x, router32, d_pieces, dx_pieces):
     """The gradients of ``x @ router32`` (bfloat16 ``x``) from the logits' gradient as its
     bfloat16 pieces ``d_pieces = [g0 | g1 | g2]`` and ``dx_pieces = [g0 | g0 | g1]``."""
     # d_router = x^T @ d_logits: exact products again (x is bfloat16).
-    d_router = _sum_thirds(
+    d_router = sum_thirds(
         jax.lax.dot_general(
             x, d_pieces, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32
         )
@@ -143,7 +145,7 @@ def _logits_grads(x, router32, d_pieces, dx_pieces):
     # d_x = d_logits @ router^T, rounded to bfloat16: the three largest of the nine piece
     # products, g0 r0 + g0 r1 + g1 r0 (relative error ~2**-16), are far more than its 8 bits
     # need.
-    r_pieces = _bf16_pieces(router32.T)
+    r_pieces = bf16_pieces(router32.T)
     d_x = jnp.dot(
         dx_pieces,
         jnp.concatenate([r_pieces[0], r_pieces[1], r_pieces[0]], axis=0),
@@ -158,7 +160,7 @@ _bf16_logits.defvjp(_bf16_logits_fwd, _bf16_logits_bwd)
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _ranked_on_mosaic(top_k, x, router32):
     """``(logits, probs, expert_ids, top_probs)`` of bfloat16 ``x`` by the kernels of
-    ``router_mosaic``: the logits' pieces by one bfloat16 matmul (:func:`_logit_parts`), the
+    ``mosaic.router``: the logits' pieces by one bfloat16 matmul (:func:`_logit_parts`), the
     rest by one kernel forward and one backward."""
     return _ranked_on_mosaic_fwd(top_k, x, router32)[0]
 

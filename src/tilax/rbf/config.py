@@ -170,7 +170,7 @@ class Device:
         """The facts of this process's first device."""
         return cls(mosaic=_pallas.mosaic_unavailable_reason() is None,
                    cores=_pallas.gpu_core_count() or PLANNED_CORES,
-                   shared_memory=_pallas.gpu_shared_memory_per_block())
+                   shared_memory=_pallas.shared_memory_per_block())
 
 
 # ------------------------------------------------------------------------------------------

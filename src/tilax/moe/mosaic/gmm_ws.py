@@ -1,4 +1,4 @@
-"""The plain grouped matmul (``gmm_mosaic.gmm``), warp-specialised: Mosaic GPU, Hopper.
+"""The plain grouped matmul (``mosaic.gmm.gmm``), warp-specialised: Mosaic GPU, Hopper.
 
 One program per SM with three warpgroups. A memory warpgroup streams the tiles of every
 (item, contraction step) of the program's items through one ring of ``stages`` SMEM slots,
@@ -8,12 +8,16 @@ epilogue run. Two compute warpgroups share each item's row tile and own half of 
 rows, waiting for the previous store only before it writes the staging tile again.
 
 Why (H200, E64 decoder shapes at 131 072 tokens, 1M rows, diagnostic runs): the per-item
-pipelines of ``gmm_mosaic.gmm`` (two programs per SM) took 0.60 ms for the down projection
+pipelines of ``mosaic.gmm.gmm`` (two programs per SM) took 0.60 ms for the down projection
 ``[1M, 128] x [128, 512]``, where cuBLAS moves the same bytes as one dense product in 0.36-0.39
 ms; ``ncu``: 49% of the DRAM's throughput, each program's warps waiting on their own loads and
 stores. This kernel takes 0.41-0.42 ms (0.60 with two stages, which leave the memory
-warpgroup nothing to fetch during an epilogue). Only short contractions take it
-(``MAX_CONTRACTION``): with long ones the MMAs, not the epilogues, are the time.
+warpgroup nothing to fetch during an epilogue). Only short contractions take it (the
+``gmm_ws`` rule of ``tilax.moe.rules``): with long ones the MMAs, not the epilogues, are the
+time. In a train step on the H200 (131 072 tokens, bf16, three interleaved rounds in one
+process, same outputs bit for bit) it took the E64 decoder (contractions of 128) from
+9.37-9.50 to 9.09-9.16 ms, but the E8 layer (contractions of 1024, where the per-item kernel's
+MMAs already run at 650-670 TFLOP/s) from 6.44-6.67 to 6.58-6.82 ms.
 
 One pipeline spans many items, so each compute warpgroup's accumulator lives through all of
 them (the pipeline's carry) and is zeroed at an item's first step.
@@ -27,9 +31,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from tilax import _pallas
-from tilax.moe import gmm_mosaic_parts as parts
 from tilax.moe.dispatch import GmmSchedule
-from tilax.moe.gmm_mosaic_parts import Config, plgpu
+from tilax.moe.mosaic import common
+from tilax.moe.mosaic.common import Config, plgpu
 
 COMPUTE_WARPGROUPS = 2
 # Registers the memory warpgroup keeps (it only computes tile indices); the rest go to the
@@ -37,25 +41,19 @@ COMPUTE_WARPGROUPS = 2
 MEMORY_REGISTERS = 40
 # Ring slots: three let the memory warpgroup fetch two steps ahead while an epilogue runs.
 MIN_STAGES, MAX_STAGES = 3, 4
-# Longest contraction (per operand pair) it takes. In a train step on the H200 (131 072
-# tokens, bf16, three interleaved rounds in one process, same outputs bit for bit) it took
-# the E64 decoder (contractions of 128) from 9.37-9.50 to 9.09-9.16 ms, but the E8 layer
-# (contractions of 1024, where the per-item kernel's MMAs already run at 650-670 TFLOP/s)
-# from 6.44-6.67 to 6.58-6.82 ms.
-MAX_CONTRACTION = 256
 
 
 def layout(tiles: Config, k_dim: int, n_dim: int, pairs: int, out_dtype) -> tuple | None:
     """``(block_k, block_n, stages)`` of the warp-specialised kernel for these shapes, or
-    ``None`` where it does not apply: a contraction longer than ``MAX_CONTRACTION``, ``n_dim``
-    not a multiple of the two warpgroups' columns, or no ``MIN_STAGES`` ring slots (of
-    ``block_k`` down to 32) next to the staging tiles."""
+    ``None`` where it does not fit: ``n_dim`` not a multiple of the two warpgroups' columns,
+    or no ``MIN_STAGES`` ring slots (of ``block_k`` down to 32) next to the staging tiles.
+    (Which contractions take it is the ``gmm_ws`` rule of ``tilax.moe.rules``.)"""
     block_n = tiles.block_n  # per compute warpgroup
-    if k_dim > MAX_CONTRACTION or n_dim % (COMPUTE_WARPGROUPS * block_n):
+    if n_dim % (COMPUTE_WARPGROUPS * block_n):
         return None
     staging = COMPUTE_WARPGROUPS * tiles.block_m * block_n * jnp.dtype(out_dtype).itemsize
-    budget = parts.SMEM_PER_BLOCK - parts.SMEM_SLACK - staging
-    block_k = parts.fit_block(tiles.block_k, k_dim)
+    budget = common.whole_block_smem() - staging
+    block_k = common.fit_block(tiles.block_k, k_dim)
     while block_k >= 32:
         stage = pairs * (tiles.block_m + COMPUTE_WARPGROUPS * block_n) * block_k * 2
         if budget // stage >= MIN_STAGES:
@@ -83,7 +81,7 @@ def gmm(
     item_n = COMPUTE_WARPGROUPS * block_n
     k_steps, n_tiles = k_dim // block_k, n_dim // item_n
     total = schedule.expert.shape[0] * n_tiles
-    programs = parts.sm_count()  # one program per SM
+    programs = common.sm_count()  # one program per SM
     w_shape = (item_n, block_k) if transpose_rhs else (block_k, item_n)
     swizzle = plgpu.find_swizzle(block_k * pairs[0][0].dtype.itemsize * 8)
 
@@ -109,9 +107,9 @@ def gmm(
         for a_g, w_g in zip(operand_refs[::2], operand_refs[1::2], strict=True):
             specs += [
                 plgpu.BlockSpec((block_m, block_k), lhs_block,
-                                transforms=parts.mma_transforms(block_k, a_g.dtype, swizzle)),
+                                transforms=common.mma_transforms(block_k, a_g.dtype, swizzle)),
                 plgpu.BlockSpec((None, *w_shape), rhs_block,
-                                transforms=parts.mma_transforms(w_shape[1], w_g.dtype, swizzle)),
+                                transforms=common.mma_transforms(w_shape[1], w_g.dtype, swizzle)),
             ]
 
         def pipeline(step_fn, context):
@@ -144,14 +142,14 @@ def gmm(
                 @pl.when(k == k_steps - 1)
                 def _epilogue():
                     index, n, _ = coords(step)
-                    item = parts.Item(expert_g[index], tile_g[index] * block_m, lo_g[index],
+                    item = common.Item(expert_g[index], tile_g[index] * block_m, lo_g[index],
                                       hi_g[index], n)
                     o_smem = staging.at[wg]
                     # The previous item's stores must have read the staging tile.
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                     o_smem[...] = acc_ref[...].astype(o_smem.dtype)
                     plgpu.commit_smem()
-                    parts.store_rows(o_smem, out_g, item, n * item_n + wg * block_n)
+                    common.store_rows(o_smem, out_g, item, n * item_n + wg * block_n)
                     plgpu.commit_smem_to_gmem_group()
 
                 return acc_ref
@@ -169,13 +167,13 @@ def gmm(
             scope,
             allocations=pipeline(ignore, ignore).get_allocations(*operand_refs),
             staging=plgpu.SMEM((COMPUTE_WARPGROUPS, block_m, block_n), out_dtype,
-                               transforms=parts.row_transforms(block_n, out_dtype)),
+                               transforms=common.row_transforms(block_n, out_dtype)),
             collective_axes="wg",
         )
 
     kernel = plgpu.kernel(
         body, out_type=jax.ShapeDtypeStruct((num_rows, n_dim), out_dtype),
         grid=(programs,), grid_names=("sm",), num_threads=COMPUTE_WARPGROUPS + 1,
-        thread_name="wg", kernel_name="moe_gmm_ws_mosaic", compiler_params=parts.compiler_params(),
+        thread_name="wg", kernel_name="moe_gmm_ws_mosaic", compiler_params=common.compiler_params(),
     )
     return kernel(*schedule, *[array for pair in pairs for array in pair])

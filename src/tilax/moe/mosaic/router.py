@@ -1,7 +1,7 @@
 """The router's softmax, top-k and their gradient on Hopper: two Mosaic GPU passes.
 
 For bfloat16 tokens ``router.route`` computes the float32 logits as one bfloat16 matmul against
-the router's three bfloat16 pieces (``router._bf16_logits``): ``parts = x @ [r0 | r1 | r2]``,
+the router's three bfloat16 pieces (``router.router_logits``): ``parts = x @ [r0 | r1 | r2]``,
 ``[T, 3E]`` float32, whose thirds add up to the logits. In XLA what follows is a chain of small
 kernels: the thirds' sum, the softmax's two, ``k`` argmax reductions and the gather of the
 top probabilities forward; a scatter, the softmax's backward, three conversions to the
@@ -32,8 +32,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from tilax import _pallas
-from tilax.moe import gmm_mosaic_parts as parts
-from tilax.moe.gmm_mosaic_parts import plgpu
+from tilax.moe.mosaic import common
+from tilax.moe.mosaic.common import plgpu
 
 # Tokens per block: one tile of the warpgroup's register layout (``WGMMA``), whose rows come
 # in tiles of 64; a block's three float32 pieces of the logits take 48 KiB of shared memory.
@@ -44,7 +44,7 @@ SLOTS = 2
 # tokens took 7.88, 7.98, 8.01 ms with one against 7.74, 7.95, 7.98 ms with two (three
 # interleaved rounds in one process).
 PROGRAMS_PER_SM = 2
-# The logits' three bfloat16 pieces (router._bf16_pieces).
+# The logits' three bfloat16 pieces (router.bf16_pieces).
 PIECES = 3
 
 
@@ -76,7 +76,7 @@ def _launch(body, num_tokens: int, block: int, out_type, scratch_types, name: st
     block into a slot with ``fetch(first_token, slot)`` one block ahead of ``compute``, once
     the block before has been stored (a slot's shared memory may stage its outputs)."""
     num_blocks = num_tokens // block
-    num_programs = min(PROGRAMS_PER_SM * parts.sm_count(), num_blocks)
+    num_programs = min(PROGRAMS_PER_SM * common.sm_count(), num_blocks)
 
     def block_loop(fetch, compute):
         pid = lax.axis_index("sm")
@@ -101,7 +101,7 @@ def _launch(body, num_tokens: int, block: int, out_type, scratch_types, name: st
     return plgpu.kernel(
         lambda *refs: body(block_loop, *refs), out_type=out_type, grid=(num_programs,),
         grid_names=("sm",), scratch_types=scratch_types, kernel_name=name,
-        compiler_params=parts.compiler_params(),
+        compiler_params=common.compiler_params(),
     )
 
 
@@ -110,7 +110,7 @@ def rank(logit_parts: jax.Array, top_k: int):
 
     Args:
         logit_parts: ``[T, 3E]`` float32, ``x @ [r0 | r1 | r2]``; its thirds add up to the
-            logits as ``router._sum_thirds`` adds them (smallest first).
+            logits as ``router.sum_thirds`` adds them (smallest first).
         top_k: experts per token.
 
     Returns:
@@ -190,7 +190,7 @@ def logit_grad_pieces(
 
     With ``dp = d_probs + (d_top scattered to expert_ids)``, the logits' gradient is
     ``g = probs * dp - probs * sum(probs * dp) + d_logits``, and ``g = g0 + g1 + g2`` its three
-    bfloat16 pieces (``router._bf16_pieces``).
+    bfloat16 pieces (``router.bf16_pieces``).
 
     Args:
         probs: ``[T, E]`` float32 router probabilities.

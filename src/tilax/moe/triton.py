@@ -44,9 +44,11 @@ from jax.experimental.pallas import triton as plt
 from tilax import _pallas
 from tilax.moe.dispatch import GmmSchedule, RowLayout, take_rows
 
-# The kernels gather rows through ``index`` themselves, in a train step too: only the sorted
-# dispatch reads copies (``copy_rows``).
-GATHERS_IN_TRAINING = True
+
+def gathers_in_training() -> bool:
+    """The kernels gather rows through ``index`` themselves, in a train step too: only the
+    sorted dispatch reads copies (``copy_rows``)."""
+    return True
 
 # tl.dot needs every block dimension >= 16.
 MIN_BLOCK = _pallas.MIN_BLOCK

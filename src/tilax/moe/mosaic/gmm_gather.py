@@ -1,7 +1,7 @@
 """Rows gathered inside the Mosaic GPU grouped matmuls: per-thread asynchronous copies.
 
 Hopper's TMA copies tiles, not gathered rows, so without this the rows a kernel reads through
-``index`` are gathered by XLA first (``gmm_mosaic_parts.gathered``): for the E64 top-8
+``index`` are gathered by XLA first (``mosaic.common.gathered``): for the E64 top-8
 decoder at 131 072 tokens a copy of 1M rows of 512 bfloat16 (1 GB written, about as much
 read) that took 0.56 ms of its 3.37 ms forward on the H200. Here the warpgroup's threads copy
 the rows of the tile themselves, eight lanes a row's 128-byte slice of each contraction step
@@ -9,7 +9,7 @@ the rows of the tile themselves, eight lanes a row's 128-byte slice of each cont
 ``wgmma`` reads, as Triton's kernels gather (Mosaic GPU's own ``cp.async`` path is for GPUs
 before Hopper and copies tiles). The weight tiles still come by TMA.
 
-:func:`pipeline` is ``gmm_mosaic_parts.pipeline`` with its first operand gathered into
+:func:`pipeline` is ``mosaic.common.pipeline`` with its first operand gathered into
 its own ring of ``row_stages`` slots beside the ``stages`` of the TMA-copied weight tiles, the
 copies of step ``k + row_stages - 1`` issued once the ``wgmma`` of step ``k - 1`` has read
 its slot, each thread waiting for its own copies (``cp.async.wait_group``) and then the
@@ -27,7 +27,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from tilax.moe.gmm_mosaic_parts import capped_block_n, mma_transforms, plgpu, smem_budget
+from tilax.moe.mosaic.common import capped_block_n, mma_transforms, plgpu, smem_budget
 
 # The warpgroup's threads share a tile's rows (eight lanes a row), and a contraction step is
 # one 128-byte swizzle row of 16-bit values: the layout the copies below write (tiles of 8
@@ -40,10 +40,6 @@ CHUNK_BYTES = 16
 # accumulators of 128 columns fit one warpgroup's registers and the E64 decoder's SwiGLU
 # kernel (128 hidden columns) gathers each row once.
 SUB_ROWS = 64
-# Each column tile gathers the rows again. On the H200 the E8 layer's SwiGLU kernel gathering
-# for each of its 16 column tiles of 128 rows made the forward at 131 072 tokens 2.68 ms
-# against 1.81 with XLA's gather first (diagnostic A/B run, copies of a lane a row).
-MAX_COLUMN_TILES = 2
 # Slots of gathered rows in flight. E64 decoder forward on the H200 (diagnostic A/B, medians
 # of 5 rounds, same process): 131 072 tokens 2.95 / 2.85 / 2.88 ms with 2 / 3 / 5 slots
 # (Triton 3.04, XLA's gather first 3.27); 16 384 tokens 0.477 / 0.472 / 0.479 ms (Triton
@@ -51,19 +47,23 @@ MAX_COLUMN_TILES = 2
 ROW_STAGES = 3
 
 
-def gathering_tiles(tiles, d_dim: int, h_dim: int, dtype):
+def gathering_tiles(tiles, d_dim: int, h_dim: int, dtype, max_column_tiles: int):
     """``(rows, block_n, block_k, row_stages, stages)`` of a SwiGLU kernel that gathers its
     own rows: ``SUB_ROWS``-row sub-tiles of each item, as many columns as its two float32
     accumulators allow, one 128-byte step of ``x`` at a time; two stages of weight tiles
     (each expert's, read by all its row tiles, mostly come from L2) and up to ``ROW_STAGES``
     of the gathered rows (from anywhere in HBM: the deeper ring); ``None`` where that does not
-    fit or pay (then XLA gathers the rows first)."""
+    fit, or where more than ``max_column_tiles`` column tiles would each gather the rows
+    again (the ``gather_rows`` rule of ``tilax.moe.rules``: on the H200 the E8 layer's SwiGLU
+    kernel gathering for each of its 16 column tiles of 128 rows made the forward at 131 072
+    tokens 2.68 ms against 1.81 with XLA's gather first; diagnostic A/B, copies of a lane a
+    row). XLA then gathers the rows first."""
     itemsize = jnp.dtype(dtype).itemsize
     block_k = ROW_BYTES // itemsize
     if tiles.block_m % SUB_ROWS or d_dim % block_k:
         return None
     block_n = capped_block_n(dataclasses.replace(tiles, block_m=SUB_ROWS), h_dim, 2)
-    if block_n * itemsize < ROW_BYTES or h_dim // block_n > MAX_COLUMN_TILES:
+    if block_n * itemsize < ROW_BYTES or h_dim // block_n > max_column_tiles:
         return None  # (every operand tile of a wgmma at the copies' 128-byte swizzle)
     stages, weight_bytes, row_bytes = 2, 2 * block_k * block_n * itemsize, SUB_ROWS * ROW_BYTES
     row_stages = min(ROW_STAGES, (smem_budget(tiles) - stages * weight_bytes) // row_bytes)
@@ -141,7 +141,7 @@ def _wait_copies(pending: int) -> None:
 
 def pipeline(step, num_steps: int, rows, operands, row_stages: int, stages: int,
              mmas_per_step: int) -> None:
-    """``gmm_mosaic_parts.pipeline`` whose first operand is gathered: ``rows = (x_g,
+    """``mosaic.common.pipeline`` whose first operand is gathered: ``rows = (x_g,
     index_view)`` with ``x_g: [T, K]`` in GMEM and ``index_view: [block_m]`` the tile's rows of
     ``x_g``, in a ring of ``row_stages`` slots; ``operands`` the TMA-copied ones,
     ``(gmem_ref, block_shape, index_map)``, in rings of ``stages``; ``step(k, x_smem,

@@ -4,7 +4,7 @@ After the SwiGLU backward, a train step's backward has two products that read th
 up gradients ``dg, du`` (``[R_pad, h]``): the rows' input gradient
 ``dx[r] = dg[r] @ w_gate[e].T + du[r] @ w_up[e].T`` and the weight gradients
 ``dw_gate[e] = x[rows of e].T @ dg[rows of e]`` (``du`` and ``w_up`` alike). Separately
-(``gmm_mosaic.gmm`` and ``gmm_mosaic.tgmm``) they read ``dg`` and ``du`` twice; here one pass
+(``mosaic.gmm.gmm`` and ``mosaic.gmm.tgmm``) they read ``dg`` and ``du`` twice; here one pass
 over each expert's rows computes both.
 
 Work items are (expert, 128 input features), the four of one expert on neighbouring
@@ -31,8 +31,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from tilax import _pallas
-from tilax.moe import gmm_mosaic_parts as parts
-from tilax.moe.gmm_mosaic_parts import plgpu
+from tilax.moe.mosaic import common
+from tilax.moe.mosaic.common import plgpu
 
 COMPUTE_WARPGROUPS = 2
 # Input features of one compute warpgroup (its dx columns and its weight-gradient rows), and
@@ -40,19 +40,13 @@ COMPUTE_WARPGROUPS = 2
 FEATURES = 64
 ITEM_FEATURES = COMPUTE_WARPGROUPS * FEATURES
 CHUNK_ROWS = 64
-# Registers of the memory warpgroup, as in gmm_mosaic_ws; the compute warpgroups' three
+# Registers of the memory warpgroup, as in gmm_ws; the compute warpgroups' three
 # accumulators take 32 + 2 * h / 2 of the 232 they get.
 MEMORY_REGISTERS = 40
 MIN_STAGES, MAX_STAGES = 2, 3
 # Items of one program are found from its step by comparing the step with their first steps,
 # unrolled: beyond this many items a program's lookup would cost more than it saves.
 MAX_ITEMS_PER_PROGRAM = 8
-# Not yet run on a GPU: the layer uses the kernel once an H200 A/B in one process against
-# gmm_ws + tgmm finds it faster (the tests switch it on). OVERLAP, the A/B's second variant:
-# the dx epilogue runs while the weight-gradient MMAs do (wgmma_accumulator_load, wait_n=2).
-# The variant that loses is removed with the switch.
-ENABLED = False
-OVERLAP = False
 
 
 def layout(d_dim: int, h_dim: int, num_experts: int, dtype) -> int | None:
@@ -60,14 +54,14 @@ def layout(d_dim: int, h_dim: int, num_experts: int, dtype) -> int | None:
     ``d_dim`` not a multiple of 128, ``h_dim`` not 64 or 128 (the weight-gradient
     accumulators must fit a warpgroup's registers), more than ``MAX_ITEMS_PER_PROGRAM`` items
     per SM, or fewer than ``MIN_STAGES`` slots beside the weight slices and the staging."""
-    if not ENABLED or d_dim % ITEM_FEATURES or h_dim not in (64, 128):
+    if d_dim % ITEM_FEATURES or h_dim not in (64, 128):
         return None
-    if pl.cdiv(num_experts * d_dim // ITEM_FEATURES, parts.sm_count()) > MAX_ITEMS_PER_PROGRAM:
+    if pl.cdiv(num_experts * d_dim // ITEM_FEATURES, common.sm_count()) > MAX_ITEMS_PER_PROGRAM:
         return None
     itemsize = jnp.dtype(dtype).itemsize
     stage = CHUNK_ROWS * (2 * h_dim + ITEM_FEATURES) * itemsize
     fixed = COMPUTE_WARPGROUPS * (2 * FEATURES * h_dim + CHUNK_ROWS * FEATURES) * itemsize
-    stages = (parts.SMEM_PER_BLOCK - parts.SMEM_SLACK - fixed) // stage
+    stages = (common.whole_block_smem() - fixed) // stage
     return min(MAX_STAGES, stages) if stages >= MIN_STAGES else None
 
 
@@ -94,14 +88,17 @@ def input_and_gate_up_grads(
     group_offsets: jax.Array,
     *,
     stages: int,
+    overlap: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``(dx_rows, dw_gate, dw_up)``: ``[R_pad, d]`` rows of ``dg @ w_gate[e].T + du @
     w_up[e].T`` (rows of no expert left unwritten) and ``[E, d, h]`` gradients, all in the
-    operands' dtype; ``stages = layout(...)``."""
+    operands' dtype; ``stages = layout(...)``. ``overlap``: the dx epilogue runs while the
+    weight-gradient MMAs do (``wgmma_accumulator_load`` with ``wait_n=2``), the second
+    variant of the A/B that decides the ``joined_dx`` rule of ``tilax.moe.rules``."""
     num_rows, d_dim = x_rows.shape
     num_experts, _, h_dim = w_gate.shape
     feature_blocks = d_dim // ITEM_FEATURES
-    programs = parts.sm_count()
+    programs = common.sm_count()
     starts = item_starts(group_offsets, feature_blocks, programs)
     items_per_program = starts.shape[1] - 1
     last_chunk = num_rows // CHUNK_ROWS - 1
@@ -138,11 +135,11 @@ def input_and_gate_up_grads(
         swizzle = plgpu.find_swizzle(FEATURES * dtype.itemsize * 8)
         specs = [
             plgpu.BlockSpec((CHUNK_ROWS, h_dim), rows_block,
-                            transforms=parts.mma_transforms(h_dim, dtype, swizzle)),
+                            transforms=common.mma_transforms(h_dim, dtype, swizzle)),
             plgpu.BlockSpec((CHUNK_ROWS, h_dim), rows_block,
-                            transforms=parts.mma_transforms(h_dim, dtype, swizzle)),
+                            transforms=common.mma_transforms(h_dim, dtype, swizzle)),
             *[plgpu.BlockSpec((CHUNK_ROWS, FEATURES), x_block(half),
-                              transforms=parts.mma_transforms(FEATURES, dtype, swizzle))
+                              transforms=common.mma_transforms(FEATURES, dtype, swizzle))
               for half in range(COMPUTE_WARPGROUPS)],
         ]
         operands = (dg_g, du_g, x_g, x_g)
@@ -192,7 +189,7 @@ def input_and_gate_up_grads(
                         plgpu.wgmma(dwg_acc, _pallas.transposed_ref(x_smem), dg_smem)
                         plgpu.wgmma(dwu_acc, _pallas.transposed_ref(x_smem), du_smem)
 
-                if OVERLAP:
+                if overlap:
                     dx = plgpu.wgmma_accumulator_load(dx_acc, wait_n=2)
                 else:
                     plgpu.wgmma_wait(0)
@@ -204,8 +201,8 @@ def input_and_gate_up_grads(
                 row_start = chunk * CHUNK_ROWS
                 local_lo = jnp.clip(lo - row_start, 0, CHUNK_ROWS)
                 local_hi = jnp.clip(hi - row_start, local_lo, CHUNK_ROWS)
-                item = parts.Item(expert, row_start, local_lo, local_hi, 0)
-                parts.store_rows(my_staging, dx_g, item, feature + wg * FEATURES)
+                item = common.Item(expert, row_start, local_lo, local_hi, 0)
+                common.store_rows(my_staging, dx_g, item, feature + wg * FEATURES)
                 plgpu.commit_smem_to_gmem_group()
                 # The ring slots are released when this returns: the MMAs must have read them.
                 plgpu.wgmma_wait(0)
@@ -238,14 +235,14 @@ def input_and_gate_up_grads(
             return None
 
         weights = plgpu.SMEM((COMPUTE_WARPGROUPS, FEATURES, h_dim), w_gate.dtype,
-                             transforms=parts.mma_transforms(h_dim, w_gate.dtype))
+                             transforms=common.mma_transforms(h_dim, w_gate.dtype))
         pl.run_scoped(
             scope,
             allocations=pipeline(ignore, ignore).get_allocations(*operands),
             w_gate_smem=weights,
             w_up_smem=weights,
             staging=plgpu.SMEM((COMPUTE_WARPGROUPS, CHUNK_ROWS, FEATURES), dtype,
-                               transforms=parts.row_transforms(FEATURES, dtype)),
+                               transforms=common.row_transforms(FEATURES, dtype)),
             loaded=plgpu.Barrier(num_arrivals=2, num_barriers=COMPUTE_WARPGROUPS),
             collective_axes="wg",
         )
@@ -255,6 +252,6 @@ def input_and_gate_up_grads(
         body,
         out_type=(jax.ShapeDtypeStruct((num_rows, d_dim), dtype), grads, grads),
         grid=(programs,), grid_names=("sm",), num_threads=COMPUTE_WARPGROUPS + 1,
-        thread_name="wg", kernel_name="moe_gmm_dx_mosaic", compiler_params=parts.compiler_params(),
+        thread_name="wg", kernel_name="moe_gmm_dx_mosaic", compiler_params=common.compiler_params(),
     )
     return kernel(group_offsets, starts, d_gate, d_up, x_rows, w_gate, w_up)

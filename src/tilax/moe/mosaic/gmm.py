@@ -1,8 +1,8 @@
 """Grouped matmul kernels for the MoE experts: Pallas, Mosaic GPU backend (Hopper, sm90+).
 
 The second backend of the Pallas expert path (``pallas.py``): the kernel set of the
-``base.GmmKernels`` contract, as ``gmm_triton`` has it, with its own tiles (:class:`Config`,
-:func:`tiles_for`; tiles and building blocks live in ``gmm_mosaic_parts.py``). bfloat16 and
+``base.GmmKernels`` contract, as ``triton`` has it, with its own tiles (:class:`Config`,
+:func:`tiles_for`; tiles and building blocks live in ``mosaic/common.py``). bfloat16 and
 float16 operands only: float32 raises ``ValueError`` (float32 experts run on Triton, and
 ``api.resolve_impl`` rejects ``impl="mosaic"`` with ``dtype=float32``). Feature dimensions are
 multiples of 64 (``Config.feature_multiple``: the layer pads them).
@@ -16,8 +16,8 @@ tile is staged in SMEM and only its rows ``[lo, hi)`` are stored, by one TMA sto
 of ``hi - lo`` (a TMA store has no row mask), so every row is written by exactly one program.
 Rows a kernel reads through ``index`` are gathered in XLA first (Hopper's TMA copies tiles,
 not gathered rows; Blackwell's can gather), except in a forward's :func:`gmm_swiglu` with few
-column tiles, which gathers them with per-thread copies (``gmm_mosaic_gather``). A train step
-reads sorted copies of ``x`` and ``dy`` that :func:`copy_rows` makes (``gmm_mosaic_rows``:
+column tiles, which gathers them with per-thread copies (``mosaic.gmm_gather``). A train step
+reads sorted copies of ``x`` and ``dy`` that :func:`copy_rows` makes (``mosaic.gmm_rows``:
 each token read once, not once per copy as by a gather).
 
 Kernels (each wrapper launches one):
@@ -26,7 +26,7 @@ Kernels (each wrapper launches one):
 - :func:`gmm`: ``out[r] = scale[r] * (lhs[r] @ rhs[e(r)] (+ lhs2[r] @ rhs2[e(r)]))``, the
   weights optionally transposed (``wgmma`` reads the transposed SMEM tile); without a scale,
   for short contractions whose output columns split over two warpgroups, the
-  warp-specialised kernel of ``gmm_mosaic_ws``.
+  warp-specialised kernel of ``mosaic.gmm_ws``.
 - :func:`gmm_swiglu`: gate and up projections sharing the ``x`` tiles, SwiGLU (optionally
   scaled per row by the combine weights) in the epilogue.
 - :func:`gmm_swiglu_bwd`: the down projection's input gradient with the SwiGLU backward in the
@@ -36,16 +36,16 @@ Kernels (each wrapper launches one):
 - :func:`tgmm`: ``lhs[rows_e].T @ rhs[rows_e]`` (weight gradients); the first and last row
   chunk of each expert have the other rows zeroed in SMEM.
 - :func:`input_and_gate_up_grads`: the rows' ``dx`` and the gate/up weight gradients in one
-  pass over the gate and up gradients (``gmm_mosaic_dx``), where its shapes fit (the E64
+  pass over the gate and up gradients (``mosaic.gmm_dx``), where its shapes fit (the E64
   decoder's); elsewhere the path runs :func:`gmm` and :func:`tgmm`.
 
 The other kernels are not warp-specialised: two programs per SM overlap one's loads and
 epilogue with the other's MMAs (the SwiGLU kernels warp-specialised were no faster on the
 H200: see docs/performance/moe.md). The plain grouped matmul over a short contraction is
-(``gmm_mosaic_ws``): its epilogue (a whole output tile stored) is then most of its time, and
+(``mosaic.gmm_ws``): its epilogue (a whole output tile stored) is then most of its time, and
 one memory warpgroup fetching across items hides it better (on the H200 at the E64
 decoder's shapes, 0.41 against 0.60 ms). ``impl="auto"``
-picks this backend where ``tilax.moe.auto_rules`` holds a measured win.
+picks this backend where ``tilax.moe.rules`` holds a measured win.
 
 Mosaic GPU APIs relied on, read in jax 0.10.2 (installed here) and jax-ml/jax main at
 0.11.1.dev (2026-08), where they are unchanged except that 0.11 makes ``Warpgroup`` lowering
@@ -74,37 +74,36 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from tilax import _pallas
-from tilax.moe import gmm_mosaic_dx as joined_dx
-from tilax.moe import gmm_mosaic_gather as gather
-from tilax.moe import gmm_mosaic_parts as parts
-from tilax.moe import gmm_mosaic_ws as warp_specialised
-from tilax.moe.dispatch import GmmSchedule
-from tilax.moe.gmm_mosaic_parts import Config, default_config, plgpu, tiles_for
-from tilax.moe.gmm_mosaic_rows import copy_rows
+from tilax.moe import rules
+from tilax.moe.dispatch import GmmSchedule, RowLayout, take_rows
+from tilax.moe.mosaic import common, gmm_rows
+from tilax.moe.mosaic import gmm_dx as joined_dx
+from tilax.moe.mosaic import gmm_gather as gather
+from tilax.moe.mosaic import gmm_ws as warp_specialised
+from tilax.moe.mosaic.common import Config, default_config, plgpu, tiles_for
 
 __all__ = ["Config", "default_config", "tiles_for", "copy_rows", "gmm", "gmm_swiglu",
            "gmm_swiglu_bwd", "gmm_combine", "tgmm", "input_and_gate_up_grads"]
 
-# A train step's kernels read sorted copies of x and dy (copy_rows); only an inference
-# forward's SwiGLU kernel gathers rows itself.
-GATHERS_IN_TRAINING = False
+
+def gathers_in_training() -> bool:
+    """Whether a train step's kernels gather rows through the sort index (the ``train_rows``
+    rule of ``tilax.moe.rules``): by default they read sorted copies of ``x`` and ``dy``
+    (:func:`copy_rows`); only an inference forward's SwiGLU kernel gathers rows itself."""
+    return rules.variant("train_rows") == "gather"
 
 
-def _sigmoid(x):
-    """float32 ``sigmoid(x)`` as ``rsqrt(1 + exp(-x))**2`` (``1 + exp(-x)`` is positive): with
-    ``approx_math`` (``parts.compiler_params``) two MUFU instructions, ``ex2.approx`` and
-    ``rsqrt.approx`` (relative errors near 2**-22), where ``jax.nn.sigmoid`` lowers to a
-    precise ``exp`` and an IEEE division: the SwiGLU backward at the E8 layer's shapes took
-    1.44 ms instead of 1.57 on the H200."""
-    root = lax.rsqrt(1.0 + jnp.exp(-x))
-    return root * root
-
-
-def _swiglu_parts(gate, up):
-    """float32 ``sigmoid(gate)``, ``silu(gate)`` and ``silu(gate) * up``."""
-    sig = _sigmoid(gate)
-    silu = gate * sig
-    return sig, silu, silu * up
+def copy_rows(x: jax.Array, layout: RowLayout) -> jax.Array:
+    """``x[layout.row_token]``, ``[R_pad, d]``, for a layout in which every copy has a row: by
+    the row-copy kernel (``mosaic.gmm_rows``, each token read once) where the ``copy_rows``
+    rule of ``tilax.moe.rules`` takes it and its blocks fit, else by XLA's gather."""
+    if rules.variant("copy_rows") == "kernel":
+        block = gmm_rows.block_tokens(x.shape[0], x.shape[1], x.dtype.itemsize,
+                                      layout.copy_row.shape[1],
+                                      rules.limit("copy_rows", "min_block_tokens"))
+        if block is not None and gmm_rows.copies_fit(x, layout):
+            return gmm_rows.copy_rows(x, layout, block)
+    return take_rows(x, layout.row_token)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -125,7 +124,7 @@ def gmm(
     row_scale: jax.Array | None = None,
     out_dtype=None,
 ) -> jax.Array:
-    """Grouped matmul over the scheduled row tiles (``gmm_triton.gmm``'s contract).
+    """Grouped matmul over the scheduled row tiles (``triton.gmm``'s contract).
 
     Args:
         lhs: ``[R_pad, K]`` rows, or ``[T, K]`` tokens gathered through ``index``.
@@ -143,22 +142,23 @@ def gmm(
         ``[R_pad, N]``; rows of no item are left unwritten.
     """
     del backend
-    parts.check_dtypes(lhs, rhs, lhs2, rhs2)
-    lhs = parts.gathered(lhs, index)
+    common.check_dtypes(lhs, rhs, lhs2, rhs2)
+    lhs = common.gathered(lhs, index)
     num_rows, k_dim = lhs.shape
     n_dim = rhs.shape[1] if transpose_rhs else rhs.shape[2]
-    parts.check_features(k_dim, n_dim)
+    common.check_features(k_dim, n_dim)
     out_dtype = jnp.dtype(out_dtype or lhs.dtype)
-    block_m, block_n = tiles.block_m, parts.fit_block(tiles.block_n, n_dim)
+    block_m, block_n = tiles.block_m, common.fit_block(tiles.block_n, n_dim)
     pairs = [(lhs, rhs)] + ([(lhs2, rhs2)] if lhs2 is not None else [])
-    ws_shapes = None  # warp-specialised where it applies (not for scaled rows)
-    if row_scale is None:
+    ws_shapes = None  # warp-specialised where the gmm_ws rule takes it (not for scaled rows)
+    if (row_scale is None and rules.variant("gmm_ws") == "short_contractions"
+            and k_dim <= rules.limit("gmm_ws", "max_contraction")):
         ws_shapes = warp_specialised.layout(tiles, k_dim, n_dim, len(pairs), out_dtype)
     if ws_shapes is not None:
         return warp_specialised.gmm(pairs, schedule, tiles=tiles, shapes=ws_shapes,
                                     transpose_rhs=transpose_rhs, out_dtype=out_dtype)
-    block_k, stages = parts.fit_pipeline(
-        tiles, parts.fit_block(tiles.block_k, k_dim),
+    block_k, stages = common.fit_pipeline(
+        tiles, common.fit_block(tiles.block_k, k_dim),
         len(pairs) * (block_m + block_n) * lhs.dtype.itemsize, live_bytes=block_m * 4,
     )
     w_block = (block_n, block_k) if transpose_rhs else (block_k, block_n)
@@ -182,27 +182,27 @@ def gmm(
                     for a, w in zip(smems[::2], smems[1::2], strict=True):
                         plgpu.wgmma(acc, a, _pallas.transposed_ref(w) if transpose_rhs else w)
 
-                parts.pipeline(step, k_dim // block_k, operands, stages)
+                common.pipeline(step, k_dim // block_k, operands, stages)
 
             def compute(wait):
-                (acc,) = parts.accumulate(1, block_m, block_n, run)
+                (acc,) = common.accumulate(1, block_m, block_n, run)
                 if scaled:
                     (scale_smem,) = wait()
-                    acc = acc * parts.rows_to_tile(scale_smem[...], acc.shape)
+                    acc = acc * common.rows_to_tile(scale_smem[...], acc.shape)
 
                 def write(o_smem):
                     o_smem[...] = acc.astype(o_smem.dtype)
 
-                parts.stage_and_store([out_g], item, block_m, block_n, write)
+                common.stage_and_store([out_g], item, block_m, block_n, write)
 
-            sources = [parts.row_slice(scale_g, item, block_m)] if scaled else []
-            parts.with_fetched(sources, compute)
+            sources = [common.row_slice(scale_g, item, block_m)] if scaled else []
+            common.with_fetched(sources, compute)
 
-        parts.for_each_item(schedule_refs, n_dim // block_n, block_m, item_fn)
+        common.for_each_item(schedule_refs, n_dim // block_n, block_m, item_fn)
 
     args = [*schedule, *[a for pair in pairs for a in pair]] + ([row_scale] if scaled else [])
     out = jax.ShapeDtypeStruct((num_rows, n_dim), out_dtype)
-    return parts.launch(body, out, "moe_gmm_mosaic", tiles)(*args)
+    return common.launch(body, out, "moe_gmm_mosaic", tiles)(*args)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -222,35 +222,37 @@ def gmm_swiglu(
     save_preactivations: bool = False,
 ) -> tuple[jax.Array, ...]:
     """Gate and up projections sharing each ``x`` tile, SwiGLU in the epilogue
-    (``gmm_triton.gmm_swiglu``'s contract): ``(a,)`` or ``(a, gate, up)``, each ``[R_pad, h]``
+    (``triton.gmm_swiglu``'s contract): ``(a,)`` or ``(a, gate, up)``, each ``[R_pad, h]``
     in ``x.dtype``, ``a`` scaled by ``row_scale`` when given (its rows arrive by TMA while
     the contraction runs). Two accumulators: ``block_n`` is capped to keep both in
     registers. Rows read through ``index`` are gathered by the kernel itself where that pays
-    (``gmm_mosaic_gather``), by XLA first elsewhere."""
+    (``mosaic.gmm_gather``), by XLA first elsewhere."""
     del backend
-    parts.check_dtypes(x, w_gate, w_up)
+    common.check_dtypes(x, w_gate, w_up)
     d_dim, h_dim = x.shape[1], w_gate.shape[2]
-    parts.check_features(d_dim, h_dim)
+    common.check_features(d_dim, h_dim)
     block_m = tiles.block_m
     # A train step's forward (``save_preactivations``) reads a sorted copy: its backward reads
     # the same rows for the weight gradients (the Pallas path makes the copy once, with
     # ``copy_rows``; gathering in the kernel as well made the E64 decoder's train step 11.82 ms
     # against 11.26 on the H200, and gathering while writing the copy for the backward took
     # 8.0-8.3 ms against 7.8-8.0: docs/performance/moe.md).
-    gathering = index is not None and not save_preactivations and gather.gathering_tiles(
-        tiles, d_dim, h_dim, x.dtype)
+    gathering = (index is not None and not save_preactivations
+                 and rules.variant("gather_rows") == "few_column_tiles"
+                 and gather.gathering_tiles(tiles, d_dim, h_dim, x.dtype,
+                                            rules.limit("gather_rows", "max_column_tiles")))
     if gathering:
         rows_m, block_n, block_k, row_stages, stages = gathering
     else:
-        rows_m, block_n = block_m, parts.capped_block_n(tiles, h_dim, 2)
-        block_k, stages = parts.fit_pipeline(
-            tiles, parts.fit_block(tiles.block_k, d_dim),
+        rows_m, block_n = block_m, common.capped_block_n(tiles, h_dim, 2)
+        block_k, stages = common.fit_pipeline(
+            tiles, common.fit_block(tiles.block_k, d_dim),
             (block_m + 2 * block_n) * x.dtype.itemsize)
     # JAX's GPU interpreter cannot run the copies: there the sub-tiles read XLA's copy.
     copies_rows = bool(gathering) and not _pallas.interpreted()
     num_rows = index.shape[0] if index is not None else x.shape[0]
     if not copies_rows:
-        x, index = parts.gathered(x, index), None
+        x, index = common.gathered(x, index), None
 
     scaled = row_scale is not None
     inputs = [x, w_gate, w_up] + ([index] if copies_rows else []) + ([row_scale] if scaled else [])
@@ -279,26 +281,26 @@ def gmm_swiglu(
                 else:
                     tile = item.row_start // rows_m
                     x_tiles = (x_g, (rows_m, block_k), lambda k: (tile, k))
-                    parts.pipeline(step, d_dim // block_k, [x_tiles, *weights], stages)
+                    common.pipeline(step, d_dim // block_k, [x_tiles, *weights], stages)
 
             def compute(wait):
-                gate, up = parts.accumulate(2, rows_m, block_n, run)
+                gate, up = common.accumulate(2, rows_m, block_n, run)
                 (scale_smem,) = wait() if scaled else (None,)
 
                 def write(a_smem, *preactivation_smems):
-                    for rows, gate_h, up_h in parts.row_blocks(gate, up):
-                        act = _swiglu_parts(gate_h, up_h)[2]
+                    for rows, gate_h, up_h in common.row_blocks(gate, up):
+                        act = common.swiglu_parts(gate_h, up_h)[2]
                         if scaled:
-                            act = act * parts.rows_to_tile(scale_smem[rows], act.shape)
+                            act = act * common.rows_to_tile(scale_smem[rows], act.shape)
                         a_smem.at[rows][...] = act.astype(a_smem.dtype)
                         for smem, value in zip(preactivation_smems,
                                                (gate_h, up_h)[: len(outs) - 1], strict=True):
                             smem.at[rows][...] = value.astype(smem.dtype)
 
-                parts.stage_and_store(outs, item, rows_m, block_n, write)
+                common.stage_and_store(outs, item, rows_m, block_n, write)
 
-            sources = [parts.row_slice(scale_g, item, rows_m)] if scaled else []
-            parts.with_fetched(sources, compute)
+            sources = [common.row_slice(scale_g, item, rows_m)] if scaled else []
+            common.with_fetched(sources, compute)
 
         def item_fn(item, _):
             if rows_m == block_m:
@@ -307,14 +309,14 @@ def gmm_swiglu(
             for start in range(0, block_m, rows_m):  # the item's rows, a sub-tile at a time
                 lo = jnp.maximum(item.lo - start, 0)
                 hi = jnp.minimum(item.hi - start, rows_m)
-                sub_item = parts.Item(item.expert, item.row_start + start, lo, hi, item.n)
+                sub_item = common.Item(item.expert, item.row_start + start, lo, hi, item.n)
                 pl.when(lo < hi)(functools.partial(tile_fn, sub_item))
 
-        parts.for_each_item(schedule_refs, h_dim // block_n, block_m, item_fn)
+        common.for_each_item(schedule_refs, h_dim // block_n, block_m, item_fn)
 
     out = jax.ShapeDtypeStruct((num_rows, h_dim), x.dtype)
     outs = [out] * (3 if save_preactivations else 1)
-    kernel = parts.launch(body, outs, "moe_gmm_swiglu_mosaic", tiles)
+    kernel = common.launch(body, outs, "moe_gmm_swiglu_mosaic", tiles)
     return tuple(kernel(*schedule, *inputs))
 
 
@@ -335,7 +337,7 @@ def gmm_swiglu_bwd(
     index: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Backward of ``y_r = w_r * (silu(gate_r) * up_r) @ w_down[e]``
-    (``gmm_triton.gmm_swiglu_bwd``'s contract).
+    (``triton.gmm_swiglu_bwd``'s contract).
 
     The gate and up tiles and the row weights arrive by TMA while the contraction runs. The
     combine weights' gradient (``dz . a`` per row) is stored per work item and column tile,
@@ -347,21 +349,21 @@ def gmm_swiglu_bwd(
         as ``[1, R_pad]`` float32 partial sums.
     """
     del backend
-    parts.check_dtypes(dy, w_down, gate, up)
-    dy = parts.gathered(dy, index)
+    common.check_dtypes(dy, w_down, gate, up)
+    dy = common.gathered(dy, index)
     num_rows, h_dim = gate.shape
     d_dim = w_down.shape[2]
-    parts.check_features(d_dim, h_dim)
+    common.check_features(d_dim, h_dim)
     # dz, gate and up are live through the epilogue: budgeted as two tiles, since the
     # epilogue's values die as it goes and ptxas reuses their registers.
-    block_m, block_n = tiles.block_m, parts.capped_block_n(tiles, h_dim, 2)
+    block_m, block_n = tiles.block_m, common.capped_block_n(tiles, h_dim, 2)
     n_tiles, num_items = h_dim // block_n, schedule.expert.shape[0]
-    block_k, stages = parts.fit_pipeline(
-        tiles, parts.fit_block(tiles.block_k, d_dim), (block_m + block_n) * dy.dtype.itemsize,
+    block_k, stages = common.fit_pipeline(
+        tiles, common.fit_block(tiles.block_k, d_dim), (block_m + block_n) * dy.dtype.itemsize,
         live_bytes=2 * block_m * block_n * gate.dtype.itemsize + block_m * 4,
     )
     tile_smem = plgpu.SMEM((block_m, block_n), gate.dtype,
-                           transforms=parts.mma_transforms(block_n, gate.dtype))
+                           transforms=common.mma_transforms(block_n, gate.dtype))
 
     def body(*refs):
         schedule_refs, (dy_g, w_g, g_g, u_g, scale_g), outs = refs[:4], refs[4:9], refs[9:]
@@ -379,38 +381,38 @@ def gmm_swiglu_bwd(
                 def step(_, dy_smem, w_smem):
                     plgpu.wgmma(acc, dy_smem, _pallas.transposed_ref(w_smem))
 
-                parts.pipeline(step, d_dim // block_k, operands, stages)
+                common.pipeline(step, d_dim // block_k, operands, stages)
 
             def compute(wait):
-                (dz,) = parts.accumulate(1, block_m, block_n, run)
+                (dz,) = common.accumulate(1, block_m, block_n, run)
                 g_smem, u_smem, scale_smem = wait()
 
                 # Each output is written as soon as it exists: fewer float32 tiles live.
                 def write(dg_smem, du_smem):
                     row_sums = []
-                    for rows, dz_h in parts.row_blocks(dz):
-                        weight = parts.rows_to_tile(scale_smem[rows], dz_h.shape)
+                    for rows, dz_h in common.row_blocks(dz):
+                        weight = common.rows_to_tile(scale_smem[rows], dz_h.shape)
                         gate_t = g_smem.at[rows][...].astype(jnp.float32)
                         up_t = u_smem.at[rows][...].astype(jnp.float32)
-                        sig, silu, act = _swiglu_parts(gate_t, up_t)
+                        sig, silu, act = common.swiglu_parts(gate_t, up_t)
                         row_sums.append((rows, jnp.sum(dz_h * act, axis=1)))
                         d_act = dz_h * weight
                         du_smem.at[rows][...] = (d_act * silu).astype(du_smem.dtype)
                         d_gate = d_act * up_t * (sig * (1.0 + gate_t * (1.0 - sig)))
                         dg_smem.at[rows][...] = d_gate.astype(dg_smem.dtype)
-                    parts.store_vector(row_sums, block_m, dw_items_g.at[item.n, item_index])
+                    common.store_vector(row_sums, block_m, dw_items_g.at[item.n, item_index])
 
-                parts.stage_and_store([dg_g, du_g], item, block_m, block_n, write)
+                common.stage_and_store([dg_g, du_g], item, block_m, block_n, write)
 
             sources = [(g_g.at[tile_view], tile_smem), (u_g.at[tile_view], tile_smem),
-                       parts.row_slice(scale_g, item, block_m)]
-            parts.with_fetched(sources, compute)
+                       common.row_slice(scale_g, item, block_m)]
+            common.with_fetched(sources, compute)
 
-        parts.for_each_item(schedule_refs, n_tiles, block_m, item_fn)
+        common.for_each_item(schedule_refs, n_tiles, block_m, item_fn)
 
     rows = jax.ShapeDtypeStruct((num_rows, h_dim), gate.dtype)
     per_item = jax.ShapeDtypeStruct((n_tiles, num_items, block_m), jnp.float32)
-    d_gate, d_up, dw_items = parts.launch(
+    d_gate, d_up, dw_items = common.launch(
         body, [rows, rows, per_item], "moe_gmm_swiglu_bwd_mosaic", tiles
     )(*schedule, dy, w_down, gate, up, row_scale)
     return d_gate, d_up, _owned_rows(dw_items.sum(0), schedule, num_rows)[None]
@@ -441,7 +443,7 @@ def gmm_combine(
     tiles: Config,
     backend: str,
 ) -> jax.Array:
-    """Down projection and weighted combine (``gmm_triton.gmm_combine``'s contract):
+    """Down projection and weighted combine (``triton.gmm_combine``'s contract):
     ``[T, d]`` float32.
 
     The scaled rows come from :func:`gmm` (float32) and are added into their tokens by an XLA
@@ -478,7 +480,7 @@ def tgmm(
     rhs2: jax.Array | None = None,
     out_dtype=None,
 ) -> tuple[jax.Array, ...]:
-    """Per-expert ``lhs_rows.T @ rhs_rows`` (``gmm_triton.tgmm``'s contract).
+    """Per-expert ``lhs_rows.T @ rhs_rows`` (``triton.tgmm``'s contract).
 
     One work item per (expert, output tile): its pipeline runs over the row chunks holding the
     expert's rows; in the first and last chunk the rows of other experts, or of none (padding,
@@ -489,18 +491,18 @@ def tgmm(
         ``lhs.dtype``); experts without rows get zeros.
     """
     del backend
-    parts.check_dtypes(lhs, rhs, rhs2)
-    lhs, rhs, rhs2 = (parts.gathered(lhs, lhs_index), parts.gathered(rhs, rhs_index),
-                      parts.gathered(rhs2, rhs_index))
+    common.check_dtypes(lhs, rhs, rhs2)
+    lhs, rhs, rhs2 = (common.gathered(lhs, lhs_index), common.gathered(rhs, rhs_index),
+                      common.gathered(rhs2, rhs_index))
     num_rows, k_dim = lhs.shape
     n_dim = rhs.shape[1]
-    parts.check_features(k_dim, n_dim)
+    common.check_features(k_dim, n_dim)
     num_experts = group_offsets.shape[0] - 1
     out_dtype = jnp.dtype(out_dtype or lhs.dtype)
     rights = [rhs] + ([rhs2] if rhs2 is not None else [])
-    block_m = parts.fit_block(tiles.block_m, k_dim)
-    block_n = parts.capped_block_n(dataclasses.replace(tiles, block_m=block_m), n_dim, len(rights))
-    block_k, stages = parts.fit_pipeline(
+    block_m = common.fit_block(tiles.block_m, k_dim)
+    block_n = common.capped_block_n(dataclasses.replace(tiles, block_m=block_m), n_dim, len(rights))
+    block_k, stages = common.fit_pipeline(
         tiles, max(tiles.block_k, TGMM_MIN_ROWS),
         (block_m + len(rights) * block_n) * lhs.dtype.itemsize, min_block_k=TGMM_MIN_ROWS,
     )
@@ -536,9 +538,9 @@ def tgmm(
                     for acc, b_smem in zip(accs, b_smems, strict=True):
                         plgpu.wgmma(acc, _pallas.transposed_ref(a_smem), b_smem)
 
-                pl.when(hi > lo)(lambda: parts.pipeline(step, steps, operands, stages))
+                pl.when(hi > lo)(lambda: common.pipeline(step, steps, operands, stages))
 
-            values = parts.accumulate(len(rights), block_m, block_n, run)
+            values = common.accumulate(len(rights), block_m, block_n, run)
             out_tile = (expert, pl.ds(m * block_m, block_m), pl.ds(n * block_n, block_n))
 
             def store(*smems):
@@ -551,16 +553,16 @@ def tgmm(
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
             out_smem = plgpu.SMEM((block_m, block_n), out_dtype,
-                                  transforms=parts.mma_transforms(block_n, out_dtype))
+                                  transforms=common.mma_transforms(block_n, out_dtype))
             pl.run_scoped(store, *[out_smem] * len(rights))
 
     out = jax.ShapeDtypeStruct((num_experts, k_dim, n_dim), out_dtype)
-    kernel = parts.launch(body, [out] * len(rights), "moe_tgmm_mosaic", tiles)
+    kernel = common.launch(body, [out] * len(rights), "moe_tgmm_mosaic", tiles)
     return tuple(kernel(group_offsets, lhs, *rights))
 
 
 # ----------------------------------------------------------------------------------------------
-# input_and_gate_up_grads: dx rows and dw_gate, dw_up in one pass (gmm_mosaic_dx)
+# input_and_gate_up_grads: dx rows and dw_gate, dw_up in one pass (mosaic.gmm_dx)
 
 
 def input_and_gate_up_grads(
@@ -574,8 +576,9 @@ def input_and_gate_up_grads(
     tiles: Config,
     backend: str,
 ) -> tuple[jax.Array, jax.Array, jax.Array] | None:
-    """``(dx_rows, dw_gate, dw_up)`` by one kernel (``gmm_mosaic_dx``), or ``None`` where it
-    does not apply (the path then runs :func:`gmm` and :func:`tgmm`): ``d_model`` not a
+    """``(dx_rows, dw_gate, dw_up)`` by one kernel (``mosaic.gmm_dx``), or ``None`` where it
+    does not apply (the path then runs :func:`gmm` and :func:`tgmm`): the ``joined_dx`` rule
+    of ``tilax.moe.rules`` off (its pick: not yet measured on a GPU), ``d_model`` not a
     multiple of 128, ``d_hidden`` not 64 or 128, too many (expert, 128 features) items per
     SM, or operands of different dtypes. ``x_rows`` is the sorted copy of ``x``; every row
     of ``d_gate`` and ``d_up`` must hold finite values (the schedule covers the padding
@@ -586,11 +589,15 @@ def input_and_gate_up_grads(
         and up gradients, in the operands' dtype.
     """
     del tiles, backend
-    parts.check_dtypes(x_rows, d_gate, d_up, w_gate, w_up)
+    option = rules.variant("joined_dx")
+    if option == "off":
+        return None
+    common.check_dtypes(x_rows, d_gate, d_up, w_gate, w_up)
     dtypes = {jnp.dtype(a.dtype) for a in (x_rows, d_gate, d_up, w_gate, w_up)}
     num_experts, d_dim, h_dim = w_gate.shape
     stages = joined_dx.layout(d_dim, h_dim, num_experts, x_rows.dtype)
     if len(dtypes) > 1 or stages is None:
         return None
     return joined_dx.input_and_gate_up_grads(x_rows, d_gate, d_up, w_gate, w_up,
-                                             group_offsets, stages=stages)
+                                             group_offsets, stages=stages,
+                                             overlap=option == "overlap")

@@ -22,52 +22,54 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from tilax.moe import gmm_mosaic_parts as parts
-from tilax.moe.dispatch import RowLayout, take_rows
-from tilax.moe.gmm_mosaic_parts import plgpu
+from tilax import _pallas
+from tilax.moe.dispatch import RowLayout
+from tilax.moe.mosaic import common
+from tilax.moe.mosaic.common import plgpu
 
 # Tokens per block: 32 rows of 512 16-bit values are 32 KiB a slot.
 BLOCK_TOKENS = 32
-# Smaller blocks (token counts with few factors of two) copy too little per step: XLA's
-# gather is used instead.
-MIN_BLOCK_TOKENS = 8
 SLOTS = 2
 # Programs per SM: two programs' slots overlap one's waits with the other's copies.
 PROGRAMS_PER_SM = 2
 
 
-def block_tokens(num_tokens: int, width: int, itemsize: int, top_k: int) -> int | None:
+def block_tokens(num_tokens: int, width: int, itemsize: int, top_k: int,
+                 min_block_tokens: int) -> int | None:
     """Tokens per block: the largest power of two up to ``BLOCK_TOKENS`` dividing
     ``num_tokens`` whose slots (rows and their copies' row numbers) fit the shared memory
-    of ``PROGRAMS_PER_SM`` programs; ``None`` below ``MIN_BLOCK_TOKENS`` or with no tokens."""
+    of ``PROGRAMS_PER_SM`` programs; ``None`` below ``min_block_tokens`` (smaller blocks copy
+    too little per step: the ``copy_rows`` rule of ``tilax.moe.rules``) or with no tokens."""
     if num_tokens == 0:
         return None
     block = BLOCK_TOKENS
-    while block >= MIN_BLOCK_TOKENS:
+    while block >= min_block_tokens:
         slots = SLOTS * block * (width * itemsize + top_k * 4)
-        fits = PROGRAMS_PER_SM * (slots + parts.SMEM_SLACK) <= parts.SMEM_PER_SM
+        fits = PROGRAMS_PER_SM * (slots + common.SMEM_SLACK) <= _pallas.shared_memory_per_sm()
         if num_tokens % block == 0 and fits:
             return block
         block //= 2
     return None
 
 
-def copy_rows(x: jax.Array, layout: RowLayout) -> jax.Array:
+def copies_fit(x: jax.Array, layout: RowLayout) -> bool:
+    """Whether the kernel can copy these rows: whole 16-byte chunks a row (each bulk copy
+    moves whole chunks) and a row for every copy."""
+    return (x.shape[1] * x.dtype.itemsize) % 16 == 0 and (
+        layout.row_token.shape[0] >= layout.copy_row.size)
+
+
+def copy_rows(x: jax.Array, layout: RowLayout, block: int) -> jax.Array:
     """``x[layout.row_token]``, ``[R_pad, d]``, for a layout in which every copy has a row
-    (``sort_by_expert`` without ``capacity``, or with one that keeps a row for every copy):
-    rows past the copies (padding) hold ``x[0]``, as the gather gives them. XLA gathers
-    instead where the tokens have no block of ``MIN_BLOCK_TOKENS`` (``block_tokens``), rows
-    are not whole 16-byte chunks, or copies have no row."""
+    (``sort_by_expert`` without ``capacity``, or with one that keeps a row for every copy;
+    :func:`copies_fit`), ``block`` tokens at a time (:func:`block_tokens`): rows past the
+    copies (padding) hold ``x[0]``, as the gather gives them."""
     num_tokens, width = x.shape
     num_rows = layout.row_token.shape[0]
     copy_row = layout.copy_row
     num_copies, top_k = copy_row.size, copy_row.shape[1]
-    block = block_tokens(num_tokens, width, x.dtype.itemsize, top_k)
-    # Byte offsets of 16-byte multiples: each bulk copy moves whole 16-byte chunks.
-    if block is None or (width * x.dtype.itemsize) % 16 or num_rows < num_copies:
-        return take_rows(x, layout.row_token)
     num_blocks = num_tokens // block
-    num_programs = min(PROGRAMS_PER_SM * parts.sm_count(), num_blocks)
+    num_programs = min(PROGRAMS_PER_SM * common.sm_count(), num_blocks)
     num_padding = num_rows - num_copies
 
     def body(x_g, dest_g, rows_g, x_smem, dest_smem, loaded):
@@ -126,6 +128,6 @@ def copy_rows(x: jax.Array, layout: RowLayout) -> jax.Array:
             plgpu.Barrier(num_arrivals=2, num_barriers=SLOTS),
         ],
         kernel_name="moe_copy_rows_mosaic",
-        compiler_params=parts.compiler_params(),
+        compiler_params=common.compiler_params(),
     )
     return kernel(x, copy_row.reshape(-1).astype(jnp.int32))

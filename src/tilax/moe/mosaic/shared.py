@@ -15,7 +15,7 @@ epilogues:
   gradients leave side by side as one ``[T, 2S]`` array, so that the input gradient and the
   two weight gradients are one XLA product each against the weights side by side.
 
-Both are warp-specialised as ``gmm_mosaic_ws``: one program per SM, a memory warpgroup
+Both are warp-specialised as ``mosaic.gmm_ws``: one program per SM, a memory warpgroup
 streaming every (item, contraction step) of the program's items through one ring of SMEM
 slots, and two compute warpgroups, each owning 64 of an item's 128 rows (``wgmma``'s rows per
 warpgroup) and all of its columns. An item is a 128-row tile by ``BLOCK_N`` columns of ``S``;
@@ -30,12 +30,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from tilax import _pallas
-from tilax.moe import gmm_mosaic_parts as parts
-from tilax.moe.gmm_mosaic import _swiglu_parts
-from tilax.moe.gmm_mosaic_parts import plgpu
+from tilax.moe.mosaic import common
+from tilax.moe.mosaic.common import plgpu
 
 COMPUTE_WARPGROUPS = 2
-WG_ROWS = parts.WGMMA_ROWS
+WG_ROWS = common.WGMMA_ROWS
 BLOCK_M = COMPUTE_WARPGROUPS * WG_ROWS
 BLOCK_N = 128
 BLOCK_K = 64
@@ -57,7 +56,7 @@ def applies(x: jax.Array, shared: dict) -> bool:
 
 
 def _stages(stage_bytes: int, live_bytes: int) -> int:
-    budget = parts.SMEM_PER_BLOCK - parts.SMEM_SLACK - live_bytes
+    budget = common.whole_block_smem() - live_bytes
     stages = min(MAX_STAGES, budget // stage_bytes)
     if stages < 2:
         raise ValueError(f"no room for two pipeline stages of {stage_bytes} bytes")
@@ -66,16 +65,16 @@ def _stages(stage_bytes: int, live_bytes: int) -> int:
 
 def _warp_specialised(body, out_type, name: str):
     return plgpu.kernel(
-        body, out_type=out_type, grid=(parts.sm_count(),), grid_names=("sm",),
+        body, out_type=out_type, grid=(common.sm_count(),), grid_names=("sm",),
         num_threads=COMPUTE_WARPGROUPS + 1, thread_name="wg", kernel_name=name,
-        compiler_params=parts.compiler_params(),
+        compiler_params=common.compiler_params(),
     )
 
 
 def _coordinates(total: int, n_tiles: int, k_steps: int):
     """``(items of this program, coords)``: ``coords(step)`` is the (row tile, column tile,
     contraction step) of a pipeline step of this program."""
-    program, programs = lax.axis_index("sm"), parts.sm_count()
+    program, programs = lax.axis_index("sm"), common.sm_count()
     my_items = (total - program + programs - 1) // programs
 
     def coords(step):
@@ -129,11 +128,11 @@ def swiglu_forward(x: jax.Array, w_gate: jax.Array, w_up: jax.Array):
 
         specs = [
             plgpu.BlockSpec((BLOCK_M, BLOCK_K), x_block,
-                            transforms=parts.mma_transforms(BLOCK_K, dtype)),
+                            transforms=common.mma_transforms(BLOCK_K, dtype)),
             plgpu.BlockSpec((BLOCK_K, BLOCK_N), w_block,
-                            transforms=parts.mma_transforms(BLOCK_N, dtype)),
+                            transforms=common.mma_transforms(BLOCK_N, dtype)),
             plgpu.BlockSpec((BLOCK_K, BLOCK_N), w_block,
-                            transforms=parts.mma_transforms(BLOCK_N, dtype)),
+                            transforms=common.mma_transforms(BLOCK_N, dtype)),
         ]
 
         def pipeline(step_fn, context):
@@ -166,7 +165,7 @@ def swiglu_forward(x: jax.Array, w_gate: jax.Array, w_up: jax.Array):
                     slot = 0
                     for col in range(0, BLOCK_N, EPI_N):
                         gate_c, up_c = gate[:, col:col + EPI_N], up[:, col:col + EPI_N]
-                        act_c = _swiglu_parts(gate_c, up_c)[2]
+                        act_c = common.swiglu_parts(gate_c, up_c)[2]
                         for out_g, value in ((gate_g, gate_c), (up_g, up_c), (act_g, act_c)):
                             # The store two back read this slot.
                             plgpu.wait_smem_to_gmem(1, wait_read_only=True)
@@ -190,7 +189,7 @@ def swiglu_forward(x: jax.Array, w_gate: jax.Array, w_up: jax.Array):
 
         _run(pipeline, (x_g, wg_g, wu_g), scope,
              staging=plgpu.SMEM(staging_shape, dtype,
-                                transforms=parts.mma_transforms(EPI_N, dtype)))
+                                transforms=common.mma_transforms(EPI_N, dtype)))
 
     out = jax.ShapeDtypeStruct((num_rows, s_dim), dtype)
     kernel = _warp_specialised(body, [out, out, out], "shared_swiglu_fwd_mosaic")
@@ -222,9 +221,9 @@ def swiglu_backward(dy: jax.Array, w_down: jax.Array, gate: jax.Array, up: jax.A
 
         specs = [
             plgpu.BlockSpec((BLOCK_M, BLOCK_K), dy_block,
-                            transforms=parts.mma_transforms(BLOCK_K, dtype)),
+                            transforms=common.mma_transforms(BLOCK_K, dtype)),
             plgpu.BlockSpec((BLOCK_N, BLOCK_K), w_block,
-                            transforms=parts.mma_transforms(BLOCK_K, dtype)),
+                            transforms=common.mma_transforms(BLOCK_K, dtype)),
         ]
 
         def pipeline(step_fn, context):
@@ -268,7 +267,7 @@ def swiglu_backward(dy: jax.Array, w_down: jax.Array, gate: jax.Array, up: jax.A
                         dz_c = dz[:, c:c + EPI_N]
                         gate_c = gate_smem.at[:, cols][...].astype(jnp.float32)
                         up_c = up_smem.at[:, cols][...].astype(jnp.float32)
-                        sig, silu, _ = _swiglu_parts(gate_c, up_c)
+                        sig, silu, _ = common.swiglu_parts(gate_c, up_c)
                         # Each thread rewrites the elements it read: the tiles become the
                         # gradients in place.
                         up_smem.at[:, cols][...] = (dz_c * silu).astype(dtype)
@@ -289,7 +288,7 @@ def swiglu_backward(dy: jax.Array, w_down: jax.Array, gate: jax.Array, up: jax.A
             pipeline(step_fn, context)(dy_g, w_g, allocations=allocations)
 
         _run(pipeline, (dy_g, w_g), scope,
-             tiles=plgpu.SMEM(tiles_shape, dtype, transforms=parts.mma_transforms(BLOCK_N, dtype)),
+             tiles=plgpu.SMEM(tiles_shape, dtype, transforms=common.mma_transforms(BLOCK_N, dtype)),
              landed=plgpu.Barrier(num_arrivals=2, num_barriers=COMPUTE_WARPGROUPS))
 
     out = jax.ShapeDtypeStruct((num_rows, 2 * s_dim), dtype)
