@@ -78,6 +78,9 @@ class MoECase:
     piece: str | None = None
     block_m: int | None = None
     recompute: bool = False  # MoEConfig.recompute, the memory-saving option
+    # options of tilax.moe.rules' variant rules, ``(rule, option)`` pairs taken with
+    # ``rules.choose`` while the row's function is traced (the ``variants`` suite)
+    variants: tuple[tuple[str, Any], ...] = ()
     numerics: bool = True
     priority: int = 50
     seed: int = 0
@@ -103,6 +106,7 @@ class MoECase:
             parts.append(f"bm{self.block_m}")
         if self.recompute:
             parts.append("recompute")
+        parts += [f"{rule}={option}" for rule, option in self.variants]
         parts.append(self.op)
         return "-".join(parts)
 
@@ -130,6 +134,8 @@ class MoECase:
             info["block_m"] = self.block_m
         if self.recompute:
             info["recompute"] = True
+        if self.variants:
+            info["variant"] = ",".join(f"{rule}={option}" for rule, option in self.variants)
         return info
 
     def scale_key(self) -> tuple:
@@ -177,6 +183,8 @@ class MoECase:
 
     @classmethod
     def from_spec(cls, spec: dict) -> MoECase:
+        spec = dict(spec)
+        spec["variants"] = tuple(tuple(pair) for pair in spec.get("variants", ()))
         return cls(**spec)
 
 
@@ -542,6 +550,12 @@ def build_layer(case: MoECase, state):
         # y rides along as an output (it is computed anyway) so numerics need no extra forward
         fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
         args = (inputs.params, inputs.x, inputs.dy)
+    if case.variants:
+        from tilax.moe import rules
+
+        # the variant rules are read while tracing: compile here, inside the choice
+        with rules.choose(**dict(case.variants)):
+            fn = fn.lower(*args).compile()
     return JaxWorkload(fn, args, numerics)
 
 
@@ -640,11 +654,45 @@ def build_experts_piece(case, config, tiles, layout, rows, params, key) -> JaxWo
 # ----------------------------------------------------------------------------- registry
 
 
+# The variant rules' A/B (tilax.moe.rules: each row's pick against its other options, one
+# process): the E64 decoder's bf16 train step, where every Mosaic GPU variant applies, and the
+# E8 layer's for the rules that reach it.
+VARIANT_OPTIONS = (
+    (), (("joined_dx", "on"),), (("joined_dx", "overlap"),), (("shared", "xla"),),
+    (("router", "xla"),), (("train_rows", "gather"),), (("programs_per_sm", 1),),
+    (("copy_rows", "xla"),), (("gmm_ws", "off"),),
+)
+LAYER_VARIANT_OPTIONS = ((), (("programs_per_sm", 1),), (("router", "xla"),))
+
+
+def variants_cases(mode: str) -> list[MoECase]:
+    mosaic_fused = ("mosaic", "fused", "dropless")
+    if mode == "smoke":  # the suite's code path: a variant row compiles inside its choice
+        shape, tokens, options, layer_options = SMOKE_DECODER, [64], VARIANT_OPTIONS[:2], ()
+        mosaic_fused = P_FUSED
+    elif mode == "quick":
+        shape, tokens, options, layer_options = SEED_DECODER, [16384], VARIANT_OPTIONS, ()
+    else:
+        shape, tokens, options = SEED_DECODER, [131072], VARIANT_OPTIONS
+        layer_options = LAYER_VARIANT_OPTIONS
+    cases = []
+    for variants in options:
+        for case in _layer_cases("variants", (mosaic_fused,), tokens, ["bfloat16"],
+                                 ["train_step"], shape, 15):
+            cases.append(dataclasses.replace(case, variants=variants, numerics=False))
+    for variants in layer_options:
+        for case in _layer_cases("variants", (mosaic_fused,), tokens, ["bfloat16"],
+                                 ["train_step"], SEED_LAYER, 16):
+            cases.append(dataclasses.replace(case, variants=variants, numerics=False))
+    return cases
+
+
 def suite_cases(suite: str, mode: str) -> list[MoECase]:
     return {
         "layer": layer_cases,
         "decoder": decoder_cases,
         "pieces": pieces_cases,
         "blockm": blockm_cases,
+        "variants": variants_cases,
     }[suite](mode)
 

@@ -26,7 +26,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-MOE_SUITES = {"layer", "decoder", "pieces", "blockm", "maxtok", "maxtok_summary", "ep"}
+MOE_SUITES = {"layer", "decoder", "pieces", "blockm", "maxtok", "maxtok_summary", "ep",
+              "variants"}
 RBF_SUITES = {
     "kernel_mv", "kde_density", "kernel_mv_tiles", "kernel_mv_launches", "kernel_mv_crossover",
     "kernel_mv_peak", "kernel_mv_max_n", "guide_gp",

@@ -176,7 +176,7 @@ from bench_naming import short_commit  # noqa: E402
 from bench_provenance import provenance  # noqa: E402
 from bench_rows import append_row, check_extra_info, write_header  # noqa: E402
 
-MOE_SUITES = ("layer", "decoder", "pieces", "blockm", "maxtok")
+MOE_SUITES = ("layer", "decoder", "pieces", "blockm", "maxtok", "variants")
 RBF_SUITES = ("kernel_mv", "kde_density", "kernel_mv_tiles", "kernel_mv_launches",
               "kernel_mv_peak", "kernel_mv_max_n")
 # Multi-device suites: asked for by name only (their rows need every local GPU; a one-GPU
@@ -209,7 +209,7 @@ MODE_SETTINGS = {
 # Each suite's share of the budget, in proportion to its estimated full-run minutes (the table
 # in the module docstring); a share is reserved for its suite until the suite's last row ran.
 SUITE_WEIGHTS = {
-    "maxtok": 3.0, "layer": 10.0, "decoder": 6.0, "pieces": 0.5, "blockm": 0.5,
+    "maxtok": 3.0, "layer": 10.0, "decoder": 6.0, "pieces": 0.5, "blockm": 0.5, "variants": 3.0,
     "kernel_mv_max_n": 1.5, "kernel_mv_peak": 1.5, "kernel_mv": 4.0, "kde_density": 0.7,
     "kernel_mv_tiles": 0.5, "kernel_mv_launches": 5.0, "ep": 3.0,
 }

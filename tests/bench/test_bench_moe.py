@@ -30,3 +30,8 @@ def test_pieces(bench, case):
 @pytest.mark.bench_suite("blockm")
 def test_blockm(bench, case):
     bench.run(case)
+
+
+@pytest.mark.bench_suite("variants")
+def test_variants(bench, case):
+    bench.run(case)
