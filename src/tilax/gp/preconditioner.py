@@ -1,0 +1,90 @@
+"""Matrix-free pivoted-Cholesky preconditioner ``P = L L^T + noise * I`` (plain JAX).
+
+The rank-``k`` factor ``L: [n, k]`` comes from a pivoted Cholesky factorisation that reads the
+kernel matrix only through its diagonal and ``k`` of its columns (one kernel sum with a single
+key each: ``O(n k)`` kernel values, ``O(n k^2)`` work), as in Gardner et al., "GPyTorch:
+Blackbox Matrix-Matrix Gaussian Process Inference" (2018). ``P`` is applied, inverted
+(Woodbury identity) and sampled from (``z = L e + sqrt(noise) e'``, so that ``z ~ N(0, P)``) in
+``O(n k)``; its log-determinant is exact (the matrix determinant lemma).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+def pivoted_cholesky(
+    diagonal: jax.Array, column: Callable[[jax.Array], jax.Array], rank: int
+) -> jax.Array:
+    """Rank-``rank`` pivoted Cholesky factor ``L: [n, rank]`` with ``L L^T ~ A``.
+
+    Args:
+      diagonal: ``[n]``, the diagonal of the symmetric positive semi-definite ``A``.
+      column: ``column(i) -> [n]``, column ``i`` of ``A`` (``i`` a traced int32 scalar).
+      rank: number of columns of ``L`` (static). Each step takes the largest remaining diagonal
+        entry of ``A - L L^T`` as its pivot; once that entry is at rounding level (below
+        ``100 eps max(diagonal)``) the remaining columns are zero, so ``rank = n`` factors a
+        positive-definite ``A`` exactly and a singular one without NaNs.
+
+    Returns:
+      ``L`` with the dtype of ``diagonal``; ``A - L L^T`` is positive semi-definite and its
+      trace (the sum of the remaining diagonal) decreases with the rank.
+    """
+    n = diagonal.shape[0]
+    floor = 100 * jnp.finfo(diagonal.dtype).eps * jnp.max(diagonal, initial=0.0)
+
+    def step(m, state):
+        factor, remaining = state
+        pivot = jnp.argmax(remaining)
+        pivot_value = remaining[pivot]
+        usable = pivot_value > floor
+        # Columns m.. of the factor are still zero, so the full product is the partial one.
+        residual_column = column(pivot) - factor @ factor[pivot]
+        new = jnp.where(usable, residual_column / jnp.sqrt(jnp.where(usable, pivot_value, 1)), 0)
+        new = new.at[pivot].set(jnp.where(usable, jnp.sqrt(pivot_value), 0))
+        factor = factor.at[:, m].set(new)
+        remaining = jnp.maximum(remaining - new**2, 0).at[pivot].set(0)
+        return factor, remaining
+
+    factor = jnp.zeros((n, rank), diagonal.dtype)
+    factor, _ = jax.lax.fori_loop(0, rank, step, (factor, diagonal))
+    return factor
+
+
+class Preconditioner(NamedTuple):
+    """``P = factor @ factor.T + noise * I`` with the Cholesky factor of its ``k x k`` core."""
+
+    factor: jax.Array  # L: [n, k]
+    noise: jax.Array  # scalar
+    core_cholesky: jax.Array  # lower Cholesky factor of noise * I_k + L^T L: [k, k]
+
+    @classmethod
+    def build(cls, factor: jax.Array, noise: jax.Array) -> Preconditioner:
+        rank = factor.shape[1]
+        core = noise * jnp.eye(rank, dtype=factor.dtype) + factor.T @ factor
+        return cls(factor, noise, jnp.linalg.cholesky(core))
+
+    def solve(self, v: jax.Array) -> jax.Array:
+        """``P^{-1} v`` for ``v: [n, c]`` (Woodbury)."""
+        if self.factor.shape[1] == 0:
+            return v / self.noise
+        inner = jax.scipy.linalg.cho_solve((self.core_cholesky, True), self.factor.T @ v)
+        return (v - self.factor @ inner) / self.noise
+
+    def logdet(self) -> jax.Array:
+        """``log det P``: ``(n - k) log(noise) + log det(noise * I_k + L^T L)``."""
+        n, rank = self.factor.shape
+        core = 2 * jnp.sum(jnp.log(jnp.diagonal(self.core_cholesky)))
+        return (n - rank) * jnp.log(self.noise) + core
+
+    def sample(self, key: jax.Array, count: int) -> jax.Array:
+        """``count`` independent ``N(0, P)`` vectors as the columns of ``[n, count]``."""
+        n, rank = self.factor.shape
+        low_key, full_key = jax.random.split(key)
+        low = jax.random.normal(low_key, (rank, count), self.factor.dtype)
+        full = jax.random.normal(full_key, (n, count), self.factor.dtype)
+        return self.factor @ low + jnp.sqrt(self.noise) * full
