@@ -67,8 +67,9 @@ def preconditioned_cg(
         gamma_next = jnp.sum(r * z, axis=0)
         beta = _divide(gamma_next, gamma, active)
         p = jnp.where(active, z + beta * p, p)
-        alphas = alphas.at[i].set(alpha, mode="drop")
-        betas = betas.at[i].set(beta, mode="drop")
+        if lanczos_iters:  # (an update of the empty arrays would not trace)
+            alphas = alphas.at[i].set(alpha, mode="drop")
+            betas = betas.at[i].set(beta, mode="drop")
         active = active & (jnp.linalg.norm(r, axis=0) > tol * b_norm)
         gamma = jnp.where(active, gamma_next, gamma)
         return i + 1, x, r, p, gamma, active, alphas, betas

@@ -17,9 +17,15 @@ import jax
 import jax.numpy as jnp
 
 
+class PivotedCholesky(NamedTuple):
+    factor: jax.Array  # L: [n, rank]
+    pivots: jax.Array  # int32 [rank]: the row of A each column of L pivots on
+    used: jax.Array  # bool [rank]: False where the step found no pivot left (its column is 0)
+
+
 def pivoted_cholesky(
     diagonal: jax.Array, column: Callable[[jax.Array], jax.Array], rank: int
-) -> jax.Array:
+) -> PivotedCholesky:
     """Rank-``rank`` pivoted Cholesky factor ``L: [n, rank]`` with ``L L^T ~ A``.
 
     Args:
@@ -31,14 +37,16 @@ def pivoted_cholesky(
         positive-definite ``A`` exactly and a singular one without NaNs.
 
     Returns:
-      ``L`` with the dtype of ``diagonal``; ``A - L L^T`` is positive semi-definite and its
-      trace (the sum of the remaining diagonal) decreases with the rank.
+      ``L`` (the dtype of ``diagonal``), its pivots and which steps found one. ``A - L L^T`` is
+      positive semi-definite and its trace (the sum of the remaining diagonal) decreases with
+      the rank. ``L L^T`` is the Nystrom approximation ``A[:, S] A[S, S]^-1 A[S, :]`` on the
+      used pivots ``S`` (``nystrom_factor`` recomputes ``L`` from those columns).
     """
     n = diagonal.shape[0]
     floor = 100 * jnp.finfo(diagonal.dtype).eps * jnp.max(diagonal, initial=0.0)
 
     def step(m, state):
-        factor, remaining = state
+        factor, remaining, pivots, used = state
         pivot = jnp.argmax(remaining)
         pivot_value = remaining[pivot]
         usable = pivot_value > floor
@@ -48,11 +56,28 @@ def pivoted_cholesky(
         new = new.at[pivot].set(jnp.where(usable, jnp.sqrt(pivot_value), 0))
         factor = factor.at[:, m].set(new)
         remaining = jnp.maximum(remaining - new**2, 0).at[pivot].set(0)
-        return factor, remaining
+        return factor, remaining, pivots.at[m].set(pivot.astype(jnp.int32)), used.at[m].set(usable)
 
-    factor = jnp.zeros((n, rank), diagonal.dtype)
-    factor, _ = jax.lax.fori_loop(0, rank, step, (factor, diagonal))
-    return factor
+    state = (jnp.zeros((n, rank), diagonal.dtype), diagonal, jnp.zeros((rank,), jnp.int32),
+             jnp.zeros((rank,), bool))
+    if rank == 0:  # the loop would still trace its step, which indexes the empty factor
+        return PivotedCholesky(*state[0:1], *state[2:])
+    factor, _, pivots, used = jax.lax.fori_loop(0, rank, step, state)
+    return PivotedCholesky(factor, pivots, used)
+
+
+def nystrom_factor(columns: jax.Array, pivot_block: jax.Array, used: jax.Array) -> jax.Array:
+    """The pivoted Cholesky factor from its pivot columns: ``L = A[:, S] chol(A[S, S])^-T``.
+
+    ``columns = A[:, S]`` (``[n, rank]``) and ``pivot_block = A[S, S]`` in pivot order; unused
+    steps (``used`` False) give zero columns. Equal to ``pivoted_cholesky``'s factor up to
+    rounding, and differentiable in ``A``'s entries with the pivots held fixed.
+    """
+    both_used = used[:, None] & used[None, :]
+    pivot_block = jnp.where(both_used, pivot_block, jnp.eye(used.shape[0], dtype=columns.dtype))
+    columns = jnp.where(used[None, :], columns, 0)
+    block_cholesky = jnp.linalg.cholesky(pivot_block)
+    return jax.scipy.linalg.solve_triangular(block_cholesky, columns.T, lower=True).T
 
 
 class Preconditioner(NamedTuple):
