@@ -59,13 +59,13 @@ def test_jit_matches_eager_and_reports_cg():
     params = as_params(0.3, 1.0, 0.01)
     value_ref, _, _, _ = dense_mll(params, x, y)
     kwargs = dict(key=jax.random.key(3), impl="xla", num_probes=4, tol=1e-2,
-                  preconditioner_rank=5)
+                  preconditioner_rank=20)
     eager, info = tilax.gp.mll(params, x, y, return_info=True, **kwargs)
     jitted = jax.jit(lambda p: tilax.gp.mll(p, x, y, **kwargs))(params)
     # Eager and jitted rounding differ, and so may the step where CG stops (within tol).
     np.testing.assert_allclose(float(jitted), float(eager), rtol=1e-3)
     assert 0 < int(info["cg_iterations"]) < 1000 and float(info["relative_residual"]) <= 1e-2
-    assert abs(float(eager) - value_ref) <= 0.05 * abs(value_ref)
+    assert abs(float(eager) - value_ref) <= 1e-2 * abs(value_ref)
 
 
 def test_ard_lengthscale_and_gradients_in_x_and_y():
