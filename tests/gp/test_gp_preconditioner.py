@@ -6,6 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from gp_oracle import _kernel, gp_data
 
 from tilax.gp import cg, lanczos, preconditioner
@@ -55,14 +56,27 @@ def test_nystrom_factor_equals_the_pivoted_factor():
     np.testing.assert_allclose(rebuilt, pivoted.factor, atol=1e-4)
 
 
-def test_preconditioner_solve_logdet_and_samples():
+@pytest.mark.parametrize("scale, noise", [(1.0, 0.3), (30.0, 1e-4)])
+def test_preconditioner_solve_logdet_and_trace(scale, noise):
+    # (30, 1e-4): eigenvalues of L L^T up to ~3e4 over a noise of 1e-4, where the Woodbury
+    # form's k x k system (condition ~3e8) is beyond float32.
+    factor = scale * np.random.default_rng(1).normal(size=(30, 4))
+    precond = preconditioner.Preconditioner.build(jnp.asarray(factor, jnp.float32),
+                                                  jnp.float32(noise))
+    dense = factor @ factor.T + noise * np.eye(30)
+    v = np.random.default_rng(2).normal(size=(30, 3))
+    expected = np.linalg.solve(dense, v)
+    solved = np.asarray(precond.solve(jnp.asarray(v, jnp.float32)), np.float64)
+    assert np.linalg.norm(solved - expected) <= 1e-4 * np.linalg.norm(expected)
+    np.testing.assert_allclose(precond.logdet(), np.linalg.slogdet(dense)[1], rtol=1e-5)
+    np.testing.assert_allclose(precond.trace_inverse(), np.trace(np.linalg.inv(dense)),
+                               rtol=1e-5)
+
+
+def test_preconditioner_samples_have_its_covariance():
     factor = jnp.asarray(np.random.default_rng(1).normal(size=(30, 4)), jnp.float32)
     precond = preconditioner.Preconditioner.build(factor, jnp.float32(0.3))
     dense = np.asarray(factor, np.float64) @ np.asarray(factor, np.float64).T + 0.3 * np.eye(30)
-    v = np.random.default_rng(2).normal(size=(30, 3)).astype(np.float32)
-    np.testing.assert_allclose(precond.solve(jnp.asarray(v)), np.linalg.solve(dense, v),
-                               rtol=1e-4, atol=1e-5)
-    np.testing.assert_allclose(precond.logdet(), np.linalg.slogdet(dense)[1], rtol=1e-5)
     samples = np.asarray(precond.sample(jax.random.key(0), 20_000), np.float64)
     np.testing.assert_allclose(samples @ samples.T / 20_000, dense, atol=0.1 * np.max(dense))
 

@@ -184,7 +184,7 @@ def _mll_forward(estimator, lengthscale, outputscale, noise, x, y, key):
     info = {"cg_iterations": solved.iterations,
             "relative_residual": jnp.max(solved.relative_residuals)}
     # For the gradient: alpha = C^-1 y, u_i = C^-1 z_i, w_i = P^-1 z_i and the pivots.
-    residuals = (params, x, solved.solution, precond.solve(probes), pivoted)
+    residuals = (params, x, solved.solution, precond.solve(probes), pivoted, precond)
     return value, info, residuals
 
 
@@ -194,10 +194,13 @@ def _mll_fwd(estimator, lengthscale, outputscale, noise, x, y, key):
 
 
 def _mll_bwd(estimator, saved, cotangents):
-    (params, x, solutions, w, pivoted), key = saved
+    (params, x, solutions, w, pivoted, precond), key = saved
     model, g = estimator.model, cotangents[0]
     alpha, u = solutions[:, :1], solutions[:, 1:]
     right = jnp.concatenate([alpha, w], axis=1)
+    # d log det P = tr(P^-1 dP) = 2 <P^-1 L, dL> + tr(P^-1) d noise, with P^-1 held at theta.
+    inverse_times_factor = precond.solve(precond.factor)
+    trace_inverse = precond.trace_inverse()
 
     # d mll / d theta = 0.5 alpha^T (dC/dtheta) alpha - 0.5 tr(C^-1 dC/dtheta). The trace is
     # tr(P^-1 dP/dtheta) (= d log det P / dtheta, exact through the preconditioner's factor
@@ -205,16 +208,16 @@ def _mll_bwd(estimator, saved, cotangents):
     # probes z ~ N(0, P): E[u^T dC w - w^T dP w] for u = C^-1 z, w = P^-1 z. Where P is close
     # to C the two terms nearly cancel probe by probe, so the estimate varies far less than
     # Hutchinson's estimate of tr(C^-1 dC) alone. The gradient of this surrogate (with alpha,
-    # u and w held) is that estimator; its products with dC/dtheta come from the VJP of one
-    # kernel sum C @ [alpha, w].
+    # u, w and P^-1 held) is that estimator; its products with dC/dtheta come from the VJP of
+    # one kernel sum C @ [alpha, w].
     def surrogate(lengthscale, outputscale, noise, x):
         products = model.covariance_mv(lengthscale, outputscale, noise, x, right)
         data_fit = 0.5 * jnp.sum(alpha * products[:, :1])
         factor = model.nystrom_factor(lengthscale, outputscale, x, pivoted)
-        precond = preconditioner.Preconditioner.build(factor, noise)
+        logdet_p = 2 * jnp.sum(inverse_times_factor * factor) + trace_inverse * noise
         w_p_w = jnp.sum((factor.T @ w) ** 2, axis=0) + noise * jnp.sum(w**2, axis=0)
         u_c_w = jnp.sum(u * products[:, 1:], axis=0)
-        return data_fit - 0.5 * (precond.logdet() + jnp.mean(u_c_w - w_p_w))
+        return data_fit - 0.5 * (logdet_p + jnp.mean(u_c_w - w_p_w))
 
     grads = jax.grad(surrogate, argnums=(0, 1, 2, 3))(*params, x)
     d_lengthscale, d_outputscale, d_noise, d_x = (g * grad for grad in grads)

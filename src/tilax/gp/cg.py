@@ -60,7 +60,11 @@ def preconditioned_cg(
     def body(state):
         i, x, r, p, gamma, active, alphas, betas = state
         ap = matvec(p)
-        alpha = _divide(gamma, jnp.sum(p * ap, axis=0), active)
+        curvature = jnp.sum(p * ap, axis=0)
+        # A breakdown (p^T A p or r^T P^-1 r not positive: rounding on a nearly singular
+        # system) stops the column where it is, rather than turning it into NaNs.
+        active = active & (curvature > 0)
+        alpha = _divide(gamma, curvature, active)
         x = x + alpha * p
         r = r - alpha * ap
         z = precondition(r)
@@ -70,7 +74,7 @@ def preconditioned_cg(
         if lanczos_iters:  # (an update of the empty arrays would not trace)
             alphas = alphas.at[i].set(alpha, mode="drop")
             betas = betas.at[i].set(beta, mode="drop")
-        active = active & (jnp.linalg.norm(r, axis=0) > tol * b_norm)
+        active = active & (jnp.linalg.norm(r, axis=0) > tol * b_norm) & (gamma_next > 0)
         gamma = jnp.where(active, gamma_next, gamma)
         return i + 1, x, r, p, gamma, active, alphas, betas
 
