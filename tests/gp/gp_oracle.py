@@ -14,7 +14,7 @@ def gp_data(n: int, dim: int, seed: int, noise: float) -> tuple[np.ndarray, np.n
     return x.astype(np.float32), y.astype(np.float32)
 
 
-def _kernel(a: np.ndarray, b: np.ndarray, lengthscale) -> tuple[np.ndarray, np.ndarray]:
+def rbf_matrix(a: np.ndarray, b: np.ndarray, lengthscale) -> tuple[np.ndarray, np.ndarray]:
     """RBF kernel matrix and the scaled differences (a_i - b_j) / l, both float64."""
     scaled = (np.asarray(a, np.float64)[:, None, :] - np.asarray(b, np.float64)[None]) / (
         np.asarray(lengthscale, np.float64)
@@ -31,7 +31,7 @@ def dense_mll(params: dict, x, y) -> tuple[float, dict, np.ndarray, np.ndarray]:
     outputscale, noise = float(params["outputscale"]), float(params["noise"])
     y = np.asarray(y, np.float64)
     n = y.shape[0]
-    kernel, scaled = _kernel(x, x, lengthscale)
+    kernel, scaled = rbf_matrix(x, x, lengthscale)
     covariance = outputscale * kernel + noise * np.eye(n)
     cholesky = np.linalg.cholesky(covariance)
     alpha = np.linalg.solve(cholesky.T, np.linalg.solve(cholesky, y))
@@ -53,8 +53,8 @@ def dense_mll(params: dict, x, y) -> tuple[float, dict, np.ndarray, np.ndarray]:
 def dense_posterior(params: dict, x, y, x_star) -> tuple[np.ndarray, np.ndarray]:
     """Posterior mean and variance of the latent function at ``x_star``, in float64."""
     outputscale, noise = float(params["outputscale"]), float(params["noise"])
-    kernel, _ = _kernel(x, x, params["lengthscale"])
-    cross, _ = _kernel(x, x_star, params["lengthscale"])
+    kernel, _ = rbf_matrix(x, x, params["lengthscale"])
+    cross, _ = rbf_matrix(x, x_star, params["lengthscale"])
     covariance = outputscale * kernel + noise * np.eye(kernel.shape[0])
     solved = np.linalg.solve(covariance, np.c_[np.asarray(y, np.float64), outputscale * cross])
     mean = outputscale * cross.T @ solved[:, 0]

@@ -7,14 +7,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from gp_oracle import _kernel, gp_data
+from gp_oracle import gp_data, rbf_matrix
 
 from tilax.gp import cg, lanczos, preconditioner
 
 
 def kernel_matrix(n: int, lengthscale: float) -> np.ndarray:
     x, _ = gp_data(n, 2, seed=0, noise=0.1)
-    return _kernel(x, x, lengthscale)[0].astype(np.float32)
+    return rbf_matrix(x, x, lengthscale)[0].astype(np.float32)
 
 
 def factor_of(matrix: np.ndarray, rank: int) -> preconditioner.PivotedCholesky:
