@@ -3,9 +3,9 @@
 The rank-``k`` factor ``L: [n, k]`` comes from a pivoted Cholesky factorisation that reads the
 kernel matrix only through its diagonal and ``k`` of its columns (one kernel sum with a single
 key each: ``O(n k)`` kernel values, ``O(n k^2)`` work), as in Gardner et al., "GPyTorch:
-Blackbox Matrix-Matrix Gaussian Process Inference" (2018). ``P`` is applied, inverted
-(Woodbury identity) and sampled from (``z = L e + sqrt(noise) e'``, so that ``z ~ N(0, P)``) in
-``O(n k)``, in the eigenbasis of ``L L^T`` (see ``Preconditioner``); its log-determinant is exact.
+Blackbox Matrix-Matrix Gaussian Process Inference" (2018). ``P`` is inverted in the eigenbasis
+of ``L L^T`` (see ``Preconditioner``) and sampled from (``z = L e + sqrt(noise) e'``, so that
+``z ~ N(0, P)``) in ``O(n k)``; its log-determinant and the trace of its inverse are exact.
 """
 
 from __future__ import annotations
