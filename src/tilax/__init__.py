@@ -1,5 +1,6 @@
 """tilax: Pallas GPU kernels for Mixture-of-Experts layers and RBF kernel sums."""
 
+from tilax import gp as gp  # tilax.gp.mll, tilax.gp.posterior
 from tilax.moe.api import MoEConfig, moe_apply, moe_init
 from tilax.rbf import rbf_kde_density, rbf_kernel_mv
 

@@ -1,0 +1,42 @@
+"""tilax.gp.posterior against the dense float64 posterior."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from gp_oracle import dense_posterior, gp_data
+
+import tilax
+
+
+def test_posterior_mean_and_variance_match_dense():
+    x, y = gp_data(500, 2, seed=0, noise=0.01)
+    x_star, _ = gp_data(40, 2, seed=1, noise=0.01)
+    x_star = np.concatenate([x_star, x_star + 3.0])  # near the data and far from it
+    params = {"lengthscale": jnp.array([0.3, 0.5]), "outputscale": jnp.float32(1.5),
+              "noise": jnp.float32(0.01)}
+    mean_ref, variance_ref = dense_posterior(params, x, y, x_star)
+    # query_batch 32 splits the 80 queries into 3 solves, the last one padded.
+    fn = jax.jit(lambda p, xs: tilax.gp.posterior(p, x, y, xs, impl="xla", query_batch=32))
+    mean, variance = fn(params, x_star)
+    assert mean.shape == variance.shape == (80,) and mean.dtype == jnp.float32
+    np.testing.assert_allclose(mean, mean_ref, atol=2e-3 * np.max(np.abs(mean_ref)))
+    np.testing.assert_allclose(variance, variance_ref, atol=2e-3 * 1.5)
+    assert np.all(np.asarray(variance) >= 0)
+    # Far from the data the posterior is the prior.
+    np.testing.assert_allclose(variance[40:], 1.5, rtol=0.05)
+
+
+def test_posterior_without_preconditioner_and_empty_queries():
+    x, y = gp_data(100, 1, seed=2, noise=0.1)
+    params = {"lengthscale": 0.2, "outputscale": 1.0, "noise": 0.1}
+    x_star = np.linspace(0, 1, 7, dtype=np.float32)[:, None]
+    mean_ref, variance_ref = dense_posterior(params, x, y, x_star)
+    fn = jax.jit(lambda xs: tilax.gp.posterior(params, x, y, xs, impl="xla",
+                                               preconditioner_rank=0))
+    mean, variance = fn(x_star)
+    np.testing.assert_allclose(mean, mean_ref, atol=1e-3)
+    np.testing.assert_allclose(variance, variance_ref, atol=1e-3)
+    mean, variance = tilax.gp.posterior(params, x, y, x_star[:0], impl="xla")
+    assert mean.shape == variance.shape == (0,)
