@@ -15,6 +15,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
 from tilax import _pallas
 from tilax.rbf import config, numerics, reference, vjp
@@ -93,7 +94,8 @@ def _check_weights(weights: Any, batch_shape: tuple[int, ...], data: jax.Array) 
         )
     if np.any(value < 0):
         raise ValueError(f"weights must be non-negative, got minimum {value.min()}")
-    if m > 0 and np.any(np.sum(value, axis=-1) <= 0):
+    # Any positive weight, not a positive sum: the sum of large weights overflows.
+    if m > 0 and not np.all(np.any(value > 0, axis=-1)):
         raise ValueError("weights must not be all zero (over M, for every batch entry)")
     return weights
 
@@ -132,10 +134,10 @@ def _resolve_precision(precision: Any) -> str | None:
 
 
 def rbf_kernel_mv(
-    q,
-    k,
-    v,
-    lengthscale,
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    lengthscale: ArrayLike,
     *,
     impl: str = "auto",
     precision: str | None = None,
@@ -255,11 +257,11 @@ def rbf_kernel_mv(
 
 
 def rbf_kde_density(
-    query,
-    data,
-    bandwidth,
+    query: ArrayLike,
+    data: ArrayLike,
+    bandwidth: ArrayLike,
     *,
-    weights=None,
+    weights: ArrayLike | None = None,
     log: bool = False,
     impl: str = "auto",
     precision: str | None = None,
@@ -335,8 +337,7 @@ def rbf_kde_density(
     if weights is None:
         weights = jnp.full((*batch_shape, m), 1.0 / m, dtype)
     else:
-        weights = weights.astype(dtype)
-        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+        weights = numerics.normalized_weights(weights.astype(dtype))
     if impl == "dense":
         return reference.kde_density_dense(query, data, bandwidth, weights, log=log,
                                            precision=precision)  # fmt: skip
@@ -357,5 +358,5 @@ def rbf_kde_density(
         h,
         cfg,
     ).reshape(*batch_shape, n)
-    log_p = log_sum - 0.5 * dim * math.log(2.0 * math.pi) - dim * jnp.log(h)
+    log_p = log_sum - 0.5 * dim * math.log(2.0 * math.pi) - dim * numerics.log_positive(h)
     return (log_p if log else jnp.exp(log_p)).astype(out_dtype)

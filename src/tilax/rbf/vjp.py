@@ -214,7 +214,9 @@ def _exact_operands(q, k, scale, rows_q: int, rows_k: int, *, per_dimension: boo
     ``-2 ln 2 p r^2`` for a shared scale applied to the summed squares. A scalar ``scale`` may
     still be applied ``per_dimension`` (broadcast to every dimension).
     """
-    power, residual = numerics.exact_scales(scale)
+    # The data's magnitude caps the power of two, so that no scaled coordinate overflows.
+    magnitude = jnp.maximum(jnp.max(jnp.abs(q)), jnp.max(jnp.abs(k)))
+    power, residual = numerics.exact_scales(scale, magnitude)
     factor = -2.0 * LN2 * power * (residual if per_dimension else residual * residual)
     xq = exact_points(q, power, rows_q)
     xk = exact_points(k, power, rows_k)
