@@ -236,3 +236,11 @@ def kde_density_xla(query, data, bandwidth, weights, *, log=False, precision=Non
     raw = _by_distance_path(query, data, h, precision, fast=fast, exact=exact)
     out = _kde_finish(raw, dim, h, log=log)
     return out.astype(out_dtype)
+
+
+def kde_log_sum_xla(query, data, bandwidth, weights, *, precision=None):
+    """``log sum_j w_j exp(-0.5 |(x_i - x_j) / h|^2)`` (the log density without its normaliser)
+    by ``kde_density_xla``; ``weights`` sum to one."""
+    log_p = kde_density_xla(query, data, bandwidth, weights, log=True, precision=precision)
+    dtype = numerics.compute_dtype(query, data)
+    return log_p - _kde_normaliser_log(query.shape[-1], bandwidth, dtype).astype(log_p.dtype)

@@ -31,8 +31,10 @@ The KDE's ``S_i = sum_j w_j K_ij`` comes from a streaming log-sum-exp as ``(m_i,
 gradient sweeps whose pair weights are ``exp2(t_ij - m_i) g_i / s_i`` (times ``w_j``), the
 forward pass's own exponents and shift, so that the largest pair weight of a row is exact.
 
-Second-order derivatives (``jax.hessian``, ``grad`` of ``grad``) raise a ``NotImplementedError``
-naming the alternatives: the backward kernels have no derivative rules.
+The backward kernels have no derivative rules: differentiating them here raises a
+``NotImplementedError``. The public functions go through ``tilax.rbf.forward_mode``, which adds
+forward mode and higher orders (by the plain-XLA sums) and keeps these backward kernels for
+reverse mode.
 """
 
 from __future__ import annotations
