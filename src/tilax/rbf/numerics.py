@@ -191,10 +191,15 @@ def scale_by(x: jax.Array, lengthscale: jax.Array) -> jax.Array:
     correctly rounded ``x / l`` (the factor is exactly 1; :func:`divide_by`, so that a subnormal
     lengthscale divides too), and the derivative is formed as ``(x / l0) * (-1 / l)``.
     Differentiating ``x / l`` directly forms ``1 / l^2``, which overflows for ``l < 1e-19`` and
-    turns a zero cotangent into ``0 * inf = NaN``.
+    turns a zero cotangent into ``0 * inf = NaN``. Values beyond ``2 sqrt(max)`` (whose squares
+    overflow) are clamped there.
     """
     fixed = lax.stop_gradient(lengthscale)
-    return divide_by(x, fixed) * jnp.exp(log_positive(fixed) - log_positive(lengthscale))
+    # Beyond sqrt(max) a square overflows anyway: clamped there, a scaled difference is never
+    # inf (at subnormal lengthscales it would be), so its derivative is never 0 * inf.
+    bound = 2.0 * math.sqrt(float(jnp.finfo(x.dtype).max))
+    scaled = jnp.clip(divide_by(x, fixed), -bound, bound)
+    return scaled * jnp.exp(log_positive(fixed) - log_positive(lengthscale))
 
 
 def centered_scaled(queries, points, scale, dtype=None):

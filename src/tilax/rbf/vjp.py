@@ -204,8 +204,8 @@ def _lengthscale_grad(sums: dict, rows: int, dim: int, scale):
     ratios."""
     if "squares" in sums:
         squares = jnp.sum(sums["squares"][:, :dim, :rows], axis=(0, 2))
-        return 2.0 * LN2 * squares / scale
-    return -2.0 * LN2 * jnp.sum(sums["rows"][:, -1, :rows]) / scale
+        return numerics.divide_by(2.0 * LN2 * squares, scale)
+    return numerics.divide_by(-2.0 * LN2 * jnp.sum(sums["rows"][:, -1, :rows]), scale)
 
 
 def _exact_operands(q, k, scale, rows_q: int, rows_k: int, *, per_dimension: bool):
@@ -220,6 +220,8 @@ def _exact_operands(q, k, scale, rows_q: int, rows_k: int, *, per_dimension: boo
     magnitude = jnp.maximum(jnp.max(jnp.abs(q)), jnp.max(jnp.abs(k)))
     power, residual = numerics.exact_scales(scale, magnitude)
     factor = -2.0 * LN2 * power * (residual if per_dimension else residual * residual)
+    # Finite at subnormal lengthscales too, so that zero sums give zero gradients, not 0 * inf.
+    factor = jnp.minimum(factor, numerics.FLOAT32_MAX)
     xq = exact_points(q, power, rows_q)
     xk = exact_points(k, power, rows_k)
     return xq, xk, exact_scale(residual, q.shape[-1] if per_dimension else None), factor
