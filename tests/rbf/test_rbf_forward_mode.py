@@ -136,3 +136,16 @@ def test_forward_mode_under_vmap_and_jit():
     ref = jax.vmap(jax.grad(lambda ls: tilax.rbf_kernel_mv(q, k, v, ls, impl="xla",
                                                            precision="highest").sum()))(scales)
     assert rel_err(grads, ref) < 1e-4
+
+
+def test_kde_forward_mode_under_vmap_with_python_tangents():
+    query, data, _, _ = _inputs(8)
+
+    def tangent(impl):
+        def one(h):
+            return jax.jvp(lambda h: tilax.rbf_kde_density(query, data, h, impl=impl), (h,),
+                           (1.0,))[1]  # fmt: skip
+
+        return jax.vmap(one)(jnp.array([0.5, 1.0], jnp.float32))
+
+    assert rel_err(tangent("pallas"), tangent("xla")) < 1e-2

@@ -112,7 +112,7 @@ def _batch_rule(primitive_name: str):
     def rule(args, dims, **params):
         primitive = rbf_tangent_p if primitive_name == "tangent" else rbf_cotangent_p
         size = next(a.shape[d] for a, d in zip(args, dims, strict=True) if d is not None)
-        args = [jnp.broadcast_to(a, (size, *a.shape)) if d is None else jnp.moveaxis(a, d, 0)
+        args = [jnp.broadcast_to(a, (size, *jnp.shape(a))) if d is None else jnp.moveaxis(a, d, 0)
                 for a, d in zip(args, dims, strict=True)]  # fmt: skip
         fold = primitive_name == "tangent" and dims[3] is None and dims[7] is None
         if fold:
