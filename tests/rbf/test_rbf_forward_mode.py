@@ -149,3 +149,16 @@ def test_kde_forward_mode_under_vmap_with_python_tangents():
         return jax.vmap(one)(jnp.array([0.5, 1.0], jnp.float32))
 
     assert rel_err(tangent("pallas"), tangent("xla")) < 1e-2
+
+
+def test_gradient_of_a_mapped_loss_keeps_the_pallas_backward():
+    """``grad`` of a ``vmap``-ed loss: the batched tangent binds itself again (folded into the
+    batch dimension), so its transpose is still the Pallas backward pass."""
+    q, k, v, _ = _inputs(9, batch=(3,))
+
+    def loss(q, impl):
+        return jax.vmap(lambda q1, k1, v1: tilax.rbf_kernel_mv(
+            q1, k1, v1, 0.8, impl=impl, precision="highest").sum())(q, k, v).sum()  # fmt: skip
+
+    assert "rbf_cotangent" in str(jax.make_jaxpr(jax.grad(loss), static_argnums=1)(q, "pallas"))
+    assert rel_err(jax.grad(loss)(q, "pallas"), jax.grad(loss)(q, "xla")) < 1e-5

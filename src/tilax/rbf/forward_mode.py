@@ -12,8 +12,9 @@ differentiate in forward mode (``jax.jvp``, ``jax.jacfwd``, ``jax.hessian``). He
 So ``jax.grad`` and ``jax.vjp`` transpose the tangent into today's fast backward pass, forward
 mode evaluates the XLA tangent (memory-light, in chunks of queries), and derivatives of either
 direction (``jax.hessian`` is ``jacfwd(jacrev)``) are those of the plain-XLA sum, which is
-differentiable to any order. Under ``vmap`` both directions bind themselves again (see
-:func:`_batch_rule`).
+differentiable to any order. Under ``vmap`` the tangent binds itself again (folded into the
+batch dimension), so that ``grad`` of a mapped loss still runs the backward kernels, and the
+cotangent maps the backward kernels.
 """
 
 from __future__ import annotations
@@ -103,30 +104,41 @@ def _cotangent_transpose(cts, *args, op: str, cfg: PallasConfig):
     return [None] * 4 + [rbf_tangent_p.bind(*primals, *cts, op=op, cfg=cfg)]
 
 
-def _batch_rule(primitive_name: str):
-    """Batching that binds the primitive again, so that an enclosing ``jvp`` (``jacfwd`` of a
-    gradient) still differentiates it by its rule: the mapped axis is folded into the leading
-    batch dimension where only that dimension is mapped (a tangent with an unmapped scale),
-    otherwise the primitive runs once per mapped entry (``lax.map``)."""
-
-    def rule(args, dims, **params):
-        primitive = rbf_tangent_p if primitive_name == "tangent" else rbf_cotangent_p
-        size = next(a.shape[d] for a, d in zip(args, dims, strict=True) if d is not None)
-        args = [jnp.broadcast_to(a, (size, *jnp.shape(a))) if d is None else jnp.moveaxis(a, d, 0)
-                for a, d in zip(args, dims, strict=True)]  # fmt: skip
-        fold = primitive_name == "tangent" and dims[3] is None and dims[7] is None
-        if fold:
-            folded = [a[0] if i in (3, 7) else a.reshape(size * a.shape[1], *a.shape[2:])
-                      for i, a in enumerate(args)]  # fmt: skip
-            out = primitive.bind(*folded, **params)
-            return out.reshape(size, -1, *out.shape[1:]), 0
-        out = lax.map(lambda a: primitive.bind(*a, **params), tuple(args))
-        return out, ([0] * len(out) if primitive.multiple_results else 0)
-
-    return rule
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
+def _mapped_cotangent(op: str, cfg: PallasConfig, a, b, c, d, cotangent):
+    """The cotangent direction as a function to ``vmap`` (the Pallas backward kernels batch
+    natively) that an enclosing ``jvp`` still differentiates by the plain-XLA sum."""
+    return _cotangent_impl(a, b, c, d, cotangent, op=op, cfg=cfg)
 
 
-def _primitive(name, impl, abstract_eval, xla_fn, transpose, *, multiple_results):
+@_mapped_cotangent.defjvp
+def _mapped_cotangent_jvp(op, cfg, args, tangents):
+    out = _mapped_cotangent(op, cfg, *args)
+    return out, jax.jvp(functools.partial(_xla_cotangent, op=op, cfg=cfg), args, tangents)[1]
+
+
+def _tangent_batch(args, dims, *, op: str, cfg: PallasConfig):
+    """Batching of the tangent that binds it again, so that its transpose is still the Pallas
+    backward pass (``grad`` of a ``vmap``-ed loss): the mapped axis is folded into the leading
+    batch dimension where the scale and its tangent are not mapped, otherwise the tangent runs
+    once per mapped entry (``lax.map``)."""
+    size = next(a.shape[d] for a, d in zip(args, dims, strict=True) if d is not None)
+    args = [jnp.broadcast_to(a, (size, *jnp.shape(a))) if d is None else jnp.moveaxis(a, d, 0)
+            for a, d in zip(args, dims, strict=True)]  # fmt: skip
+    if dims[3] is None and dims[7] is None:
+        folded = [a[0] if i in (3, 7) else a.reshape(size * a.shape[1], *a.shape[2:])
+                  for i, a in enumerate(args)]  # fmt: skip
+        out = rbf_tangent_p.bind(*folded, op=op, cfg=cfg)
+        return out.reshape(size, -1, *out.shape[1:]), 0
+    return lax.map(lambda a: rbf_tangent_p.bind(*a, op=op, cfg=cfg), tuple(args)), 0
+
+
+def _cotangent_batch(args, dims, *, op: str, cfg: PallasConfig):
+    out = jax.vmap(functools.partial(_mapped_cotangent, op, cfg), in_axes=tuple(dims))(*args)
+    return list(out), [0] * len(out)
+
+
+def _primitive(name, impl, abstract_eval, xla_fn, transpose, batch, *, multiple_results):
     primitive = Primitive(name)
     primitive.multiple_results = multiple_results
     primitive.def_impl(impl)
@@ -134,18 +146,18 @@ def _primitive(name, impl, abstract_eval, xla_fn, transpose, *, multiple_results
     mlir.register_lowering(primitive, mlir.lower_fun(impl, multiple_results=multiple_results))
     ad.primitive_jvps[primitive] = _jvp_by_xla(primitive, xla_fn)
     ad.primitive_transposes[primitive] = transpose
-    batching.primitive_batchers[primitive] = _batch_rule(name.removeprefix("rbf_"))
+    batching.primitive_batchers[primitive] = batch
     return primitive
 
 
 #: ``(q, k, v, l, dq, dk, dv, dl) -> d out`` (``op="mv"``) or ``(query, data, w, h, ...) ->
 #: d log_sum`` (``op="kde"``): linear in the tangents.
 rbf_tangent_p = _primitive("rbf_tangent", _tangent_impl, _tangent_abstract_eval, _tangent_impl,
-                           _tangent_transpose, multiple_results=False)  # fmt: skip
+                           _tangent_transpose, _tangent_batch, multiple_results=False)  # fmt: skip
 #: ``(primals..., cotangent) -> [cotangents of the primals]``: linear in the cotangent.
 rbf_cotangent_p = _primitive(
     "rbf_cotangent", _cotangent_impl, _cotangent_abstract_eval, _xla_cotangent,
-    _cotangent_transpose, multiple_results=True,
+    _cotangent_transpose, _cotangent_batch, multiple_results=True,
 )  # fmt: skip
 
 
