@@ -221,7 +221,7 @@ def _exact_operands(q, k, scale, rows_q: int, rows_k: int, *, per_dimension: boo
     power, residual = numerics.exact_scales(scale, magnitude)
     factor = -2.0 * LN2 * power * (residual if per_dimension else residual * residual)
     # Finite at subnormal lengthscales too, so that zero sums give zero gradients, not 0 * inf.
-    factor = jnp.minimum(factor, numerics.FLOAT32_MAX)
+    factor = jnp.clip(factor, -numerics.FLOAT32_MAX, numerics.FLOAT32_MAX)
     xq = exact_points(q, power, rows_q)
     xk = exact_points(k, power, rows_k)
     return xq, xk, exact_scale(residual, q.shape[-1] if per_dimension else None), factor
