@@ -198,24 +198,15 @@ def test_empty_keys_give_zeros_and_empty_queries_empty(impl):
     assert empty.shape == (2, 0, 2)
 
 
-def test_hessian_of_pallas_raises_a_clear_error():
-    q, k, v, lengthscale, _ = make_inputs(11, (), 6, 7, 2, 2, True)
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_hessian_matches_float64(impl):
+    """Second order on every impl (Pallas: its forward-mode rule, tilax.rbf.forward_mode)."""
+    q, k, v, lengthscale, _ = make_inputs(12, (), 6, 7, 2, 2, True)
 
     def loss(ls):
-        return tilax.rbf_kernel_mv(q, k, v, ls, impl="pallas").sum()
+        return tilax.rbf_kernel_mv(q, k, v, ls, impl=impl, precision="highest").sum()
 
-    # Under jit the error comes at trace time, before anything compiles.
-    with pytest.raises(NotImplementedError, match="impl='xla'"):
-        jax.jit(jax.hessian(loss))(jnp.asarray(lengthscale))
-    with pytest.raises(NotImplementedError, match="first-order"):
-        jax.jit(jax.grad(lambda ls: jax.grad(loss)(ls).sum()))(jnp.asarray(lengthscale))
-
-
-def test_hessian_of_xla_matches_float64():
-    q, k, v, lengthscale, _ = make_inputs(12, (), 6, 7, 2, 2, True)
-    hessian = jax.jit(jax.hessian(lambda ls: tilax.rbf_kernel_mv(q, k, v, ls, impl="xla").sum()))(
-        jnp.asarray(lengthscale)
-    )
+    hessian = jax.jit(jax.hessian(loss))(jnp.asarray(lengthscale))
     with jax.enable_x64(True):
         from rbf_oracle import kernel_mv
 

@@ -3,7 +3,8 @@
 ``rbf_kernel_mv`` and ``rbf_kde_density`` validate their inputs (a ``TypeError`` or
 ``ValueError`` naming the argument, its shape and what was expected), pick an implementation
 (``impl``) and call it: ``tilax.rbf.reference`` for ``"xla"`` and ``"dense"``,
-``tilax.rbf.vjp`` (launch settings from ``tilax.rbf.config``) for ``"pallas"``.
+``tilax.rbf.forward_mode`` over ``tilax.rbf.vjp`` (launch settings from ``tilax.rbf.config``)
+for ``"pallas"``.
 How each keeps kernel values right at every scale is ``tilax.rbf.numerics``.
 """
 
@@ -15,9 +16,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
 from tilax import _pallas
-from tilax.rbf import config, numerics, reference, vjp
+from tilax.rbf import config, forward_mode, numerics, reference
 
 IMPLS = ("auto", "pallas", "xla", "dense")
 PRECISIONS = config.PRECISIONS
@@ -93,7 +95,8 @@ def _check_weights(weights: Any, batch_shape: tuple[int, ...], data: jax.Array) 
         )
     if np.any(value < 0):
         raise ValueError(f"weights must be non-negative, got minimum {value.min()}")
-    if m > 0 and np.any(np.sum(value, axis=-1) <= 0):
+    # Any positive weight, not a positive sum: the sum of large weights overflows.
+    if m > 0 and not np.all(np.any(value > 0, axis=-1)):
         raise ValueError("weights must not be all zero (over M, for every batch entry)")
     return weights
 
@@ -132,10 +135,10 @@ def _resolve_precision(precision: Any) -> str | None:
 
 
 def rbf_kernel_mv(
-    q,
-    k,
-    v,
-    lengthscale,
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    lengthscale: ArrayLike,
     *,
     impl: str = "auto",
     precision: str | None = None,
@@ -146,7 +149,16 @@ def rbf_kernel_mv(
     r"""RBF (Gaussian) kernel matrix times values, without materialising the kernel matrix.
 
     Computes ``out[..., i, o] = sum_j exp(-0.5 * sum_d ((q[i, d] - k[j, d]) / l[d])**2) * v[j, o]``.
-    Kernel values are always in ``[0, 1]`` and finite for finite inputs, at any lengthscale.
+    Kernel values are always in ``[0, 1]`` and finite for finite inputs, at any positive
+    lengthscale, subnormal float32 ones (down to ``1e-45``) and huge ones (``3e38``) included,
+    on every ``impl`` and ``precision``.
+
+    Differentiable in every array argument in reverse and forward mode (``jax.grad``,
+    ``jax.vjp``, ``jax.jvp``, ``jax.jacfwd``, ``jax.hessian``), to any order, under ``jax.jit``
+    and ``jax.vmap``. With ``impl="pallas"``, reverse mode runs the Pallas backward kernels;
+    forward-mode tangents, and every derivative of a derivative, are those of ``impl="xla"``
+    (``tilax.rbf.forward_mode``: a ``custom_jvp`` whose tangent transposes to the backward
+    kernels).
 
     Args:
       q: queries, shape ``[..., N, D]``.
@@ -194,7 +206,8 @@ def rbf_kernel_mv(
         ``min(64, next_power_of_2(O))``, at least 16.
 
     Returns:
-      ``[..., N, O]`` in the result dtype of ``q``, ``k`` and ``v`` (bfloat16 in, bfloat16 out).
+      ``[..., N, O]`` in the result dtype of ``q``, ``k`` and ``v`` on every ``impl``
+      (bfloat16 in, bfloat16 out; computed in float32, float64 stays float64).
       Empty ``M`` gives zeros, empty ``N`` or ``O`` an empty array.
 
     Raises:
@@ -203,7 +216,6 @@ def rbf_kernel_mv(
       ValueError: wrong ranks, mismatched batch or feature dimensions, ``v`` rows not matching
         ``k``, a lengthscale of the wrong shape or (when concrete) not positive and finite, an
         unknown ``impl`` or ``precision``, a block size that is not a power of two >= 16.
-      NotImplementedError: second-order differentiation of ``impl="pallas"`` (use ``"xla"``).
 
     Examples:
       >>> import jax, jax.numpy as jnp, tilax
@@ -251,15 +263,23 @@ def rbf_kernel_mv(
         _pallas.resolve_backend("pallas"), precision, batch=math.prod(batch_shape), n=n, m=m,
         out=out_dim, dim=dim, block_q=block_q, block_k=block_k, block_o=block_o,
     )  # fmt: skip
-    return vjp.kernel_mv_with_config(q, k, v, lengthscale, cfg)
+    batch = math.prod(batch_shape)
+    out = forward_mode.kernel_mv(
+        q.astype(jnp.float32).reshape(batch, n, dim),
+        k.astype(jnp.float32).reshape(batch, m, dim),
+        v.astype(jnp.float32).reshape(batch, m, out_dim),
+        lengthscale.astype(jnp.float32),
+        cfg,
+    )
+    return out.reshape(*batch_shape, n, out_dim).astype(out_dtype)
 
 
 def rbf_kde_density(
-    query,
-    data,
-    bandwidth,
+    query: ArrayLike,
+    data: ArrayLike,
+    bandwidth: ArrayLike,
     *,
-    weights=None,
+    weights: ArrayLike | None = None,
     log: bool = False,
     impl: str = "auto",
     precision: str | None = None,
@@ -271,12 +291,20 @@ def rbf_kde_density(
     ``p(x_i) = sum_j w_j (2 pi h^2)^(-D/2) exp(-||x_i - x_j||^2 / (2 h^2))`` with the weights
     normalised to sum to one (uniform ``1/M`` by default).
 
+    Right at every positive bandwidth, subnormal float32 ones included: a query whose squared
+    distance to every weighted point is beyond float32 in bandwidths gets ``log p = -inf``
+    (``p = 0``), a query on the data the normaliser's peak (whose ``p`` overflows to ``inf`` below
+    ``h ~ 1e-19`` in two dimensions). Differentiable like ``rbf_kernel_mv`` (reverse and forward
+    mode, any order; ``impl="pallas"`` runs its backward kernels in reverse mode).
+
     Args:
       query: evaluation points, shape ``[..., N, D]``.
       data: sample points, shape ``[..., M, D]`` (same batch dimensions and ``D``).
       bandwidth: positive, finite scalar ``h``.
       weights: optional finite, non-negative ``[..., M]`` (not all zero); normalised to sum to
-        one over ``M``. Gradients flow to them (through the normalisation).
+        one over ``M``, after an exact rescaling by a power of two, so that weights of any
+        finite size work (all ``1e-45`` or all ``1e38`` alike). Gradients flow to them (through
+        the normalisation).
       log: return ``log p(x)``. Every implementation computes a streaming log-sum-exp, so the
         log density is finite and accurate far from all data and at tiny bandwidths (as long
         as it is within float32 range), where ``p(x)`` itself underflows to 0; ``log=False``
@@ -290,7 +318,8 @@ def rbf_kde_density(
       block_k: data point tile size (a power of two, at least 16) for ``impl="pallas"``.
 
     Returns:
-      ``[..., N]`` in the result dtype of ``query`` and ``data``. Empty ``M`` gives density 0
+      ``[..., N]`` in the result dtype of ``query`` and ``data`` on every ``impl`` (bfloat16 in,
+      bfloat16 out). Empty ``M`` gives density 0
       (log: ``-inf``); empty ``N`` an empty array.
 
     Raises:
@@ -299,7 +328,6 @@ def rbf_kde_density(
         ``[..., M]``, a non-scalar bandwidth, and, when the values are concrete, a bandwidth
         that is not positive and finite or weights that are not finite, negative or all zero;
         unknown ``impl`` or ``precision``; bad block sizes.
-      NotImplementedError: second-order differentiation of ``impl="pallas"``.
 
     Examples:
       >>> import jax, tilax
@@ -335,8 +363,7 @@ def rbf_kde_density(
     if weights is None:
         weights = jnp.full((*batch_shape, m), 1.0 / m, dtype)
     else:
-        weights = weights.astype(dtype)
-        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+        weights = numerics.normalized_weights(weights.astype(dtype))
     if impl == "dense":
         return reference.kde_density_dense(query, data, bandwidth, weights, log=log,
                                            precision=precision)  # fmt: skip
@@ -350,12 +377,12 @@ def rbf_kde_density(
         block_q=block_q, block_k=block_k, op="kde",
     )  # fmt: skip
     h = bandwidth.astype(jnp.float32)
-    log_sum = vjp.kde_log_sum(
+    log_sum = forward_mode.kde_log_sum(
         query.astype(jnp.float32).reshape(batch, n, dim),
         data.astype(jnp.float32).reshape(batch, m, dim),
         weights.astype(jnp.float32).reshape(batch, m),
         h,
         cfg,
     ).reshape(*batch_shape, n)
-    log_p = log_sum - 0.5 * dim * math.log(2.0 * math.pi) - dim * jnp.log(h)
+    log_p = log_sum - 0.5 * dim * math.log(2.0 * math.pi) - dim * numerics.log_positive(h)
     return (log_p if log else jnp.exp(log_p)).astype(out_dtype)

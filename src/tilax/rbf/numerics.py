@@ -49,10 +49,14 @@ LN2 = math.log(2.0)
 # The exact path scales coordinates by s = sqrt(log2(e) / 2) / l: exp2(-sum_d (s_d x_d)^2) is
 # exp(-0.5 sum_d (x_d / l_d)^2).
 HALF_LOG2E_SQRT = math.sqrt(0.5 * LOG2E)
-# Scales stay normal float32 numbers: 1 / l of a subnormal lengthscale would be infinite.
-SCALE_MIN, SCALE_MAX = 2.0**-126, 2.0**126
-# Exactly pre-scaled coordinates are clamped here so that differences of two stay finite.
+# Exactly pre-scaled coordinates stay below 2^PRESCALED_EXPONENT in magnitude (the power of two
+# is capped by the data's magnitude), so that their differences stay finite; the clamp at
+# COORD_MAX is a guard for non-finite data only.
+PRESCALED_EXPONENT = 125
 COORD_MAX = 2.0**126
+# The residual scale stays below 2^63, so that its square (a shared scale multiplies summed
+# squares by r^2) is finite and a zero distance gives an exponent of 0, never 0 * inf.
+RESIDUAL_MAX = 2.0**63
 
 #: Largest worst-case relative error of a kernel value (``expansion_error_bound``) at which a
 #: precision still uses the fast expansion; beyond it the exact path runs. ``"default"``'s budget
@@ -90,16 +94,112 @@ def max_spread_ratio(dim: int, budget: float, unit_roundoff: float = 2.0**-24) -
     return math.sqrt(budget / ((7 * dim + 31) * (unit_roundoff / 2)))
 
 
+# ------------------------------------------------------------------------------------------
+# Scales at every representable size
+#
+# Lengthscales, bandwidths and weights may be subnormal (down to 2^-149 in float32). XLA on CPUs
+# (and GPUs) flushes subnormal operands to zero, so ``1 / l``, ``log l`` or ``w / max(w)`` of
+# such numbers are inf, -inf or NaN. These helpers read the exponent from the bits instead and
+# scale by exact powers of two, each a normal number.
+
+
+def _layout(dtype) -> tuple[int, int, type]:
+    """(mantissa bits, exponent bias, unsigned integer type of the same width) of ``dtype``."""
+    info = jnp.finfo(dtype)
+    return info.nmant, info.maxexp - 1, jnp.uint32 if info.bits == 32 else jnp.uint64
+
+
+def split_exponent(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(m, e)`` with ``|x| = m 2^e``, ``m`` in ``[1, 2)`` and ``e`` an int32, for nonzero
+    finite ``x``, subnormal numbers included (from the bits: no flush to zero). No gradient."""
+    x = lax.stop_gradient(x)
+    nmant, bias, uint = _layout(x.dtype)
+    frac_mask = jnp.asarray((1 << nmant) - 1, uint)
+    one = jnp.asarray(bias << nmant, uint)
+    bits = lax.bitcast_convert_type(jnp.abs(x), uint)
+    field = (bits >> nmant).astype(jnp.int32)
+    normal = lax.bitcast_convert_type((bits & frac_mask) | one, x.dtype)
+    # A subnormal number is its fraction bits times 2^(1 - bias - nmant); as an integer converted
+    # to a float (exact, and normal), its own exponent field gives the rest.
+    frac = (bits & frac_mask).astype(x.dtype)
+    frac_bits = lax.bitcast_convert_type(frac, uint)
+    sub_field = (frac_bits >> nmant).astype(jnp.int32)
+    sub = lax.bitcast_convert_type((frac_bits & frac_mask) | one, x.dtype)
+    is_sub = field == 0
+    mantissa = jnp.where(is_sub, sub, normal)
+    exponent = jnp.where(is_sub, sub_field - bias + 1 - bias - nmant, field - bias)
+    return mantissa, exponent
+
+
+def power_of_two(n: jax.Array, dtype=jnp.float32) -> jax.Array:
+    """``2^n`` for integer ``n`` within the normal exponents of ``dtype`` (exact, from bits)."""
+    nmant, bias, uint = _layout(dtype)
+    biased = (jnp.asarray(n, jnp.int32) + bias).astype(uint)
+    return lax.bitcast_convert_type(biased << nmant, jnp.dtype(dtype))
+
+
+def times_power_of_two(x: jax.Array, n: jax.Array) -> jax.Array:
+    """``x 2^n`` for a normal or zero ``x`` and integer ``n`` of any size: exact unless the result
+    overflows (to inf) or underflows (to 0). Two factors, each a normal power of two."""
+    _, bias, _ = _layout(x.dtype)
+    limit = bias - 27
+    n = jnp.asarray(n, jnp.int32)
+    first = jnp.clip(n, -limit, limit)
+    second = jnp.clip(n - first, -limit, limit)
+    return (x * power_of_two(first, x.dtype)) * power_of_two(second, x.dtype)
+
+
+def divide_by(x: jax.Array, scale: jax.Array) -> jax.Array:
+    """``x / scale`` for a positive ``scale`` of any size (subnormal included): ``x 2^-e / m``,
+    correctly rounded unless it overflows or underflows. No gradient in ``scale``."""
+    mantissa, exponent = split_exponent(scale)
+    return times_power_of_two(x, -exponent) / mantissa
+
+
+def log_positive(x: jax.Array) -> jax.Array:
+    """``log x`` for a positive ``x``, subnormal included; differentiable where ``x`` is normal
+    (the derivative at a subnormal ``x`` is 0: ``1 / x`` is not a float there)."""
+    tiny = float(jnp.finfo(x.dtype).tiny)
+    normal = x >= tiny  # False for a subnormal number, flushed or not
+    mantissa, exponent = split_exponent(x)
+    from_bits = jnp.log(mantissa) + exponent.astype(x.dtype) * LN2
+    return jnp.where(normal, jnp.log(jnp.where(normal, x, 1.0)), from_bits)
+
+
+def normalized_weights(weights: jax.Array) -> jax.Array:
+    """Non-negative ``weights: [..., M]`` (not all zero) divided by their sum over ``M``, for any
+    finite size: first rescaled by a power of two so that the largest is in ``[1, 2)`` (the sum
+    of 1e38s would overflow, 1e-45s are flushed to zero), then divided by their sum."""
+    nmant, bias, uint = _layout(weights.dtype)
+    bits = lax.bitcast_convert_type(lax.stop_gradient(weights), uint)
+    positive = (bits << 1) != 0  # the sign bit dropped: nonzero, read from the bits
+    mantissa, exponent = split_exponent(weights)
+    exponent = jnp.where(positive, exponent, jnp.iinfo(jnp.int32).min // 2)
+    largest = jnp.max(exponent, axis=-1, keepdims=True)
+    # The values from the bits; the derivative (w / 2^e_max) through a clamped factor.
+    values = jnp.where(positive, times_power_of_two(mantissa, exponent - largest), 0.0)
+    factor = times_power_of_two(jnp.ones((), weights.dtype), -largest)
+    factor = jnp.minimum(factor, jnp.finfo(weights.dtype).max)
+    rescaled = values + (weights - lax.stop_gradient(weights)) * factor
+    return rescaled / jnp.sum(rescaled, axis=-1, keepdims=True)
+
+
 def scale_by(x: jax.Array, lengthscale: jax.Array) -> jax.Array:
     """``x / lengthscale`` whose derivative in the lengthscale stays finite at any lengthscale.
 
     Written ``(x / l0) * exp(log l0 - log l)`` with ``l0 = stop_gradient(l)``: the value is the
-    correctly rounded ``x / l`` (the factor is exactly 1), and the derivative is formed as
-    ``(x / l0) * (-1 / l)``. Differentiating ``x / l`` directly forms ``1 / l^2``, which overflows
-    for ``l < 1e-19`` and turns a zero cotangent into ``0 * inf = NaN``.
+    correctly rounded ``x / l`` (the factor is exactly 1; :func:`divide_by`, so that a subnormal
+    lengthscale divides too), and the derivative is formed as ``(x / l0) * (-1 / l)``.
+    Differentiating ``x / l`` directly forms ``1 / l^2``, which overflows for ``l < 1e-19`` and
+    turns a zero cotangent into ``0 * inf = NaN``. Values beyond ``2 sqrt(max)`` (whose squares
+    overflow) are clamped there.
     """
     fixed = lax.stop_gradient(lengthscale)
-    return (x / fixed) * jnp.exp(jnp.log(fixed) - jnp.log(lengthscale))
+    # Beyond sqrt(max) a square overflows anyway: clamped there, a scaled difference is never
+    # inf (at subnormal lengthscales it would be), so its derivative is never 0 * inf.
+    bound = 2.0 * math.sqrt(float(jnp.finfo(x.dtype).max))
+    scaled = jnp.clip(divide_by(x, fixed), -bound, bound)
+    return scaled * jnp.exp(log_positive(fixed) - log_positive(lengthscale))
 
 
 def centered_scaled(queries, points, scale, dtype=None):
@@ -134,17 +234,31 @@ def fast_distance_ok(qs: jax.Array, ks: jax.Array, precision: str | None) -> jax
     return bound <= FAST_DISTANCE_BUDGET[precision or "default"]
 
 
-def exact_scales(lengthscale: jax.Array) -> tuple[jax.Array, jax.Array]:
+def exact_scales(lengthscale: jax.Array, magnitude: jax.Array | None = None):
     """``(p, r)`` with ``p * r = sqrt(log2(e) / 2) / lengthscale``, ``p`` a power of two.
 
     Multiplying coordinates by ``p`` is exact, so the kernels' differences ``p q_d - p k_d`` are
-    the correctly rounded scaled differences; the residual ``r`` in ``[1, 2)`` is applied per pair.
-    The scale is clamped to normal float32 numbers (lengthscales between about ``1e-38`` and
-    ``1e38``). No gradient: callers differentiate through :func:`scale_by` or an identity.
+    the correctly rounded scaled differences; the residual ``r`` is applied per pair. ``r`` is in
+    ``[1, 2)`` unless ``p`` is capped: by ``2^125 / magnitude`` (``magnitude`` the largest
+    coordinate, so that no scaled coordinate overflows and two far points never both clamp to
+    one value; ``r`` then carries the rest, up to ``RESIDUAL_MAX``, and far pairs still get
+    exponents beyond float32), or below at ``2^-126`` for lengthscales beyond ``1e38``. Any
+    positive lengthscale, subnormal included (its exponent is read from its bits). No gradient:
+    callers differentiate through :func:`scale_by` or an identity.
     """
-    scale = HALF_LOG2E_SQRT / lax.stop_gradient(lengthscale).astype(jnp.float32)
-    mantissa, exponent = jnp.frexp(jnp.clip(scale, SCALE_MIN, SCALE_MAX))
-    return jnp.ldexp(jnp.float32(1.0), exponent - 1), 2.0 * mantissa
+    mantissa, exponent = split_exponent(lengthscale.astype(jnp.float32))
+    # s = (c / m) 2^-e with c / m in (c / 2, c]: one rounding, as c / l would have.
+    scale_mantissa, scale_exponent = split_exponent(HALF_LOG2E_SQRT / mantissa)
+    total = scale_exponent - exponent
+    cap = jnp.int32(126)
+    if magnitude is not None:
+        magnitude = lax.stop_gradient(magnitude).astype(jnp.float32)
+        usable = (magnitude > 0) & jnp.isfinite(magnitude)
+        _, magnitude_exponent = split_exponent(jnp.where(usable, magnitude, 1.0))
+        cap = jnp.where(usable, jnp.minimum(cap, PRESCALED_EXPONENT - 1 - magnitude_exponent), cap)
+    power = jnp.clip(total, -126, cap)
+    residual = jnp.minimum(times_power_of_two(scale_mantissa, total - power), RESIDUAL_MAX)
+    return power_of_two(power), residual
 
 
 def prescale(x: jax.Array, power_of_two: jax.Array) -> jax.Array:

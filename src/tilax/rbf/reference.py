@@ -107,7 +107,7 @@ def _by_distance_path(q, k, lengthscale, precision, *, fast, exact):
 @functools.partial(jax.jit, static_argnames=("precision",))
 def kernel_mv_dense(q, k, v, lengthscale, *, precision=None):
     """``exp(-0.5 ||(q_i - k_j)/l||^2) @ v`` through the materialised ``[..., N, M]`` matrix."""
-    dtype = numerics.compute_dtype(q, k, v)
+    dtype, out_dtype = numerics.compute_dtype(q, k, v), jnp.result_type(q, k, v)
     q, k, values = q.astype(dtype), k.astype(dtype), v.astype(dtype)
     lengthscale = jnp.asarray(lengthscale).astype(dtype)
 
@@ -120,7 +120,7 @@ def kernel_mv_dense(q, k, v, lengthscale, *, precision=None):
         fast=lambda qs, ks: product(_expansion_half_sq(qs, ks)),
         exact=lambda q, k: product(_exact_half_sq(q, k, lengthscale)),
     )  # fmt: skip
-    return out.astype(jnp.result_type(q, k, v))
+    return out.astype(out_dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("precision", "chunk"))
@@ -129,7 +129,7 @@ def kernel_mv_xla(q, k, v, lengthscale, *, precision=None, chunk=None):
 
     ``chunk`` defaults to ``default_chunk`` (pair arrays of ~16M values).
     """
-    dtype = numerics.compute_dtype(q, k, v)
+    dtype, out_dtype = numerics.compute_dtype(q, k, v), jnp.result_type(q, k, v)
     q, k, values = q.astype(dtype), k.astype(dtype), v.astype(dtype)
     lengthscale = jnp.asarray(lengthscale).astype(dtype)
     n, m, dim = q.shape[-2], k.shape[-2], q.shape[-1]
@@ -150,13 +150,13 @@ def kernel_mv_xla(q, k, v, lengthscale, *, precision=None, chunk=None):
         )
 
     out = _by_distance_path(q, k, lengthscale, precision, fast=fast, exact=exact)
-    return out.astype(jnp.result_type(q, k, v))
+    return out.astype(out_dtype)
 
 
 def _kde_normaliser_log(dim: int, bandwidth, dtype):
     """``log((2 pi h^2)^(-D/2))``."""
     h = jnp.asarray(bandwidth).astype(dtype)
-    return -0.5 * dim * math.log(2.0 * math.pi) - dim * jnp.log(h)
+    return -0.5 * dim * math.log(2.0 * math.pi) - dim * numerics.log_positive(h)
 
 
 def _kde_log_sum(half_sq, weights):
@@ -167,9 +167,12 @@ def _kde_log_sum(half_sq, weights):
     ``0 * exp(overflow) = NaN`` away from zero-weight points far closer than every weighted one.
     """
     exponent = -half_sq
-    shift = jnp.max(jnp.where(weights[..., None, :] > 0, exponent, -jnp.inf), axis=-1)
-    # A shift of -inf (every weighted exponent overflowed to -inf) would give -inf - -inf = NaN.
-    shift = lax.stop_gradient(jnp.where(jnp.isfinite(shift), shift, 0.0))
+    largest = jnp.max(jnp.where(weights[..., None, :] > 0, exponent, -jnp.inf), axis=-1)
+    # Every weighted exponent -inf (each squared distance beyond float range, as at tiny
+    # bandwidths): the sum underflows, its log is -inf. The shift of 0 only keeps -inf - -inf
+    # (NaN) out of the arithmetic below.
+    underflowed = largest == -jnp.inf
+    shift = lax.stop_gradient(jnp.where(jnp.isfinite(largest), largest, 0.0))
     limit = 700.0 if exponent.dtype == jnp.float64 else 80.0
     scaled = jnp.exp(jnp.minimum(exponent - shift[..., None], limit))
     total = jnp.einsum("...nm,...m->...n", scaled, weights, precision=lax.Precision.HIGHEST)
@@ -178,7 +181,7 @@ def _kde_log_sum(half_sq, weights):
     # differ by more than 1) the term could underflow; the floor keeps the log finite.
     floor = jnp.min(jnp.where(weights > 0, weights, jnp.inf), axis=-1)[..., None]
     total = jnp.where(total < floor, floor, total)
-    return jnp.log(total) + shift
+    return jnp.where(underflowed, -jnp.inf, jnp.log(total) + shift)
 
 
 def _kde_finish(log_sum, dim, bandwidth, *, log: bool):
@@ -194,7 +197,7 @@ def kde_density_dense(query, data, bandwidth, weights, *, log=False, precision=N
 
     ``weights: [..., M]`` must already sum to one. Returns ``[..., N]`` (log density if ``log``).
     """
-    dtype = numerics.compute_dtype(query, data)
+    dtype, out_dtype = numerics.compute_dtype(query, data), jnp.result_type(query, data)
     query, data, w = query.astype(dtype), data.astype(dtype), weights.astype(dtype)
     h = jnp.asarray(bandwidth).astype(dtype)
     raw = _by_distance_path(
@@ -203,7 +206,7 @@ def kde_density_dense(query, data, bandwidth, weights, *, log=False, precision=N
         exact=lambda q, k: _kde_log_sum(_exact_half_sq(q, k, h), w),
     )  # fmt: skip
     out = _kde_finish(raw, query.shape[-1], h, log=log)
-    return out.astype(jnp.result_type(query, data))
+    return out.astype(out_dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("log", "precision", "chunk"))
@@ -212,7 +215,7 @@ def kde_density_xla(query, data, bandwidth, weights, *, log=False, precision=Non
 
     The sum is a log-sum-exp (the log density is finite far from all data).
     """
-    dtype = numerics.compute_dtype(query, data)
+    dtype, out_dtype = numerics.compute_dtype(query, data), jnp.result_type(query, data)
     query, data, w = query.astype(dtype), data.astype(dtype), weights.astype(dtype)
     h = jnp.asarray(bandwidth).astype(dtype)
     n, m, dim = query.shape[-2], data.shape[-2], query.shape[-1]
@@ -232,4 +235,12 @@ def kde_density_xla(query, data, bandwidth, weights, *, log=False, precision=Non
 
     raw = _by_distance_path(query, data, h, precision, fast=fast, exact=exact)
     out = _kde_finish(raw, dim, h, log=log)
-    return out.astype(jnp.result_type(query, data))
+    return out.astype(out_dtype)
+
+
+def kde_log_sum_xla(query, data, bandwidth, weights, *, precision=None):
+    """``log sum_j w_j exp(-0.5 |(x_i - x_j) / h|^2)`` (the log density without its normaliser)
+    by ``kde_density_xla``; ``weights`` sum to one."""
+    log_p = kde_density_xla(query, data, bandwidth, weights, log=True, precision=precision)
+    dtype = numerics.compute_dtype(query, data)
+    return log_p - _kde_normaliser_log(query.shape[-1], bandwidth, dtype).astype(log_p.dtype)

@@ -31,8 +31,10 @@ The KDE's ``S_i = sum_j w_j K_ij`` comes from a streaming log-sum-exp as ``(m_i,
 gradient sweeps whose pair weights are ``exp2(t_ij - m_i) g_i / s_i`` (times ``w_j``), the
 forward pass's own exponents and shift, so that the largest pair weight of a row is exact.
 
-Second-order derivatives (``jax.hessian``, ``grad`` of ``grad``) raise a ``NotImplementedError``
-naming the alternatives: the backward kernels have no derivative rules.
+The backward kernels have no derivative rules: differentiating them here raises a
+``NotImplementedError``. The public functions go through ``tilax.rbf.forward_mode``, which adds
+forward mode and higher orders (by the plain-XLA sums) and keeps these backward kernels for
+reverse mode.
 """
 
 from __future__ import annotations
@@ -202,8 +204,8 @@ def _lengthscale_grad(sums: dict, rows: int, dim: int, scale):
     ratios."""
     if "squares" in sums:
         squares = jnp.sum(sums["squares"][:, :dim, :rows], axis=(0, 2))
-        return 2.0 * LN2 * squares / scale
-    return -2.0 * LN2 * jnp.sum(sums["rows"][:, -1, :rows]) / scale
+        return numerics.divide_by(2.0 * LN2 * squares, scale)
+    return numerics.divide_by(-2.0 * LN2 * jnp.sum(sums["rows"][:, -1, :rows]), scale)
 
 
 def _exact_operands(q, k, scale, rows_q: int, rows_k: int, *, per_dimension: bool):
@@ -214,8 +216,12 @@ def _exact_operands(q, k, scale, rows_q: int, rows_k: int, *, per_dimension: boo
     ``-2 ln 2 p r^2`` for a shared scale applied to the summed squares. A scalar ``scale`` may
     still be applied ``per_dimension`` (broadcast to every dimension).
     """
-    power, residual = numerics.exact_scales(scale)
+    # The data's magnitude caps the power of two, so that no scaled coordinate overflows.
+    magnitude = jnp.maximum(jnp.max(jnp.abs(q)), jnp.max(jnp.abs(k)))
+    power, residual = numerics.exact_scales(scale, magnitude)
     factor = -2.0 * LN2 * power * (residual if per_dimension else residual * residual)
+    # Finite at subnormal lengthscales too, so that zero sums give zero gradients, not 0 * inf.
+    factor = jnp.clip(factor, -numerics.FLOAT32_MAX, numerics.FLOAT32_MAX)
     xq = exact_points(q, power, rows_q)
     xk = exact_points(k, power, rows_k)
     return xq, xk, exact_scale(residual, q.shape[-1] if per_dimension else None), factor
