@@ -1,10 +1,12 @@
 """The JAX transformations users reach for: jit without static_argnums, grad and vmap with the
 config positional, the mesh path outside jit, and vmap over every impl."""
 
+import ep_transformations
 import jax
 import jax.numpy as jnp
 import pytest
 from helpers import rel_err
+from moe_testing import on_cpu_devices
 
 import tilax
 
@@ -124,3 +126,26 @@ def test_import_tilax_and_auto_on_a_cpu_load_no_gpu_backend():
     ours = [(name, module) for name, module in culprits
             if not module.startswith(("tilax.rbf", "tilax.gp"))]
     assert ours == [], ours
+
+
+@pytest.mark.parametrize("mesh_shape,axis_names,tokens,impl,explicit", [
+    ((4,), ("expert",), 12, "blocked", False),
+    ((4,), ("expert",), 12, "blocked", True),  # inside jax.set_mesh
+    ((2, 2), ("data", "expert"), 10, "ragged_dot", False),  # T not a multiple of 4
+])  # fmt: skip
+def test_mesh_grads_outside_jit(mesh_shape, axis_names, tokens, impl, explicit):
+    on_cpu_devices(ep_transformations.check_grads_outside_jit, mesh_shape, axis_names, tokens,
+                   impl, explicit)
+
+
+@pytest.mark.parametrize("tokens", [12, 10])
+def test_mesh_grads_outside_jit_on_jax_make_mesh(tokens):
+    on_cpu_devices(ep_transformations.check_grads_on_jax_make_mesh, tokens)
+
+
+@pytest.mark.parametrize("mesh_shape,axis_names,tokens", [
+    ((4,), ("expert",), 12), ((4,), ("expert",), 10), ((4,), ("expert",), (4, 3)),
+    ((2, 2), ("data", "expert"), (2, 5)),
+])  # fmt: skip
+def test_mesh_y_split_over_tokens_where_they_divide(mesh_shape, axis_names, tokens):
+    on_cpu_devices(ep_transformations.check_y_sharding, mesh_shape, axis_names, tokens)

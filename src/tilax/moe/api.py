@@ -381,8 +381,15 @@ def moe_apply(
     tokens, each token copy travels to the device owning its expert and its result travels
     back (dropless: no copy is dropped, however skewed the routing), and ``y``, ``aux`` and the
     gradients equal the single-device call up to float rounding (capacity routing keeps the
-    same copies: earliest tokens first over the whole batch). ``y`` comes back sharded over
-    all mesh axes along its tokens. See ``expert_parallel.py`` for how.
+    same copies: earliest tokens first over the whole batch). ``y`` comes back split over all
+    mesh axes along its first dimension where that dimension is a multiple of the device
+    count, else replicated on every device (JAX splits a dimension only evenly: pad the tokens
+    to a multiple of ``mesh.size`` to keep ``y`` split). Gradients work under ``jax.jit`` and
+    outside it; on a mesh of explicit axes (``jax.make_mesh``'s default) with inputs already
+    placed on it or inside ``jax.set_mesh``, JAX's own rules for explicit axes apply (eager
+    ``jax.grad`` there needs ``jax.set_mesh``, where JAX cannot yet infer ``ragged_dot``'s
+    sharding: use ``impl="blocked"``).
+    See ``expert_parallel.py`` for how.
 
     Args:
         params: the pytree from `moe_init` (leaves may be float32 masters: they are cast
