@@ -43,10 +43,10 @@ def test_grad_and_vmap_take_the_config_positionally():
         return tilax.moe_apply(p, x, config)[0].sum()
 
     grads = jax.grad(loss)(params, x, config)
-    grads_ref = jax.grad(lambda p: loss(p, x, config))(params)
+    grads_ref = jax.jit(jax.grad(lambda p: loss(p, x, config)))(params)
     assert rel_err(grads["w_down"], grads_ref["w_down"]) < 1e-6
     xb = jnp.stack([x, -x])
-    y = jax.vmap(lambda x, config: tilax.moe_apply(params, x, config)[0])(xb, config)
+    y = jax.jit(jax.vmap(lambda x, config: tilax.moe_apply(params, x, config)[0]))(xb, config)
     assert y.shape == xb.shape
     assert rel_err(y[1], tilax.moe_apply(params, -x, config)[0]) < 1e-6
 
@@ -149,3 +149,51 @@ def test_mesh_grads_outside_jit_on_jax_make_mesh(tokens):
 ])  # fmt: skip
 def test_mesh_y_split_over_tokens_where_they_divide(mesh_shape, axis_names, tokens):
     on_cpu_devices(ep_transformations.check_y_sharding, mesh_shape, axis_names, tokens)
+
+
+VMAP_CASES = [
+    ("ragged_dot", "dropless", False), ("ragged_dot", "capacity", False),
+    ("ragged_dot", "dropless", True), ("blocked", "dropless", False),
+    ("blocked", "capacity", False), ("auto", "dense", False),
+    pytest.param("pallas", "dropless", False, marks=pytest.mark.kernels),
+]
+
+
+@pytest.mark.parametrize("impl,routing,recompute", VMAP_CASES)
+def test_vmap_over_tokens_equals_each_call(impl, routing, recompute):
+    """``jax.vmap`` of the layer over a batch of token sets: each element's ``y`` and ``aux``
+    are its own call's (capacity per element), and so are the gradients."""
+    params, _, config = _setup(impl, routing=routing, recompute=recompute, capacity_factor=0.5)
+    xb = jax.random.normal(jax.random.key(2), (3, 10, config.d_model))
+
+    apply = jax.jit(lambda x: tilax.moe_apply(params, x, config))
+    y, aux = jax.jit(jax.vmap(apply))(xb)
+    for i in range(xb.shape[0]):
+        y_one, aux_one = apply(xb[i])
+        assert rel_err(y[i], y_one) < 1e-6
+        for key, value in aux_one.items():
+            assert jnp.allclose(aux[key][i], value, rtol=1e-6), key
+
+    def loss(p, x):
+        return jnp.sum(jnp.sin(tilax.moe_apply(p, x, config)[0]))
+
+    grads = jax.jit(jax.grad(lambda p: jnp.sum(jax.vmap(lambda x: loss(p, x))(xb))))(params)
+    grads_x = jax.jit(jax.vmap(jax.grad(loss, argnums=1), in_axes=(None, 0)))(params, xb)
+    grad_each = jax.jit(jax.grad(loss, argnums=(0, 1)))
+    grads_each = [grad_each(params, xb[i]) for i in range(xb.shape[0])]
+    for name in ("router", "w_gate", "w_up", "w_down"):
+        want = sum(g[0][name] for g in grads_each)
+        assert rel_err(grads[name], want) < 1e-5, name
+    for i, (_, grad_x) in enumerate(grads_each):
+        assert rel_err(grads_x[i], grad_x) < 1e-5
+
+
+def test_vmap_over_parameters_and_under_jit():
+    """An ensemble: vmap over stacked parameters and tokens together, jitted."""
+    params, x, config = _setup()
+    other = tilax.moe_init(jax.random.key(5), config)
+    stacked = jax.tree.map(lambda a, b: jnp.stack([a, b]), params, other)
+    xb = jnp.stack([x, 2 * x])
+    y = jax.jit(jax.vmap(lambda p, x: tilax.moe_apply(p, x, config)[0]))(stacked, xb)
+    assert rel_err(y[0], tilax.moe_apply(params, x, config)[0]) < 1e-6
+    assert rel_err(y[1], tilax.moe_apply(other, 2 * x, config)[0]) < 1e-6

@@ -374,7 +374,13 @@ def moe_apply(
     with weights ``w`` (renormalised to sum 1 when ``config.renormalize``); expert ``e`` is the
     SwiGLU ``(silu(x @ w_gate[e]) * (x @ w_up[e])) @ w_down[e]``. Experts run in
     ``config.dtype`` with float32 accumulation. Differentiable (reverse mode) w.r.t. ``params``
-    and ``x``; jit-compatible (``config`` is static).
+    and ``x``; ``jax.jit``, ``jax.grad`` and ``jax.vmap`` take ``config`` as a positional
+    argument (a pytree without leaves: static). Under ``jax.vmap`` (over ``x``, the
+    parameters, or both) every impl works and each batch element is its own layer call:
+    its own routing, capacity and ``aux`` (every ``aux`` entry gets the batch dimension, the
+    statistics of that element's tokens); ``impl="ragged_dot"`` then runs the elements one
+    after another (JAX cannot batch ``ragged_dot``). To route a batch as one set of tokens
+    (one ``aux`` for all), pass ``x`` as ``[..., d_model]`` instead of vmapping.
 
     With a ``mesh``, expert parallelism: the experts' leading dimension is sharded over the
     mesh axis ``expert_axis`` and the tokens over all mesh axes; every device routes its own
