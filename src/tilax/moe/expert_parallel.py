@@ -102,11 +102,13 @@ class MeshPlan:
 def moe_apply_sharded(params, x, config, experts, *, mesh, expert_axis):
     """``moe_apply`` with expert parallelism; inputs already validated (see module docs).
 
-    Always staged as one ``jax.jit`` program (a no-op inside the caller's ``jit``): run
-    eagerly, JAX differentiates the ``shard_map`` primitive by primitive and fails (scalars
-    of one device meeting the mesh's). ``y`` comes back split along its first dimension over
-    every mesh axis where that dimension divides over the devices, else replicated (JAX splits
-    a dimension only evenly)."""
+    One ``jax.jit`` program (inlined in the caller's ``jit``), so that an eager call or an
+    eager ``jax.grad`` compiles the sharded layer once instead of running it op by op. Where
+    nothing asks for explicit sharding types (no ``jax.set_mesh``, no input typed with a
+    sharding) it runs over the mesh's devices with automatic axes (:func:`_automatic`).
+    ``y`` comes back split along its first dimension over every mesh axis where that
+    dimension divides over the devices, else replicated (JAX splits a dimension only
+    evenly)."""
     if _untyped(params, x):
         mesh = _automatic(mesh)
     return _sharded(params, x, config, experts, mesh, expert_axis)
