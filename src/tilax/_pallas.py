@@ -18,7 +18,6 @@ from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
 
 Backend = Literal["interpret", "triton", "mosaic"]
 
@@ -203,7 +202,8 @@ def resolve_backend(requested: str) -> Backend:
     """Map a user-facing kernel choice to the Pallas backend that will run it.
 
     ``"auto"``/``"pallas"`` pick Triton on GPUs and interpret mode on CPU (the MoE layer's
-    ``impl="auto"`` consults its measured table first: ``tilax.moe.rules``).
+    ``impl="auto"`` consults its measured table first, ``tilax.moe.rules``, and runs plain XLA
+    on a CPU).
     ``"triton"`` runs the Triton kernel, interpreted on CPU (the same kernel code, so CPU tests
     cover it). ``"mosaic"`` needs Hopper and raises ``ValueError`` with the reason elsewhere.
     """
@@ -229,8 +229,11 @@ def pallas_call(
     kernels launch through ``plgpu.kernel`` themselves).
 
     Passing Triton compiler params explicitly selects the Triton lowering on GPUs even where
-    JAX's default Pallas GPU backend is Mosaic GPU.
+    JAX's default Pallas GPU backend is Mosaic GPU. Pallas is imported here, when a kernel is
+    built, not with ``tilax``: it loads JAX's Mosaic GPU bindings, which a CPU never uses.
     """
+    from jax.experimental import pallas as pl
+
     if backend == "interpret":
         return pl.pallas_call(kernel, interpret=True, **kwargs)
     if backend == "triton":

@@ -2,6 +2,7 @@
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import tilax
@@ -167,7 +168,7 @@ def test_config_type(setup):
 
 
 def test_resolve_impl_and_tiles():
-    assert api.resolve_impl(_config(impl="auto")) == "interpret"
+    assert api.resolve_impl(_config(impl="auto")) == "blocked"  # plain XLA on a CPU
     assert api.resolve_impl(_config(impl="triton")) == "interpret"
     assert api.resolve_impl(_config(impl="blocked")) == "blocked"
     assert api.resolve_impl(_config(routing="dense", impl="ragged_dot")) == "dense"
@@ -194,3 +195,35 @@ def test_public_names():
     }
     bf16 = tilax.moe_init(jax.random.key(0), _config(dtype=jnp.bfloat16))
     assert bf16["router"].dtype == jnp.float32 and bf16["w_up"].dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize("integer", [np.int64(32), np.int32(32), np.uint8(32)])
+def test_config_takes_numpy_integers(integer):
+    config = tilax.MoEConfig(d_model=integer, d_hidden=np.int16(32), num_experts=np.int64(4),
+                             top_k=np.int64(2), dtype=jnp.float32)
+    assert type(config.d_model) is int and config.d_model == 32
+    assert config == _config(d_model=32, d_hidden=32)
+    assert hash(config) == hash(_config(d_model=32, d_hidden=32))
+
+
+@pytest.mark.parametrize("value", [True, np.bool_(True)])
+def test_config_rejects_bools_as_sizes(value):
+    with pytest.raises(ValueError, match="d_model must be an integer"):
+        _config(d_model=value)
+
+
+@pytest.mark.parametrize("key", ["w_dwon", "bias"])
+def test_unknown_params_keys_are_named(key):
+    config = _config()
+    params = tilax.moe_init(jax.random.key(0), config)
+    params[key] = params["w_down"]
+    with pytest.raises(ValueError, match=f"unknown keys \\['{key}'\\]"):
+        tilax.moe_apply(params, jnp.ones((4, 16)), config)
+
+
+def test_unknown_shared_params_keys_are_named():
+    config = _config(shared_hidden=16)
+    params = tilax.moe_init(jax.random.key(0), config)
+    params["shared"]["w_dwon"] = params["shared"]["w_down"]
+    with pytest.raises(ValueError, match=r"params\['shared'\] has unknown keys \['w_dwon'\]"):
+        tilax.moe_apply(params, jnp.ones((4, 16)), config)

@@ -122,7 +122,7 @@ def test_one_pallas_layer_in_the_interpreter():
     interpreted_marked([
         ("pallas", "sorted", "dense", SMALL_TILES),
         ("triton", "fused_gsum", "dropless", SMALL_TILES),
-        ("auto", "sorted", "dropless", {}),  # the device default tiles
+        ("pallas", "sorted", "dropless", {}),  # the device default tiles
     ]),
 )
 def test_other_impl_names_and_tiles(impl, dispatch, routing, tiles):

@@ -154,8 +154,9 @@ def test_auto_keeps_triton_on_other_gpus_and_without_mosaic():
         assert api.resolve_impl(_config()) == "triton"
 
 
-def test_auto_on_cpu_interprets():
-    assert api.resolve_impl(_config()) == "interpret"
+def test_auto_on_cpu_runs_plain_xla():
+    assert api.resolve_impl(_config()) == "blocked"
+    assert rules.platform_rule("cpu").impl == "blocked"
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="the facts of a CPU-only machine")

@@ -20,15 +20,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from tilax import _pallas
 from tilax.moe import dispatch, expert_parallel, pallas, reference, router, rules
 from tilax.moe.base import RoutedCopies
-from tilax.moe.mosaic import shared as shared_mosaic
 
 IMPLS = ("auto", "pallas", "triton", "mosaic", "blocked", "ragged_dot")
 DISPATCHES = ("sorted", "gather", "fused", "fused_gsum")
@@ -36,9 +37,15 @@ ROUTINGS = ("dropless", "capacity", "dense")
 DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
+@jax.tree_util.register_static
 @dataclasses.dataclass(frozen=True)
 class MoEConfig:
     """Configuration of a Mixture-of-Experts layer with SwiGLU experts (frozen, hashable).
+
+    A pytree with no leaves (``jax.tree_util.register_static``): it is static under every JAX
+    transformation, so ``jax.jit(tilax.moe_apply)(params, x, config)``, ``jax.grad`` and
+    ``jax.vmap`` take it positionally without ``static_argnums``. Integer fields accept any
+    integral number (Python or NumPy integers, not bools) and hold Python ``int``.
 
     Args:
         d_model: token width ``d``.
@@ -50,9 +57,11 @@ class MoEConfig:
         routing: ``"dropless"`` (every copy computed), ``"capacity"`` (at most
             ``C = ceil(capacity_factor * T * k / E)`` copies per expert, earliest tokens first,
             the rest dropped) or ``"dense"`` (every expert on every token, weighted).
-        impl: routed-expert implementation: ``"auto"`` (the Pallas kernels on the backend
-            measured faster for this config and GPU, ``tilax.moe.rules``: Mosaic GPU
-            where a stored run shows it winning, else Triton; interpret mode on CPU),
+        impl: routed-expert implementation: ``"auto"`` (on GPUs the Pallas kernels on the
+            backend measured faster for this config and GPU, ``tilax.moe.rules``: Mosaic GPU
+            where a stored run shows it winning, else Triton; on a CPU the plain-XLA
+            ``"blocked"``, measured faster there than ``"ragged_dot"``; the Pallas
+            interpreter runs only when asked for),
             ``"pallas"``/``"triton"`` (Triton on GPUs, interpret mode on CPU), ``"mosaic"``
             (Mosaic GPU kernels, Hopper and newer, bfloat16/float16 only), ``"blocked"``
             (padded expert blocks in XLA) or ``"ragged_dot"`` (``jax.lax.ragged_dot``).
@@ -123,7 +132,11 @@ class MoEConfig:
     exchange: str = "auto"
     exchange_chunks: int = 1
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
+        for name in _INT_FIELDS:
+            value = getattr(self, name)
+            if _is_integral(value):
+                object.__setattr__(self, name, int(value))
         for name in ("d_model", "d_hidden", "num_experts", "top_k"):
             _check_int(name, getattr(self, name), minimum=1)
         _check_int("shared_hidden", self.shared_hidden, minimum=0)
@@ -141,8 +154,9 @@ class MoEConfig:
             if value not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
         factor = self.capacity_factor
-        if isinstance(factor, bool) or not isinstance(factor, (int, float)):
+        if isinstance(factor, (bool, np.bool_)) or not isinstance(factor, numbers.Real):
             raise ValueError(f"capacity_factor must be a number > 0, got {factor!r}")
+        object.__setattr__(self, "capacity_factor", float(factor))
         if not (math.isfinite(factor) and factor > 0):
             raise ValueError(f"capacity_factor must be a finite number > 0, got {factor!r}")
         for name in ("renormalize", "recompute"):
@@ -171,8 +185,18 @@ class MoEConfig:
             _check_int("num_stages", self.num_stages, minimum=1)
 
 
+_INT_FIELDS = ("d_model", "d_hidden", "num_experts", "top_k", "shared_hidden", "block_m",
+               "block_n", "block_k", "num_warps", "num_stages", "recompute_rows",
+               "exchange_chunks")
+
+
+def _is_integral(value: Any) -> bool:
+    """A Python or NumPy integer, not a bool (``True`` is no width)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+
+
 def _check_int(name: str, value: Any, *, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    if not _is_integral(value) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
 
 
@@ -180,7 +204,7 @@ def _check_int(name: str, value: Any, *, minimum: int) -> None:
 # Parameters
 
 
-def param_shapes(config: MoEConfig) -> dict:
+def param_shapes(config: MoEConfig) -> dict[str, Any]:
     """The parameter pytree's leaf shapes for ``config`` (the structure ``moe_init`` returns)."""
     d, h, e, s = config.d_model, config.d_hidden, config.num_experts, config.shared_hidden
     shapes = {
@@ -194,7 +218,7 @@ def param_shapes(config: MoEConfig) -> dict:
     return shapes
 
 
-def moe_init(key: jax.Array, config: MoEConfig) -> dict:
+def moe_init(key: jax.Array, config: MoEConfig) -> dict[str, Any]:
     """Random parameters for ``config``.
 
     Leaves: ``router: [d_model, E]`` float32; ``w_gate, w_up: [E, d_model, d_hidden]`` and
@@ -245,16 +269,27 @@ def _check_params(params: Any, config: MoEConfig) -> None:
             "params has a 'shared' expert but config.shared_hidden is 0; set shared_hidden to "
             "its width or drop params['shared']"
         )
+    _check_no_unknown_keys("params", params, expected)
     for name, shape in expected.items():
         if name not in params:
             raise ValueError(f"params is missing {name!r} (expected shape {shape})")
         if isinstance(shape, dict):
             if not isinstance(params[name], dict):
                 raise TypeError(f"params['{name}'] must be a dict of arrays")
+            _check_no_unknown_keys(f"params['{name}']", params[name], shape)
             for sub, sub_shape in shape.items():
                 _check_leaf(f"params['{name}']['{sub}']", params[name].get(sub), sub_shape)
         else:
             _check_leaf(f"params['{name}']", params[name], shape)
+
+
+def _check_no_unknown_keys(name: str, given: dict, expected: dict) -> None:
+    """A typo (``w_dwon`` beside ``w_down``) must not pass silently as an unused leaf."""
+    unknown = sorted(str(key) for key in set(given) - set(expected))
+    if unknown:
+        raise ValueError(
+            f"{name} has unknown keys {unknown}; the config expects exactly {sorted(expected)}"
+        )
 
 
 def _check_leaf(name: str, value: Any, shape: tuple[int, ...]) -> None:
@@ -284,9 +319,10 @@ def resolve_impl(config: MoEConfig) -> str:
     """The implementation ``moe_apply`` runs for ``config`` on this device.
 
     Returns ``"dense"`` for dense routing, ``"blocked"``/``"ragged_dot"`` for the XLA
-    baselines, ``"mosaic"`` for ``impl="mosaic"``, and for the other Pallas names the backend:
-    ``"triton"`` on GPUs, ``"interpret"`` on CPU; ``impl="auto"`` runs ``"mosaic"`` where
-    ``tilax.moe.rules`` holds a measured win for the config on this GPU.
+    baselines, ``"mosaic"`` for ``impl="mosaic"``, and for ``"pallas"``/``"triton"`` the
+    backend: ``"triton"`` on GPUs, ``"interpret"`` on CPU. ``impl="auto"`` follows
+    ``tilax.moe.rules``: on a CPU its platform rule (``"blocked"``), on GPUs ``"mosaic"``
+    where it holds a measured win for the config on this GPU, else ``"triton"``.
 
     Raises:
         ValueError: ``impl="mosaic"`` on a device that cannot run Mosaic GPU (with the reason),
@@ -312,7 +348,7 @@ def resolve_impl(config: MoEConfig) -> str:
     return _pallas.resolve_backend(config.impl)
 
 
-def kernel_tiles(config: MoEConfig):
+def kernel_tiles(config: MoEConfig) -> Any:
     """The tiles the Pallas path uses for ``config`` on this device: the defaults of the
     backend ``config.impl`` runs (the default Pallas backend for the XLA impls), overridden by
     the config's tile fields. Raises as :func:`resolve_impl` does."""
@@ -325,28 +361,41 @@ def kernel_tiles(config: MoEConfig):
 
 
 def moe_apply(
-    params: dict,
+    params: dict[str, Any],
     x: jax.Array,
     config: MoEConfig,
     *,
     mesh: jax.sharding.Mesh | None = None,
     expert_axis: str = "expert",
-) -> tuple[jax.Array, dict]:
+) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Apply the MoE layer: ``y = sum_k w_k * expert_k(x) + shared(x)``.
 
     ``logits = x @ router`` in float32, ``probs = softmax(logits)``, each token's top-k experts
     with weights ``w`` (renormalised to sum 1 when ``config.renormalize``); expert ``e`` is the
     SwiGLU ``(silu(x @ w_gate[e]) * (x @ w_up[e])) @ w_down[e]``. Experts run in
     ``config.dtype`` with float32 accumulation. Differentiable (reverse mode) w.r.t. ``params``
-    and ``x``; jit-compatible (``config`` is static).
+    and ``x``; ``jax.jit``, ``jax.grad`` and ``jax.vmap`` take ``config`` as a positional
+    argument (a pytree without leaves: static). Under ``jax.vmap`` (over ``x``, the
+    parameters, or both) every impl works and each batch element is its own layer call:
+    its own routing, capacity and ``aux`` (every ``aux`` entry gets the batch dimension, the
+    statistics of that element's tokens); ``impl="ragged_dot"`` then runs the elements one
+    after another (JAX cannot batch ``ragged_dot``). To route a batch as one set of tokens
+    (one ``aux`` for all), pass ``x`` as ``[..., d_model]`` instead of vmapping.
 
     With a ``mesh``, expert parallelism: the experts' leading dimension is sharded over the
     mesh axis ``expert_axis`` and the tokens over all mesh axes; every device routes its own
     tokens, each token copy travels to the device owning its expert and its result travels
     back (dropless: no copy is dropped, however skewed the routing), and ``y``, ``aux`` and the
     gradients equal the single-device call up to float rounding (capacity routing keeps the
-    same copies: earliest tokens first over the whole batch). ``y`` comes back sharded over
-    all mesh axes along its tokens. See ``expert_parallel.py`` for how.
+    same copies: earliest tokens first over the whole batch). ``y`` comes back split over all
+    mesh axes along its first dimension where that dimension is a multiple of the device
+    count, else replicated on every device (JAX splits a dimension only evenly: pad the tokens
+    to a multiple of ``mesh.size`` to keep ``y`` split). Gradients work under ``jax.jit`` and
+    outside it; on a mesh of explicit axes (``jax.make_mesh``'s default) with inputs already
+    placed on it or inside ``jax.set_mesh``, JAX's own rules for explicit axes apply (eager
+    ``jax.grad`` there needs ``jax.set_mesh``, where JAX cannot yet infer ``ragged_dot``'s
+    sharding: use ``impl="blocked"``).
+    See ``expert_parallel.py`` for how.
 
     Args:
         params: the pytree from `moe_init` (leaves may be float32 masters: they are cast
@@ -434,7 +483,10 @@ def shared_expert(
     allow and the ``shared`` rule of ``tilax.moe.rules`` takes it, else XLA's products and
     elementwise passes (``reference.shared_expert``)."""
     shared = {n: params["shared"][n].astype(config.dtype) for n in ("w_gate", "w_up", "w_down")}
-    if (backend == "mosaic" and rules.variant("shared") == "kernels"
-            and shared_mosaic.applies(x, shared)):
-        return shared_mosaic.shared_expert(x, shared["w_gate"], shared["w_up"], shared["w_down"])
+    if backend == "mosaic" and rules.variant("shared") == "kernels":
+        from tilax.moe.mosaic import shared as shared_mosaic  # a GPU backend: imported here
+
+        if shared_mosaic.applies(x, shared):
+            return shared_mosaic.shared_expert(
+                x, shared["w_gate"], shared["w_up"], shared["w_down"])
     return reference.shared_expert(x, shared)

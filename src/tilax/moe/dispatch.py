@@ -250,14 +250,22 @@ def take_rows(x: jax.Array, index: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type(rows, x.dtype).reshape(*rows.shape[:-1], x.shape[-1])
 
 
+def _shape_marker(x: jax.Array) -> jax.Array:
+    """An empty array carrying ``x``'s row count and dtype to a backward (residuals must be
+    arrays: a ``ShapeDtypeStruct`` fails where JAX lowers them as constants, e.g. an eager
+    ``jax.grad`` through ``shard_map``)."""
+    return jnp.zeros((x.shape[0], 0), x.dtype)
+
+
 def _take_rows_fwd(x, index):
-    return take_rows(x, index), (jax.ShapeDtypeStruct(x.shape, x.dtype), index)
+    return take_rows(x, index), (_shape_marker(x), index)
 
 
 def _take_rows_bwd(residuals, d_rows):
-    x_type, index = residuals
-    d_x = jnp.zeros(x_type.shape, d_rows.dtype).at[index].add(d_rows, mode="clip")
-    return d_x.astype(x_type.dtype), None
+    x_marker, index = residuals
+    shape = (x_marker.shape[0], *d_rows.shape[index.ndim:])
+    d_x = jnp.zeros(shape, d_rows.dtype).at[index].add(d_rows, mode="clip")
+    return d_x.astype(x_marker.dtype), None
 
 
 take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
@@ -275,15 +283,15 @@ def _permute(x: jax.Array, layout: RowLayout) -> jax.Array:
 
 
 def _permute_fwd(x, layout):
-    return _permute(x, layout), (jax.ShapeDtypeStruct(x.shape, x.dtype), layout)
+    return _permute(x, layout), (_shape_marker(x), layout)
 
 
 def _permute_bwd(residuals, d_rows):
     # Not take_rows' scatter-add: on the H200 the E64 top-8 decoder's 1M rows of 512 bf16
     # summed back by a gather in 0.30 ms against 1.89 ms for a float32 scatter-add. Padding
     # rows belong to no copy, and their cotangents go nowhere.
-    x_type, layout = residuals
-    d_x = sum_copies(d_rows, layout).astype(x_type.dtype)
+    x_marker, layout = residuals
+    d_x = sum_copies(d_rows, layout).astype(x_marker.dtype)
     return d_x, None
 
 

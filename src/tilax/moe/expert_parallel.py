@@ -42,6 +42,7 @@ directions (custom VJPs below), as on one device. The ``all_gather`` transport
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import NamedTuple
 
@@ -99,7 +100,41 @@ class MeshPlan:
 
 
 def moe_apply_sharded(params, x, config, experts, *, mesh, expert_axis):
-    """``moe_apply`` with expert parallelism; inputs already validated (see module docs)."""
+    """``moe_apply`` with expert parallelism; inputs already validated (see module docs).
+
+    One ``jax.jit`` program (inlined in the caller's ``jit``), so that an eager call or an
+    eager ``jax.grad`` compiles the sharded layer once instead of running it op by op. Where
+    nothing asks for explicit sharding types (no ``jax.set_mesh``, no input typed with a
+    sharding) it runs over the mesh's devices with automatic axes (:func:`_automatic`).
+    ``y`` comes back split along its first dimension over every mesh axis where that
+    dimension divides over the devices, else replicated (JAX splits a dimension only
+    evenly)."""
+    if _untyped(params, x):
+        mesh = _automatic(mesh)
+    return _sharded(params, x, config, experts, mesh, expert_axis)
+
+
+def _untyped(*trees) -> bool:
+    """No mesh in context (``jax.set_mesh``) and no input typed with a sharding: the layer is
+    free to run over automatic axes."""
+    if not jax.sharding.get_abstract_mesh().empty:
+        return False
+    return all(jax.typeof(leaf).sharding.mesh.empty for leaf in jax.tree.leaves(trees))
+
+
+def _automatic(mesh):
+    """``mesh`` with automatic axes. With explicit ones (``jax.make_mesh``'s default) the
+    outputs would be typed with their sharding, and a caller's eager ``jax.grad`` then fails
+    outside ``jax.set_mesh`` (its seed cotangent lives on one device); with automatic ones they
+    carry the same layout untyped."""
+    automatic = (jax.sharding.AxisType.Auto,) * len(mesh.axis_names)
+    if tuple(mesh.axis_types) == automatic:
+        return mesh
+    return jax.sharding.Mesh(mesh.devices, mesh.axis_names, axis_types=automatic)
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5))
+def _sharded(params, x, config, experts, mesh, expert_axis):
     token_axes = tuple(mesh.axis_names)
     lead_shape = jnp.shape(x)[:-1]
     num_tokens = math.prod(lead_shape)
@@ -136,7 +171,17 @@ def moe_apply_sharded(params, x, config, experts, *, mesh, expert_axis):
     )(used, x2)
     if padded != num_tokens or len(lead_shape) != 1:
         y = _placed(y, mesh, P())[:num_tokens].reshape(lead_shape + (config.d_model,))
+        split = lead_shape[0] % devices == 0
+        y = _constrained(y, mesh, token_spec if split else P())
     return y, aux
+
+
+def _constrained(value, mesh, spec):
+    """``value`` laid out as ``spec`` over ``mesh``, whatever the mesh's axis types."""
+    explicit = jax.sharding.AxisType.Explicit
+    if mesh.axis_types and all(t == explicit for t in mesh.axis_types):
+        return jax.reshard(value, NamedSharding(mesh, spec))
+    return lax.with_sharding_constraint(value, NamedSharding(mesh, spec))
 
 
 def _placed(value, mesh, spec):

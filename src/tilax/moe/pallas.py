@@ -33,24 +33,32 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from tilax import _pallas
-from tilax.moe import dispatch, pallas_slices, reference, triton
+from tilax.moe import dispatch, pallas_slices, reference
 from tilax.moe.base import RoutedCopies
-from tilax.moe.mosaic import gmm as mosaic
 
-# Pallas backend name (``_pallas.resolve_backend``) -> its kernel module (``base.GmmKernels``).
-KERNELS = {"triton": triton, "interpret": triton, "mosaic": mosaic}
+# Pallas backend name (``_pallas.resolve_backend``) -> its kernel module (``base.GmmKernels``),
+# imported when a kernel first runs: ``import tilax`` loads no GPU backend (Triton's and Mosaic
+# GPU's lowerings import GPU compiler bindings a CPU never uses).
+KERNELS = {"triton": "tilax.moe.triton", "interpret": "tilax.moe.triton",
+           "mosaic": "tilax.moe.mosaic.gmm"}
+
+
+def kernel_module(backend: str) -> Any:
+    """The kernel module (``base.GmmKernels``) of Pallas ``backend``, imported on first use."""
+    return importlib.import_module(KERNELS[backend])
 
 
 def kernel_tiles(config, backend: str | None = None):
     """The tiles the Pallas path uses for ``config`` on ``backend`` (default: this device's)."""
     backend = backend or _pallas.resolve_backend("pallas")
-    return KERNELS[backend].tiles_for(config)
+    return kernel_module(backend).tiles_for(config)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,7 +87,7 @@ class Plan:
 
     @property
     def kernels(self):
-        return KERNELS[self.backend]
+        return kernel_module(self.backend)
 
     def row_copy(self, x: jax.Array, layout) -> jax.Array:
         """``x[layout.row_token]``: by the backend's ``copy_rows`` where every copy has a

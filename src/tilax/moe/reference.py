@@ -5,7 +5,10 @@ layout (``dispatch.py``):
 
 - :func:`experts_blocked`: padded expert blocks, ``[E, B, d]`` with ``B = T`` (dropless: one
   expert may receive every token) or ``min(T, C)`` under capacity routing; batched matmuls.
-- :func:`experts_ragged_dot`: the sorted rows through ``jax.lax.ragged_dot``.
+- :func:`experts_ragged_dot`: the sorted rows through ``jax.lax.ragged_dot``. JAX cannot
+  batch ``ragged_dot`` (under ``jax.vmap`` its rule takes neither an unbatched right operand
+  nor batched group sizes), so it runs through :func:`ragged_matmul`: a custom VJP whose
+  forward and backward run each batch element in turn (``jax.lax.map``) under ``jax.vmap``.
 - :func:`experts_dense`: dense routing, every expert on every token, weighted by the combine
   weights (zero for experts a token did not choose).
 
@@ -22,9 +25,11 @@ activations are rounded to the operand dtype, as the kernels do.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+from jax import custom_batching
 
 from tilax.moe import dispatch
 from tilax.moe.base import RoutedCopies
@@ -158,10 +163,62 @@ def experts_ragged_dot(
     sizes = layout.group_sizes
 
     def ragged(lhs, rhs):
-        return jax.lax.ragged_dot(lhs, rhs, sizes, preferred_element_type=F32).astype(x.dtype)
+        return ragged_matmul(lhs, rhs, sizes).astype(x.dtype)
 
     act = swiglu_activation(ragged(xs, w_gate), ragged(xs, w_up))
     return dispatch.combine(ragged(act, w_down), weights, layout)
+
+
+def _one_at_a_time(fn: Callable) -> Callable:
+    """``fn`` under ``jax.vmap``: each batch element in turn (``jax.lax.map``), the unbatched
+    arguments shared. For the ``ragged_dot`` calls, which JAX cannot batch."""
+    mapped = custom_batching.custom_vmap(fn)
+
+    @mapped.def_vmap
+    def _rule(axis_size, in_batched, *args):
+        del axis_size
+        batched = [arg for arg, is_batched in zip(args, in_batched, strict=True) if is_batched]
+
+        def one(slices):
+            remaining = iter(slices)
+            return mapped(*[next(remaining) if is_batched else arg
+                            for arg, is_batched in zip(args, in_batched, strict=True)])
+
+        out = jax.lax.map(one, batched)
+        return out, jax.tree.map(lambda _: True, out)
+
+    return mapped
+
+
+@_one_at_a_time
+def _ragged_forward(lhs, rhs, group_sizes):
+    return jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=F32)
+
+
+@_one_at_a_time
+def _ragged_backward(lhs, rhs, group_sizes, d_out):
+    _, pullback = jax.vjp(lambda a, b: _ragged_forward.fun(a, b, group_sizes), lhs, rhs)
+    return pullback(d_out)
+
+
+@jax.custom_vjp
+def ragged_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """``jax.lax.ragged_dot(lhs, rhs, group_sizes)`` in float32 that ``jax.vmap`` batches
+    (each element in turn), differentiable in reverse mode w.r.t. ``lhs`` and ``rhs``."""
+    return _ragged_forward(lhs, rhs, group_sizes)
+
+
+def _ragged_matmul_fwd(lhs, rhs, group_sizes):
+    return _ragged_forward(lhs, rhs, group_sizes), (lhs, rhs, group_sizes)
+
+
+def _ragged_matmul_bwd(residuals, d_out):
+    lhs, rhs, group_sizes = residuals
+    d_lhs, d_rhs = _ragged_backward(lhs, rhs, group_sizes, d_out)
+    return d_lhs, d_rhs, None
+
+
+ragged_matmul.defvjp(_ragged_matmul_fwd, _ragged_matmul_bwd)
 
 
 def _checkpointed(config, fn):

@@ -22,7 +22,6 @@ import jax
 import jax.numpy as jnp
 
 from tilax.moe import dispatch, rules
-from tilax.moe.mosaic import router as router_mosaic
 
 # The router's matmul decides which experts run: keep it at full float32 precision on every
 # device (GPUs would otherwise use TF32 and may flip near-ties between implementations).
@@ -61,6 +60,8 @@ def route(
     ranked = None
     if (backend == "mosaic" and x.dtype == jnp.bfloat16
             and rules.variant("router") == "kernels"):  # the router rule of tilax.moe.rules
+        from tilax.moe.mosaic import router as router_mosaic  # a GPU backend: imported here
+
         if router_mosaic.block_tokens(x.shape[0], router.shape[1], top_k) is not None:
             ranked = _ranked_on_mosaic(top_k, x, router.astype(jnp.float32))
     if ranked is None:
@@ -166,6 +167,8 @@ def _ranked_on_mosaic(top_k, x, router32):
 
 
 def _ranked_on_mosaic_fwd(top_k, x, router32):
+    from tilax.moe.mosaic import router as router_mosaic
+
     parts = _logit_parts(x, router32)
     logits, probs, expert_ids, top_probs = router_mosaic.rank(parts, top_k)
     outputs = (logits, probs, expert_ids.T, top_probs.T)
@@ -173,6 +176,8 @@ def _ranked_on_mosaic_fwd(top_k, x, router32):
 
 
 def _ranked_on_mosaic_bwd(top_k, residuals, cotangents):
+    from tilax.moe.mosaic import router as router_mosaic
+
     del top_k
     x, router32, probs, expert_ids = residuals
     d_logits, d_probs, _, d_top = cotangents
