@@ -39,7 +39,18 @@ IMPL_COLOURS = {
 PALETTE = ["#4c78a8", "#f58518", "#54a24b", "#e45756", "#b279a2", "#9e765f", "#439894",
            "#b79a20", "#79706e", "#d67195", "#9ecae9", "#ffbf79", "#88d27a", "#ff9d98",
            "#d6a5c9", "#d8b5a5", "#83bcb6", "#f2cf5b", "#bab0ac", "#fcbfd2"]
+# Lines of one chart a reader can tell apart (colours and legend entries).
+MAX_SERIES = 8
 FONT = "system-ui, -apple-system, 'Segoe UI', Roboto, sans-serif"
+
+
+def fastest_series(data: pd.DataFrame, color: str, y: str) -> tuple[pd.DataFrame, int]:
+    """``data`` limited to its `MAX_SERIES` ``color`` values of smallest median ``y``, and how
+    many values were left out: more lines than that cannot be told apart."""
+    if color not in data or data[color].nunique() <= MAX_SERIES:
+        return data, 0
+    keep = data.groupby(color)[y].median().sort_values().index[:MAX_SERIES]
+    return data[data[color].isin(keep)], data[color].nunique() - MAX_SERIES
 
 
 def tooltip(fields: Sequence[str | alt.Tooltip]) -> list[alt.Tooltip]:
@@ -60,7 +71,8 @@ def tooltip(fields: Sequence[str | alt.Tooltip]) -> list[alt.Tooltip]:
     return tips
 
 
-def finish(chart: alt.TopLevelMixin, title: str | None = None) -> alt.TopLevelMixin:
+def finish(chart: alt.TopLevelMixin, title: str | alt.TitleParams | None = None
+           ) -> alt.TopLevelMixin:
     """Site-wide look: system font (no web font), quiet grid, legend on the right."""
     if title:
         chart = chart.properties(title=title)
@@ -136,10 +148,17 @@ def lines(
     width: int = 240,
     height: int = 170,
     detail: str | None = None,
-    title: str | None = None,
+    title: str | alt.TitleParams | None = None,
 ) -> alt.TopLevelMixin:
-    """Median vs a size, one line per ``color`` value, q1–q3 rules, log axes by default."""
+    """Median vs a size, one line per ``color`` value, q1–q3 rules, log axes by default. At
+    most `MAX_SERIES` lines: with more, the fastest ones (smallest median of ``y``) are drawn
+    and the subtitle says how many others the page's tables hold."""
     data = positive(data, *([x] if log_x else []), *([y] if log_y else []))
+    data, left_out = fastest_series(data, color, y)
+    if left_out:
+        title = alt.TitleParams(title or "", subtitle=(
+            f"the {MAX_SERIES} fastest of {MAX_SERIES + left_out}; the tables list every "
+            "one"))
     select = alt.selection_point(fields=[color], bind="legend")
     x_enc = alt.X(f"{x}:Q", title=x_title, scale=_scale(log_x),
                   axis=alt.Axis(format=x_format) if x_format else alt.Axis())
@@ -188,7 +207,8 @@ def bars(
     """Horizontal bars of ``value`` per ``category`` (q1–q3 rules on times, or a rule from
     the ``bounds`` columns (low, high) on other values); an optional vertical reference rule
     (e.g. ratio 1; the name of a column to draw it where that column has a value, e.g. in
-    some facets only)."""
+    some facets only). With ``log`` the values are dots, not bars: a bar's length means
+    nothing on a log axis."""
     data = positive(data, value) if log else data
     legend = color is not None and color != category
     color = color or category
@@ -199,13 +219,14 @@ def bars(
     sort = (list(data.groupby(category)[value].min().sort_values().index) if sort_by_value
             else None)
     y_enc = alt.Y(f"{category}:N", title=category_title, sort=sort)
-    x_scale = alt.Scale(type="log") if log else alt.Scale(zero=True)
+    x_scale = (alt.Scale(type="log", nice=False, padding=12) if log
+               else alt.Scale(zero=True))
     x_axis = alt.Axis(format="~g", tickCount=6)
     base = alt.Chart().encode(y=y_enc)
-    # On a log axis a bar has no zero to start from: start it at the plot's left edge.
-    start = [alt.X2Value(0)] if log else []
-    bar = base.mark_bar(height=bar_height * 0.8).encode(
-        alt.X(f"{value}:Q", title=value_title, scale=x_scale, stack=None, axis=x_axis), *start,
+    mark = (base.mark_point(filled=True, size=70, opacity=1) if log
+            else base.mark_bar(height=bar_height * 0.8))
+    bar = mark.encode(
+        alt.X(f"{value}:Q", title=value_title, scale=x_scale, stack=None, axis=x_axis),
         colour(color, color_title or category_title, data,
                legend=alt.Legend() if legend else None),
         opacity=alt.condition(select, alt.value(1.0), alt.value(0.25)),
@@ -309,12 +330,19 @@ def ladder(
     tips: Sequence[str | alt.Tooltip] = (),
     width: int = 300,
     height: int = 200,
-    title: str | None = None,
+    title: str | alt.TitleParams | None = None,
 ) -> alt.TopLevelMixin:
     """A size ladder: ``y`` vs ``x`` on log axes per series; a failed step (OOM, timeout) is a
     cross in the series' colour along the top edge (hover it for the error)."""
     # Skipped sizes were never attempted: not a failure, not drawn.
     data = data[data["status"] != "skipped"].copy()
+    reach = data[data["status"] == "measured"].groupby(color)[x].max()
+    if data[color].nunique() > MAX_SERIES:  # the ladders that went furthest
+        keep = reach.sort_values(ascending=False).index[:MAX_SERIES]
+        title = alt.TitleParams(title or "", subtitle=(
+            f"the {MAX_SERIES} that reached the largest sizes of {data[color].nunique()}; "
+            "the table lists every one"))
+        data = data[data[color].isin(keep)]
     data["error_short"] = data["error"].map(short_error)
     ok = data["status"] == "measured"
     top = data.loc[ok, y].max() if data.loc[ok, y].notna().any() else 1.0

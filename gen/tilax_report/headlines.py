@@ -108,3 +108,158 @@ def rbf_wins_at_largest_n(table: pd.DataFrame) -> pd.DataFrame:
                 "xla_hi": lead.max() if label != "xla" and not lead.empty else float("nan"),
             })
     return pd.DataFrame(out)
+
+
+# The peer headline: tilax's MoE layer against the other implementations of the same layer,
+# bf16 train step, on the GPU below. Settings are the table's rows, in order: (config label as
+# analysis.with_labels writes it, tokens).
+PEER_GPU = "NVIDIA H200"
+PEER_CASE = {"dtype": "bfloat16", "op": "train_step", "routing": "dropless"}
+PEER_SETTINGS = [
+    ("E8 top-2 d512 h1024", 131072),
+    ("E8 top-2 d512 h1024", 32768),
+    ("E64 top-8 d512 h128 shared 1024", 16384),
+    ("E64 top-8 d512 h128 shared 1024", 131072),
+]
+DEFAULT_COLUMN = "tilax default"
+FASTEST_COLUMN = "tilax fastest"
+# The peers' columns: column -> label (analysis.with_labels).
+PEER_COLUMNS = {
+    "PyTorch compiled": "torch_grouped_mm_compile",
+    "tokamax": "tokamax",
+    "lax.ragged_dot": "ragged_dot/sorted",
+}
+PALLAS_IMPLS = ("pallas", "triton", "mosaic")
+# What impl="auto", dispatch="sorted" (MoEConfig's defaults) runs, per GPU: the backend of the
+# package's rules table (src/tilax/moe: the rule rows name their stored runs), Triton where no
+# rule holds. tests/packaging/test_readme_numbers.py holds this against the rules table.
+MOSAIC_DEFAULT_GPUS = ("NVIDIA H200",)
+
+
+def default_label(device: str) -> str:
+    """The label of the stored row that tilax's defaults run on ``device``."""
+    return "mosaic/sorted" if device in MOSAIC_DEFAULT_GPUS else "triton/sorted"
+
+
+@dataclass
+class PeerHeadline:
+    run: str
+    device: str
+    cells: pd.DataFrame  # one row per setting x column: the stored row shown there (or none)
+    rows: pd.DataFrame  # every tidy row of the chosen files at the settings (source lines)
+
+
+def _setting_rows(table: pd.DataFrame) -> pd.DataFrame:
+    rows = table[table["family"] == "moe"]
+    rows = rows[(rows["device"] == PEER_GPU) & rows["suite"].isin(["layer", "decoder"])]
+    for field, value in PEER_CASE.items():
+        rows = rows[rows[field] == value]
+    rows = rows[rows["recompute"].isna() | ~rows["recompute"].fillna(False).astype(bool)]
+    keep = pd.Series(False, index=rows.index)
+    for config, tokens in PEER_SETTINGS:
+        keep |= (rows["config"] == config) & (rows["tokens"] == tokens)
+    return rows[keep]
+
+
+def _column_row(rows: pd.DataFrame, column: str, device: str) -> pd.Series | None:
+    """The row of ``rows`` (one file, one setting) that ``column`` shows, or None."""
+    if column == FASTEST_COLUMN:
+        pallas = analysis.timed(rows[rows["impl"].isin(PALLAS_IMPLS)])
+        return pallas.sort_values("median_ms").iloc[0] if not pallas.empty else None
+    label = default_label(device) if column == DEFAULT_COLUMN else PEER_COLUMNS[column]
+    found = rows[rows["label"] == label]
+    if found.empty:
+        return None
+    return analysis.timed(found).iloc[0] if not analysis.timed(found).empty else found.iloc[0]
+
+
+COLUMNS = [DEFAULT_COLUMN, FASTEST_COLUMN, *PEER_COLUMNS]
+
+
+def _file_cells(rows: pd.DataFrame, device: str) -> dict[str, pd.Series] | None:
+    """The cells of one file at one setting when it holds every column (a time for tilax's
+    default; a row, whatever its status, for each peer), else None."""
+    cells = {column: _column_row(rows, column, device) for column in COLUMNS}
+    if any(cell is None for cell in cells.values()) or cells[DEFAULT_COLUMN]["status"] != (
+            "measured"):
+        return None
+    return cells
+
+
+def peer_headline(table: pd.DataFrame, run_order: pd.Series) -> PeerHeadline | None:
+    """The newest run on `PEER_GPU` whose files hold every column at every setting; each
+    setting's cells come from one file (ratios only within one process), the newest such file
+    of the run."""
+    rows = _setting_rows(table)
+    candidates = sorted(rows["run"].unique(), key=lambda r: -run_order.get(r, -1))
+    for run in candidates:
+        in_run = rows[rows["run"] == run]
+        records, sources = [], []
+        for config, tokens in PEER_SETTINGS:
+            setting = in_run[(in_run["config"] == config) & (in_run["tokens"] == tokens)]
+            files = (setting.sort_values("started", ascending=False)["source_file"]
+                     .drop_duplicates())
+            chosen = next(((f, c) for f in files if (c := _file_cells(
+                setting[setting["source_file"] == f], PEER_GPU)) is not None), None)
+            if chosen is None:
+                break
+            source, cells = chosen
+            sources.append(setting[setting["source_file"] == source])
+            for column, cell in cells.items():
+                records.append({"setting": config, "tokens": tokens, "column": column,
+                                **cell.to_dict()})
+        else:
+            return PeerHeadline(run, PEER_GPU, pd.DataFrame(records), pd.concat(sources))
+    return None
+
+
+# The RBF headline: tilax's kernel sum against plain XLA and the peers that ran, forward and
+# forward + backward, at the largest n of the newest run on `PEER_GPU` that timed both.
+RBF_TILAX = "pallas"
+RBF_COLUMNS = {
+    "tilax (pallas)": "pallas",
+    "chunked XLA": "xla",
+    "dense XLA": "dense",
+    "dense PyTorch": "torch_dense",
+    "KeOps": "keops",
+}
+RBF_OPS = ("fwd", "fwd_bwd")
+
+
+@dataclass
+class RbfHeadline:
+    run: str
+    device: str
+    source_file: str
+    config: str
+    n: int
+    cells: pd.DataFrame  # one row per op x column that has a stored row
+    rows: pd.DataFrame
+
+
+def rbf_headline(table: pd.DataFrame, run_order: pd.Series) -> RbfHeadline | None:
+    rows = table[(table["family"] == "rbf") & (table["suite"] == "kernel_mv")
+                 & (table["device"] == PEER_GPU) & table["label"].isin(RBF_COLUMNS.values())]
+    good = analysis.timed(rows)
+    both = good.groupby(["source_file", "run", "config", "n"])["label"].agg(
+        lambda s: {RBF_TILAX, "xla"} <= set(s) and s.size >= 2 * len(RBF_OPS)).reset_index()
+    both = both[both["label"]]
+    if both.empty:
+        return None
+    both = both.assign(
+        _when=-both["run"].map(run_order).fillna(-1),
+        _labels=[-rows[(rows["source_file"] == r.source_file) & (rows["config"] == r.config)
+                       & (rows["n"] == r.n)]["label"].nunique() for r in both.itertuples()],
+        _n=-both["n"],
+    ).sort_values(["_when", "_n", "_labels", "source_file"])
+    best = both.iloc[0]
+    case = rows[(rows["source_file"] == best["source_file"]) & (rows["config"] == best["config"])
+                & (rows["n"] == best["n"]) & rows["op"].isin(RBF_OPS)]
+    records = []
+    for op in RBF_OPS:
+        for column, label in RBF_COLUMNS.items():
+            found = case[(case["op"] == op) & (case["label"] == label)]
+            if not found.empty:
+                records.append({"column": column, **found.iloc[0].to_dict()})
+    return RbfHeadline(best["run"], PEER_GPU, best["source_file"], best["config"],
+                       int(best["n"]), pd.DataFrame(records), case)

@@ -10,6 +10,7 @@ saying why (``p.tilax-empty``).
 
 from __future__ import annotations
 
+import contextlib
 import html
 import json
 import math
@@ -29,9 +30,12 @@ RAW_DIR = "data"
 class Page:
     """A report page under construction: Markdown text plus numbered charts and tables."""
 
-    def __init__(self, slug: str, title: str):
+    def __init__(self, slug: str, title: str | None = None, raw_dir: str = RAW_DIR):
+        """``title``: the page's heading (none for a part of a hand-written page);
+        ``raw_dir``: where the stored files' copies are, relative to the page."""
         self.slug = slug
-        self.parts: list[str] = [f"# {title}\n"]
+        self.raw_dir = raw_dir
+        self.parts: list[str] = [f"# {title}\n"] if title else []
         self._count = 0
 
     def md(self, text: str) -> None:
@@ -49,7 +53,7 @@ class Page:
             sentence = empty or nothing_to_draw(spec_title(spec), rows)
             self.parts.append(f'<p class="tilax-empty" id="{chart_id}">'
                               f"{html.escape(sentence, quote=False)}"
-                              f"</p>\n\n{source_line(rows)}\n")
+                              f"</p>\n\n{source_line(rows, raw_dir=self.raw_dir)}\n")
             return
         spec_json = json.dumps(spec, separators=(",", ":"), allow_nan=False, default=str)
         spec_json = spec_json.replace("</", "<\\/")
@@ -58,7 +62,7 @@ class Page:
             f'<div class="tilax-figure">\n'
             f'<div class="tilax-chart" id="{chart_id}" data-sources="{html.escape(files)}"></div>\n'
             f'<script type="application/json" data-chart-for="{chart_id}">{spec_json}</script>\n'
-            f"</div>\n\n{source_line(rows, caption)}\n"
+            f"</div>\n\n{source_line(rows, caption, self.raw_dir)}\n"
         )
 
     def table(self, frame: pd.DataFrame, rows: pd.DataFrame, caption: str = "",
@@ -75,12 +79,26 @@ class Page:
             f'<div class="tilax-table" id="{table_id}" data-sources="{html.escape(files)}" '
             f'data-key-columns="{key_columns}" markdown="1">\n\n'
             f"{markdown_table(frame, markdown_columns)}\n\n</div>\n\n"
-            f"{source_line(rows, caption)}\n"
+            f"{source_line(rows, caption, self.raw_dir)}\n"
         )
         if collapsed:
             body = (f'<details class="tilax-details" markdown="1">\n'
                     f"<summary>{html.escape(collapsed)}</summary>\n\n{body}\n</details>\n")
         self.parts.append(body)
+
+    @contextlib.contextmanager
+    def collapsed(self, summary: str):
+        """Everything written inside the ``with`` block goes into one closed ``<details>``
+        (older runs under the newest): nothing when the block wrote nothing."""
+        start = len(self.parts)
+        yield
+        inner = self.parts[start:]
+        del self.parts[start:]
+        if inner:
+            self.parts.append(
+                f'<details class="tilax-details tilax-earlier" markdown="1">\n'
+                f"<summary>{html.escape(summary)}</summary>\n\n" + "\n".join(inner)
+                + "\n</details>\n")
 
     def render(self) -> str:
         return "\n".join(self.parts)
@@ -175,7 +193,7 @@ def source_files(rows: pd.DataFrame) -> list[str]:
     return sorted(rows["source_file"].dropna().unique())
 
 
-def source_line(rows: pd.DataFrame, caption: str = "") -> str:
+def source_line(rows: pd.DataFrame, caption: str = "", raw_dir: str = RAW_DIR) -> str:
     """'Source: [file](data/file) (runs a, b)' as a paragraph with class tilax-source."""
     parts = []
     for name in source_files(rows):
@@ -183,7 +201,7 @@ def source_line(rows: pd.DataFrame, caption: str = "") -> str:
         shown = ", ".join(f"`{r}`" for r in runs[:8]) + (f" and {len(runs) - 8} more"
                                                         if len(runs) > 8 else "")
         label = "run" if len(runs) == 1 else "runs"
-        parts.append(f"[{name}]({RAW_DIR}/{name})" + (f" ({label} {shown})" if runs else ""))
+        parts.append(f"[{name}]({raw_dir}/{name})" + (f" ({label} {shown})" if runs else ""))
     text = "Source: " + ("; ".join(parts) if parts else "no stored rows")
     if caption:
         text += ". " + caption.strip()
@@ -350,14 +368,13 @@ def rounds_cell(rounds: object, few: bool = False, wide: bool = False) -> str:
 
 def verdict_phrase(ratio: float, clear: object, other: str) -> str:
     """How a row compares with ``other`` (``ratio`` = other's median / this one's, above 1:
-    this one is faster): '1.64× faster than X', 'no clear difference from X (1.01×)', or
-    '1.21× faster than X (noise unknown: one time stored)'."""
+    this one is faster): '1.64× faster than X', 'no clear difference from X (1.01×)', or,
+    where a row stored no spread (one time, no rounds or quartiles), no verdict: 'X's time
+    1.21× this one's (no spread stored)'."""
     if ratio is None or pd.isna(ratio):
         return ""
     if clear is None or pd.isna(clear):
-        word = "faster than" if ratio >= 1 else "slower than"
-        shown = ratio if ratio >= 1 else 1 / ratio
-        return f"{fmt_ratio(shown)} {word} {other} (noise unknown: one time stored)"
+        return f"{other}'s time {fmt_ratio(ratio)} this one's (no spread stored)"
     if not clear:
         return f"no clear difference from {other} ({fmt_ratio(ratio)}, within the noise)"
     if ratio >= 1:

@@ -7,8 +7,9 @@ from __future__ import annotations
 import altair as alt
 import pandas as pd
 
-from .. import analysis, charts, headlines, runs
+from .. import analysis, charts, headlines
 from ..load import StoredResults
+from ..prepared import prepared
 from ..render import (
     Page,
     case_label,
@@ -30,36 +31,44 @@ REFERENCE = "triton/sorted"
 
 
 def build(results: StoredResults) -> str:
-    table = analysis.with_labels(results.table)
+    ready = prepared(results)
+    table = ready.table
     decoder = table[(table["family"] == "moe") & (table["suite"] == "decoder")]
     page = Page(SLUG, TITLE)
     page.md(
-        "A decoder-sized MoE layer: d_model 512, 64 experts of width 128, top-8 routing and a "
-        "shared expert of width 1024, dropless, bfloat16; forward and train step "
-        "(value and grad with respect to parameters and input). Each stored file is its own "
-        "section; ratios are within the file."
+        "Which implementation runs a decoder-sized MoE layer fastest: d_model 512, 64 experts "
+        "of width 128, top-8 routing and a shared expert of width 1024, dropless, bfloat16, "
+        "forward and train step (value and grad with respect to parameters and input), at "
+        "each token count. The newest run on each GPU comes first, with its table and "
+        "charts; earlier runs are folded under *Earlier runs* (and followed over time on the "
+        "[history page](history.md)). Ratios are within one stored file. "
+        + _shared.VERDICTS
     )
-    page.md(_shared.NOISE_RULE)
     if decoder.empty:
         page.md("No stored run has the decoder suite.")
         return page.render()
-    catalogue = runs.catalogue(table)
-    dates = pd.Series(catalogue["date"].to_numpy(), index=catalogue["run"])
-    findings = _shared.decoder_sentences(headlines.decoder_ranked(table), dates)
+    newest, earlier = _shared.by_run_newest_first(decoder, ready.order)
+    ranked = headlines.decoder_ranked(table)
+    newest_runs = {run for _, run, _ in newest}
+    findings = _shared.decoder_sentences(ranked[ranked["run"].isin(newest_runs)], ready.dates)
     page.md("\n".join(f"- {s}" for s in findings))
-    unmeasured = []
     # One section per run (its files together); the ratios inside stay within each file.
-    for _run, rows in decoder.groupby("run", sort=False):
-        if analysis.timed(rows).empty:
-            unmeasured.append(rows)
-        else:
-            _run_section(page, rows)
-    for rows in unmeasured:
-        _unmeasured_sentence(page, rows)
+    for _, _, rows in newest:
+        _section(page, rows)
+    with page.collapsed(_shared.earlier_summary(earlier)):
+        for _, _, rows in earlier:
+            _section(page, rows, level="###")
     return page.render()
 
 
-def _unmeasured_sentence(page: Page, rows: pd.DataFrame) -> None:
+def _section(page: Page, rows: pd.DataFrame, level: str = "##") -> None:
+    if analysis.timed(rows).empty:
+        _unmeasured_sentence(page, rows, level)
+    else:
+        _run_section(page, rows, level)
+
+
+def _unmeasured_sentence(page: Page, rows: pd.DataFrame, level: str) -> None:
     """A file whose decoder rows have no time: one sentence, not a grid of empty cells."""
     per_row = rows.drop_duplicates(["source_file", "source_row"])
     counts = per_row["status"].value_counts()
@@ -67,7 +76,7 @@ def _unmeasured_sentence(page: Page, rows: pd.DataFrame) -> None:
     why = f" ({reasons.mode().iloc[0]})" if not reasons.empty else ""
     failed = (f" and {plural(int(counts.get('failed', 0)), 'case')} failed"
               if counts.get("failed") else "")
-    page.md(f"## {rows['device'].iloc[0]}, run `{rows['run'].iloc[0]}`\n")
+    page.md(f"{level} {rows['device'].iloc[0]}, run `{rows['run'].iloc[0]}`\n")
     page.md(
         f"Nothing measured: of its {plural(len(per_row), 'decoder case')} in "
         f"{', '.join(f'`{f}`' for f in sorted(rows['source_file'].unique()))}, "
@@ -75,9 +84,9 @@ def _unmeasured_sentence(page: Page, rows: pd.DataFrame) -> None:
         f"{why}{failed}. See run {run_link(rows['run'].iloc[0])}.")
 
 
-def _run_section(page: Page, rows: pd.DataFrame) -> None:
+def _run_section(page: Page, rows: pd.DataFrame, level: str) -> None:
     device, run = rows["device"].iloc[0], rows["run"].iloc[0]
-    page.md(f"## {device}, run `{run}`\n")
+    page.md(f"{level} {device}, run `{run}`\n")
     if isinstance(rows["run_note"].iloc[0], str):
         page.md(f"*{rows['run_note'].iloc[0]}*")
     spread = rows["q1_ms"].notna().any()
@@ -128,7 +137,7 @@ def _run_section(page: Page, rows: pd.DataFrame) -> None:
     if (rows["status"] != "measured").any():
         _shared.not_measured(page, rows, "decoder case",
                              {"label": "impl/dispatch", "op": "op", "tokens": "tokens"},
-                             name=f"decoder-{run}", heading="### Not measured in this run")
+                             name=f"decoder-{run}", heading=f"{level}# Not measured in this run")
 
 
 def _numerics(page: Page, rows: pd.DataFrame) -> None:

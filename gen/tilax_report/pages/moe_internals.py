@@ -9,6 +9,7 @@ import pandas as pd
 
 from .. import analysis, charts
 from ..load import StoredResults
+from ..prepared import prepared
 from ..render import Page, fmt_int, fmt_ms, fmt_num, fmt_ratio, short_error
 from . import _shared
 
@@ -27,8 +28,8 @@ LOWER_BOUND_NOTE = (
 
 
 def build(results: StoredResults) -> str:
-    table = analysis.with_labels(results.table)
-    moe = table[table["family"] == "moe"]
+    ready = prepared(results)
+    moe = ready.table[ready.table["family"] == "moe"]
     page = Page(SLUG, TITLE)
     page.md(
         "Where the time of a MoE train step goes and how the tuning knobs move it, from the "
@@ -38,7 +39,8 @@ def build(results: StoredResults) -> str:
     _pieces(page, moe[moe["suite"] == "pieces"])
     _block_m(page, moe[moe["suite"] == "blockm"])
     _slab(page, moe[(moe["suite"] == "layer") & moe["slab_elems"].notna()])
-    _maxtok(page, moe[moe["suite"] == "maxtok"], moe[moe["suite"] == "maxtok_summary"])
+    _maxtok(page, moe[moe["suite"] == "maxtok"], moe[moe["suite"] == "maxtok_summary"],
+            ready.order)
     _ab(page, moe[moe["suite"] == "layer"])
     _shared.not_measured(page, moe[moe["suite"].isin(["pieces", "blockm", "maxtok"])],
                          "case", {"suite": "suite", "label": "impl", "piece": "piece",
@@ -159,7 +161,8 @@ def _slab_label(value) -> str:
     return f"2^{exponent}" if 1 << exponent == value else fmt_int(value)
 
 
-def _maxtok(page: Page, ladder: pd.DataFrame, summary: pd.DataFrame) -> None:
+def _maxtok(page: Page, ladder: pd.DataFrame, summary: pd.DataFrame, order: pd.Series
+            ) -> None:
     page.md("## Largest train step\n")
     if ladder.empty and summary.empty:
         page.md("No stored run has the `maxtok` ladder.")
@@ -169,14 +172,23 @@ def _maxtok(page: Page, ladder: pd.DataFrame, summary: pd.DataFrame) -> None:
         "peak device memory (`peak_bytes_in_use`) of the steps that ran."
     )
     ladder = ladder.assign(series=ladder["label"] + " · " + ladder["code"].fillna(ladder["run"]))
-    for device, group in ladder.groupby("device", sort=False):
+
+    def draw(device: str, run: str, group: pd.DataFrame) -> None:
         chart = charts.ladder(
-            group, x="tokens", x_title="tokens", color="series", color_title="impl · code/run",
+            group, x="tokens", x_title="tokens", color="series", color_title="impl · code",
             tips=["run", "code", "median_ms"], width=420, height=240,
-            title=f"{analysis.short_gpu(device)}: peak memory of the bf16 train step vs tokens",
+            title=f"{analysis.short_gpu(device)}, run {run}: peak memory of the bf16 train "
+                  "step vs tokens",
         )
         page.chart(chart, group, "A cross on the top edge marks the size that failed "
                                  "(hover for the error); skipped sizes are not drawn.")
+
+    newest, earlier = _shared.by_run_newest_first(ladder, order)
+    for group in newest:
+        draw(*group)
+    with page.collapsed(_shared.earlier_summary(earlier)):
+        for group in earlier:
+            draw(*group)
     keys = ["source_file", "run", "gpu", "code", "label"]
     limits = analysis.ladder_limits(ladder.assign(code=ladder["code"].fillna("")),
                                     summary.assign(code=summary["code"].fillna("")),
