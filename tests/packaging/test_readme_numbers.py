@@ -5,9 +5,10 @@ headline): it must equal a fresh rendering from data/results/, so README and sit
 (`PYTHONPATH=gen python -m tilax_report.front` refreshes it). Independently of that code, the
 MoE table's cells are checked against the stored files here. The table's rows name a setting
 (experts, top-k, widths, tokens) and its columns an implementation: each cell must print the
-median and quartiles of that stored row, rounded as printed, and each row's cells must come from one of the files the section links to (ratios are
-only fair within one file: one process, one GPU). Numbers in the text around the table must be
-table values, token counts, or ratios of two medians of one table row.
+median and quartiles of that stored row, rounded as printed, and each row's cells must come
+from one of the files the section links to (ratios are only fair within one file: one
+process, one GPU). Numbers in the text around the table must be table values, token counts,
+or ratios of two medians of one table row.
 """
 
 from __future__ import annotations
