@@ -73,13 +73,14 @@ def tooltip(fields: Sequence[str | alt.Tooltip]) -> list[alt.Tooltip]:
 
 def finish(chart: alt.TopLevelMixin, title: str | alt.TitleParams | None = None
            ) -> alt.TopLevelMixin:
-    """Site-wide look: system font (no web font), quiet grid, legend on the right."""
+    """Site-wide look: system font (no web font), quiet grid, legend on the right, and no
+    label cut short (a limit of 0 is none: a cut label names nothing)."""
     if title:
         chart = chart.properties(title=title)
     return (
         chart.configure(font=FONT)
-        .configure_axis(labelFontSize=11, titleFontSize=12, gridOpacity=0.5)
-        .configure_legend(labelFontSize=11, titleFontSize=12, labelLimit=260)
+        .configure_axis(labelFontSize=11, titleFontSize=12, gridOpacity=0.5, labelLimit=0)
+        .configure_legend(labelFontSize=11, titleFontSize=12, labelLimit=0)
         .configure_header(labelFontSize=12, titleFontSize=12)
         .configure_title(fontSize=14, anchor="start")
     )
@@ -292,8 +293,7 @@ def heatmap(
             scale_kwargs["clamp"] = True
     base = alt.Chart().encode(
         alt.X(f"{x}:O", title=x_title, sort=list(x_sort) if x_sort is not None else "ascending",
-              axis=alt.Axis(labelAngle=0 if _fits(data[x], cell) else -35, orient="top",
-                            labelLimit=220)),
+              axis=alt.Axis(labelAngle=0 if _fits(data[x], cell) else -35, orient="top")),
         alt.Y(f"{y}:O", title=y_title, sort=list(y_sort) if y_sort is not None else "ascending"),
     )
     rect = base.mark_rect().encode(

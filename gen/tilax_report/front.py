@@ -221,19 +221,31 @@ def rbf_markdown(found: headlines.RbfHeadline, links: Links) -> str:
     return "\n".join(lines)
 
 
+# The results chosen from last (held, so that the id is not reused) and what was chosen.
+_last: list[tuple[StoredResults, tuple]] = []
+
+
+def chosen(results: StoredResults) -> tuple[headlines.PeerHeadline | None,
+                                            headlines.RbfHeadline | None]:
+    """The MoE and RBF headlines of ``results``, chosen once (home page, overview, README)."""
+    if not (_last and _last[0][0] is results):
+        ready = prepared(results)
+        _last[:] = [(results, (headlines.peer_headline(ready.table, ready.order),
+                               headlines.rbf_headline(ready.table, ready.order)))]
+    return _last[0][1]
+
+
 def headline_markdown(results: StoredResults, links: Links, chart: str = "") -> str:
     """The headline in Markdown, links as ``links`` says; ``chart`` (Markdown) under the MoE
     table."""
     ready = prepared(results)
-    table, order, dates = ready.table, ready.order, ready.dates
     parts = []
-    moe = headlines.peer_headline(table, order)
+    moe, rbf = chosen(results)
     if moe is None:
         parts.append(f"No stored run on the {headlines.PEER_GPU} holds the MoE layer's train "
                      "step for tilax and every peer at the headline settings.")
     else:
-        parts.append(moe_markdown(moe, links, dates, chart))
-    rbf = headlines.rbf_headline(table, order)
+        parts.append(moe_markdown(moe, links, ready.dates, chart))
     if rbf is not None:
         parts.append(rbf_markdown(rbf, links))
     parts.append(
@@ -246,8 +258,7 @@ def headline_markdown(results: StoredResults, links: Links, chart: str = "") -> 
 
 def home_page(results: StoredResults, hand_written: str) -> str:
     """docs/index.md with the headline (text, table, chart) where `HOME_MARKER` stands."""
-    ready = prepared(results)
-    found = headlines.peer_headline(ready.table, ready.order)
+    found, _ = chosen(results)
     chart = ""
     if found is not None:
         page = Page("home", raw_dir=SITE_LINKS.data.rstrip("/"))

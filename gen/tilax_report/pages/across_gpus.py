@@ -47,7 +47,7 @@ def render_across_gpus(page: Page, rows: pd.DataFrame, what: str, devices: list[
     gpus = sorted(rows["gpu"].unique())
     select = alt.selection_point(fields=["gpu"], bind="legend")
     chart = alt.Chart(shown).mark_tick(thickness=2, size=13).encode(
-        alt.Y("impl_case:N", title=None, sort=order, axis=alt.Axis(labelLimit=360)),
+        alt.Y("impl_case:N", title=None, sort=order),
         alt.X("median_ms:Q", title="median time (ms, log scale, shared by every row)",
               scale=alt.Scale(type="log", nice=False, padding=10)),
         alt.Color("gpu:N", title="GPU", scale=alt.Scale(domain=gpus,

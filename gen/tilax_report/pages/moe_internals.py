@@ -33,11 +33,13 @@ def build(results: StoredResults) -> str:
     page = Page(SLUG, TITLE)
     page.md(
         "Where the time of a MoE train step goes and how the tuning knobs move it, from the "
-        "runs that measured one implementation under controlled changes. Times are medians "
-        "(q1–q3); runs of `before` and `final` code are compared only as A/B repetitions."
+        "runs that measured one implementation under controlled changes: the cost of each "
+        "piece, the row tile `block_m`, the scatter's slab size, the largest train step that "
+        "fits, and A/B repetitions of `before` against `final` code. Times are medians "
+        "(q1–q3); each sweep opens with its newest run on each GPU, earlier runs folded."
     )
     _pieces(page, moe[moe["suite"] == "pieces"])
-    _block_m(page, moe[moe["suite"] == "blockm"])
+    _block_m(page, moe[moe["suite"] == "blockm"], ready.order)
     _slab(page, moe[(moe["suite"] == "layer") & moe["slab_elems"].notna()])
     _maxtok(page, moe[moe["suite"] == "maxtok"], moe[moe["suite"] == "maxtok_summary"],
             ready.order)
@@ -96,14 +98,15 @@ def _pieces(page: Page, rows: pd.DataFrame) -> None:
     page.table(display.fillna(""), rows, "Share of the summed pieces.")
 
 
-def _block_m(page: Page, rows: pd.DataFrame) -> None:
+def _block_m(page: Page, rows: pd.DataFrame, order: pd.Series) -> None:
     page.md("## block_m sweep\n")
     if rows.empty:
         page.md("No stored run has the `blockm` suite.")
         return
     page.md("The grouped matmul's row tile `block_m` for the sorted pallas path.")
     rows = rows.assign(case=_case(rows))
-    for (device, run), group in rows.groupby(["device", "run"], sort=False):
+
+    def draw(device: str, run: str, group: pd.DataFrame) -> None:
         good = analysis.timed(group)
         chart = charts.lines(
             good, x="block_m", x_title="block_m", color="case", color_title="case",
@@ -112,6 +115,13 @@ def _block_m(page: Page, rows: pd.DataFrame) -> None:
             title=f"{analysis.short_gpu(device)}, run {run}: block_m sweep",
         )
         page.chart(chart, group, _not_drawn(group))
+
+    newest, earlier = _shared.by_run_newest_first(rows, order)
+    for group in newest:
+        draw(*group)
+    with page.collapsed(_shared.earlier_summary(earlier)):
+        for group in earlier:
+            draw(*group)
 
 
 def _slab(page: Page, rows: pd.DataFrame) -> None:

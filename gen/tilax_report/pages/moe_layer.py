@@ -9,7 +9,7 @@ import pandas as pd
 from .. import analysis, charts, headlines
 from ..load import StoredResults
 from ..prepared import prepared
-from ..render import Page, case_label, fmt_int, fmt_num, fmt_ratio, fmt_size, join_names
+from ..render import Page, case_label, fmt_int, fmt_num, fmt_ratio, join_names
 from . import _shared
 from .across_gpus import render_across_gpus, sorted_rows
 
@@ -336,7 +336,8 @@ def _across_gpus(page: Page, table: pd.DataFrame, order: pd.Series) -> None:
     if not rows.empty:
         rows = sorted_rows(rows, ["suite", *analysis.MOE_CONFIG, "dtype", "op", "tokens",
                                   "label", "gpu", "run"])
-        rows = rows.assign(case=rows["suite"] + " · " + rows["config"] + " · " + rows["dtype"]
-                           + " " + rows["op"] + " " + rows["tokens"].map(fmt_size))
+        rows = rows.assign(case=[f"{r.suite} · {r.config} · "
+                                 f"{case_label(r.dtype, r.op, r.tokens)}"
+                                 for r in rows.itertuples()])
     devices = sorted(moe["device"].dropna().unique())
     render_across_gpus(page, rows, "MoE layer case", devices, order)

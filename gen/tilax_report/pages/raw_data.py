@@ -56,7 +56,7 @@ def build(results: StoredResults) -> str:
         alt.Chart(counts)
         .mark_bar()
         .encode(
-            alt.Y("GPU · suite:N", title=None, axis=alt.Axis(labelLimit=320)),
+            alt.Y("GPU · suite:N", title=None),
             alt.X("rows:Q", title="stored rows", stack="zero"),
             alt.Color("status:N", title="status",
                       scale=alt.Scale(domain=list(STATUS_COLOURS),

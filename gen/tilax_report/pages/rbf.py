@@ -340,7 +340,7 @@ def _launch_chart(page: Page, who: str, rows: pd.DataFrame) -> None:
     points = alt.Chart(data).mark_point(filled=True, size=70).encode(
         alt.X("vs_default:Q", title="median / the default launch's (log scale)",
               scale=alt.Scale(type="log", nice=False, padding=12)),
-        alt.Y("family:N", title=None, sort=families, axis=alt.Axis(labelLimit=240)),
+        alt.Y("family:N", title=None, sort=families),
         alt.Color("marked:N", title="launch", scale=alt.Scale(
             domain=["default", "other launch"], range=["#e45756", "#4c78a8"]),
             legend=alt.Legend(orient="bottom")),
