@@ -28,6 +28,7 @@ from .render import (
     fmt_ms,
     fmt_size,
     join_names,
+    repeats_note,
     run_anchor,
     short_error,
     verdict_phrase,
@@ -85,7 +86,9 @@ def _cell_text(cell: pd.Series, column: str) -> str:
     or skipped row says so."""
     if cell["status"] == "measured":
         text = fmt_ms(cell["median_ms"], cell["q1_ms"], cell["q3_ms"])
-        return f"{text} {cell['label']}" if column == headlines.FASTEST_COLUMN else text
+        text = f"{text} {cell['label']}" if column == headlines.FASTEST_COLUMN else text
+        repeats = repeats_note(cell["repeats"], cell["repeat_min_ms"], cell["repeat_max_ms"])
+        return f"{text} ({repeats})" if repeats else text
     return _not_timed(cell)
 
 
@@ -111,7 +114,7 @@ def _peer_phrase(default: pd.Series, cell: pd.Series, column: str) -> str:
     if cell["status"] != "measured":
         return f"{name} {_not_timed(cell)}"
     lead = _ratio(default, cell)
-    return verdict_phrase(lead["ratio"], lead["clear"], name)
+    return verdict_phrase(lead["ratio"], lead["clear"], name, lead["method"])
 
 
 def _rounds_text(cells: pd.DataFrame) -> str:
@@ -202,7 +205,7 @@ def rbf_markdown(found: headlines.RbfHeadline, links: Links) -> str:
                 phrases.append(f"{name} {_not_timed(cell)}")
                 continue
             lead = _ratio(tilax.iloc[0], cell)
-            phrases.append(verdict_phrase(lead["ratio"], lead["clear"], name))
+            phrases.append(verdict_phrase(lead["ratio"], lead["clear"], name, lead["method"]))
         sentences.append(f"{ops[op].split(' (')[0]}: {join_names(phrases)}")
     lines = [
         f"**RBF kernel sums, one {found.device}** (run {_run_text(found.run, links)}; "

@@ -162,34 +162,40 @@ def _setting_rows(table: pd.DataFrame) -> pd.DataFrame:
 
 
 def _column_row(rows: pd.DataFrame, column: str, device: str) -> pd.Series | None:
-    """The row of ``rows`` (one file, one setting) that ``column`` shows, or None."""
+    """The row of ``rows`` (one run, one setting) that ``column`` shows, or None. A time
+    must be claimable (`analysis.claimable`: a superseded peer row never feeds a headline)."""
     if column == FASTEST_COLUMN:
-        pallas = analysis.timed(rows[rows["impl"].isin(PALLAS_IMPLS)])
+        pallas = analysis.claimable(rows[rows["impl"].isin(PALLAS_IMPLS)])
         return pallas.sort_values("median_ms").iloc[0] if not pallas.empty else None
     label = default_label(device) if column == DEFAULT_COLUMN else PEER_COLUMNS[column]
     found = rows[rows["label"] == label]
-    if found.empty:
+    if found.empty or (found["status"] == "measured").any() and analysis.claimable(
+            found).empty:
         return None
-    return analysis.timed(found).iloc[0] if not analysis.timed(found).empty else found.iloc[0]
+    good = analysis.claimable(found)
+    return good.iloc[0] if not good.empty else found.iloc[0]
 
 
 COLUMNS = [DEFAULT_COLUMN, FASTEST_COLUMN, *PEER_COLUMNS]
 
 
-def _file_cells(rows: pd.DataFrame, device: str) -> dict[str, pd.Series] | None:
-    """The cells of one file at one setting when it holds every column (a time for tilax's
-    default; a row, whatever its status, for each peer), else None."""
+def _setting_cells(rows: pd.DataFrame, device: str) -> dict[str, pd.Series] | None:
+    """The cells of one run at one setting when it holds every column (a claimable time for
+    tilax's default; a row for each peer, whatever its status, its time measured in a file
+    with the default's: ratios only within one process), else None."""
     cells = {column: _column_row(rows, column, device) for column in COLUMNS}
     if any(cell is None for cell in cells.values()) or cells[DEFAULT_COLUMN]["status"] != (
             "measured"):
         return None
+    default_files = set(cells[DEFAULT_COLUMN]["source_files"])
+    for cell in cells.values():
+        if cell["status"] == "measured" and not default_files & set(cell["source_files"]):
+            return None
     return cells
 
 
 def peer_headline(table: pd.DataFrame, run_order: pd.Series) -> PeerHeadline | None:
-    """The newest run on `PEER_GPU` whose files hold every column at every setting; each
-    setting's cells come from one file (ratios only within one process), the newest such file
-    of the run."""
+    """The newest run on `PEER_GPU` that holds every column at every setting."""
     rows = _setting_rows(table)
     candidates = sorted(rows["run"].unique(), key=lambda r: -run_order.get(r, -1))
     for run in candidates:
@@ -197,14 +203,10 @@ def peer_headline(table: pd.DataFrame, run_order: pd.Series) -> PeerHeadline | N
         records, sources = [], []
         for config, tokens in PEER_SETTINGS:
             setting = in_run[(in_run["config"] == config) & (in_run["tokens"] == tokens)]
-            files = (setting.sort_values("started", ascending=False)["source_file"]
-                     .drop_duplicates())
-            chosen = next(((f, c) for f in files if (c := _file_cells(
-                setting[setting["source_file"] == f], PEER_GPU)) is not None), None)
-            if chosen is None:
+            cells = _setting_cells(setting, PEER_GPU)
+            if cells is None:
                 break
-            source, cells = chosen
-            sources.append(setting[setting["source_file"] == source])
+            sources.append(setting)
             for column, cell in cells.items():
                 records.append({"setting": config, "tokens": tokens, "column": column,
                                 **cell.to_dict()})
@@ -238,28 +240,39 @@ class RbfHeadline:
 
 
 def rbf_headline(table: pd.DataFrame, run_order: pd.Series) -> RbfHeadline | None:
+    """The newest run on `PEER_GPU` whose kernel_mv rows time tilax and XLA both ways (fwd,
+    fwd_bwd) in one file, at its largest such n (then the config with the most columns)."""
     rows = table[(table["family"] == "rbf") & (table["suite"] == "kernel_mv")
                  & (table["device"] == PEER_GPU) & table["label"].isin(RBF_COLUMNS.values())]
-    good = analysis.timed(rows)
-    both = good.groupby(["source_file", "run", "config", "n"])["label"].agg(
+    good = analysis.claimable(rows)
+    keys = ["run", "config", "n"]
+    both = good.groupby(keys)["label"].agg(
         lambda s: {RBF_TILAX, "xla"} <= set(s) and s.size >= 2 * len(RBF_OPS)).reset_index()
     both = both[both["label"]]
     if both.empty:
         return None
     both = both.assign(
         _when=-both["run"].map(run_order).fillna(-1),
-        _labels=[-rows[(rows["source_file"] == r.source_file) & (rows["config"] == r.config)
+        _labels=[-rows[(rows["run"] == r.run) & (rows["config"] == r.config)
                        & (rows["n"] == r.n)]["label"].nunique() for r in both.itertuples()],
         _n=-both["n"],
-    ).sort_values(["_when", "_n", "_labels", "source_file"])
+    ).sort_values(["_when", "_n", "_labels", "run"])
     best = both.iloc[0]
-    case = rows[(rows["source_file"] == best["source_file"]) & (rows["config"] == best["config"])
+    case = rows[(rows["run"] == best["run"]) & (rows["config"] == best["config"])
                 & (rows["n"] == best["n"]) & rows["op"].isin(RBF_OPS)]
+    tilax_files = {f for files in case.loc[case["label"] == RBF_TILAX, "source_files"]
+                   for f in files}
     records = []
     for op in RBF_OPS:
         for column, label in RBF_COLUMNS.items():
             found = case[(case["op"] == op) & (case["label"] == label)]
-            if not found.empty:
-                records.append({"column": column, **found.iloc[0].to_dict()})
-    return RbfHeadline(best["run"], PEER_GPU, best["source_file"], best["config"],
-                       int(best["n"]), pd.DataFrame(records), case)
+            if found.empty:
+                continue
+            row = found.iloc[0]
+            if row["status"] == "measured" and not (
+                    tilax_files & set(row["source_files"])) or row.get("superseded") is True:
+                continue  # no ratio across processes, no claim from a superseded row
+            records.append({"column": column, **row.to_dict()})
+    source = case.loc[case["label"] == RBF_TILAX, "source_file"].iloc[0]
+    return RbfHeadline(best["run"], PEER_GPU, source, best["config"], int(best["n"]),
+                       pd.DataFrame(records), case)

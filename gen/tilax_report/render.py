@@ -366,7 +366,7 @@ def rounds_cell(rounds: object, few: bool = False, wide: bool = False) -> str:
     return " · ".join([text, *marks])
 
 
-def verdict_phrase(ratio: float, clear: object, other: str) -> str:
+def verdict_phrase(ratio: float, clear: object, other: str, method: object = None) -> str:
     """How a row compares with ``other`` (``ratio`` = other's median / this one's, above 1:
     this one is faster): '1.64× faster than X', 'no clear difference from X (1.01×)', or,
     where a row stored no spread (one time, no rounds or quartiles), no verdict: 'X's time
@@ -374,6 +374,8 @@ def verdict_phrase(ratio: float, clear: object, other: str) -> str:
     if ratio is None or pd.isna(ratio):
         return ""
     if clear is None or pd.isna(clear):
+        if method == "superseded":
+            return f"no verdict against {other} (a superseded row)"
         return f"{other}'s time {fmt_ratio(ratio)} this one's (no spread stored)"
     if not clear:
         return f"no clear difference from {other} ({fmt_ratio(ratio)}, within the noise)"
@@ -405,13 +407,27 @@ def run_link(run: str) -> str:
     return f"[`{run}`](runs.md#{run_anchor(run)})"
 
 
-def ms_cell(median: float | None, q1: float | None, q3: float | None, rounds: object) -> str:
+def repeats_note(repeats: object, low: object, high: object) -> str:
+    """'median of 3 repeats, 7.364–7.608' for a case measured more than once in its run
+    (the data layer's one value per case and run), else ''."""
+    if repeats is None or pd.isna(repeats) or int(repeats) <= 1:
+        return ""
+    places = decimals_for(float(low)) if not pd.isna(low) else 3
+    return f"median of {int(repeats)} repeats, {low:.{places}f}–{high:.{places}f}"
+
+
+def ms_cell(median: float | None, q1: float | None, q3: float | None, rounds: object,
+            repeats: object = None, low: object = None, high: object = None,
+            superseded: object = None) -> str:
     """A grid cell: '1.234 (1.200–1.250) · 10 rounds', marked '· few rounds' below
     verdict.FEW_ROUNDS and '· wide spread' when q3 - q1 exceeds verdict.WIDE_SPREAD of the
-    median."""
+    median; '· median of 3 repeats, lo–hi' for a repeated case and '· superseded' for a peer
+    row measured before a later fix of its glue."""
     from .verdict import FEW_ROUNDS, WIDE_SPREAD
 
     text = fmt_ms(median, q1, q3)
+    text = " · ".join(p for p in (text, repeats_note(repeats, low, high),
+                                  "superseded" if superseded is True else "") if p)
     if rounds is None or pd.isna(rounds):
         return text
     marks = [f"{int(rounds)} rounds"]

@@ -273,9 +273,6 @@ SCREEN = {"width": 1440, "height": 900}
 MAX_SCREENS = 25
 MAX_CHART_HEIGHT = 1000
 MAX_SERIES = 8
-# Pages whose layout this test holds (the runs and history pages are laid out by the history
-# work of issue 75, which measures them itself).
-LAID_OUT_PAGES = [name for name in REPORT_PAGES if name not in ("runs", "history")]
 FIRST_SCREEN = """() => {
     const inView = e => { const r = e.getBoundingClientRect();
                           return r.height > 0 && r.top >= 0 && r.bottom <= innerHeight; };
@@ -325,7 +322,7 @@ def test_home_first_screen_names_the_peers_with_ratios_and_a_stored_file(browser
     context.close()
 
 
-@pytest.mark.parametrize("name", LAID_OUT_PAGES)
+@pytest.mark.parametrize("name", REPORT_PAGES)
 def test_report_page_is_a_few_screens_with_readable_charts(browser, server, name):
     """With the "Earlier runs" sections closed, the page is at most 25 screens at 1440 x 900;
     every chart (earlier runs' too) is at most 1,000 px tall, draws at most 8 series and cuts

@@ -17,6 +17,7 @@ from ..render import (
     fmt_size,
     fmt_time,
     plural,
+    repeats_note,
     rounds_cell,
     run_link,
     short_error,
@@ -105,7 +106,10 @@ def ranked_display(ranked: pd.DataFrame, case_columns: tuple[str, ...] = ()) -> 
                               for r in ranked.itertuples()],
         "rounds": [rounds_cell(r, f, w) for r, f, w in
                    zip(ranked["fastest_rounds"], few, wide, strict=True)],
-        "vs runner-up": [verdict_phrase(r.ratio, r.clear, r.runner_up)
+        "repeats": [repeats_note(n, lo, hi) or "1" for n, lo, hi in
+                    zip(ranked["fastest_repeats"], ranked["fastest_min"],
+                        ranked["fastest_max"], strict=True)],
+        "vs runner-up": [verdict_phrase(r.ratio, r.clear, r.runner_up, r.method)
                          for r in ranked.itertuples()],
         "vs dense routing": [verdict_phrase(v, c, "dense") for v, c in
                              zip(ranked["vs dense routing"], ranked["vs dense routing clear"],

@@ -19,7 +19,7 @@ SLUG = "raw-data"
 
 def build(results: StoredResults) -> str:
     files = results.files
-    table = results.table
+    table = results.rows  # every stored row as read, one per file and row
     page = Page(SLUG, TITLE)
     page.md(
         "Every stored result file, copied byte for byte into the site at build time. Click a "
@@ -71,7 +71,8 @@ def build(results: StoredResults) -> str:
     page.chart(charts.finish(chart, "Stored rows per GPU and suite, by status"), table,
                "The table above has the same counts per file.")
     split = files[files["table_rows"] != files["stored_rows"]]["source_file"]
-    page.md(f"{fmt_int(len(table))} table rows in all."
+    page.md(f"{fmt_int(len(table))} stored rows as read ({fmt_int(len(results.table))} once "
+            "each case of a run is one row)."
             + (f" {', '.join(f'`{f}`' for f in split)} store several ops of a case in one row, "
                "which the table splits into one row per op." if not split.empty else ""))
     return page.render()
