@@ -268,9 +268,13 @@ def home_page(results: StoredResults, hand_written: str) -> str:
         page.chart(moe_chart_object(found), found.rows, "Each point: an implementation's "
                    "median time over tilax default's, in the same file; hover for the times.")
         chart = page.render().strip("\n")
-    headline = headline_markdown(results, SITE_LINKS, chart)
-    return hand_written.replace(
-        HOME_MARKER, f'<div class="tilax-headline" markdown="1">\n\n{headline}\n</div>')
+    return hand_written.replace(HOME_MARKER,
+                                boxed(headline_markdown(results, SITE_LINKS, chart)))
+
+
+def boxed(headline: str) -> str:
+    """The headline in its block (docs/assets/tilax.css: compact table)."""
+    return f'<div class="tilax-headline" markdown="1">\n\n{headline}\n</div>'
 
 
 def moe_chart_object(found: headlines.PeerHeadline) -> alt.TopLevelMixin:

@@ -35,6 +35,7 @@ class Page:
         ``raw_dir``: where the stored files' copies are, relative to the page."""
         self.slug = slug
         self.raw_dir = raw_dir
+        self.folded = False  # inside `collapsed`: headings become bold lines
         self.parts: list[str] = [f"# {title}\n"] if title else []
         self._count = 0
 
@@ -86,12 +87,21 @@ class Page:
                     f"<summary>{html.escape(collapsed)}</summary>\n\n{body}\n</details>\n")
         self.parts.append(body)
 
+    def heading(self, level: int, text: str) -> None:
+        """A heading; inside a folded section a bold line instead, so that the table of
+        contents lists only what the page shows open."""
+        self.md(f"**{text}**" if self.folded else f"{'#' * level} {text}\n")
+
     @contextlib.contextmanager
     def collapsed(self, summary: str):
         """Everything written inside the ``with`` block goes into one closed ``<details>``
         (older runs under the newest): nothing when the block wrote nothing."""
-        start = len(self.parts)
-        yield
+        start, folded = len(self.parts), self.folded
+        self.folded = True
+        try:
+            yield
+        finally:
+            self.folded = folded
         inner = self.parts[start:]
         del self.parts[start:]
         if inner:
@@ -376,7 +386,7 @@ def verdict_phrase(ratio: float, clear: object, other: str, method: object = Non
     if clear is None or pd.isna(clear):
         if method == "superseded":
             return f"no verdict against {other} (a superseded row)"
-        return f"{other}'s time {fmt_ratio(ratio)} this one's (no spread stored)"
+        return f"{fmt_ratio(ratio)} the time of {other}, no verdict (no spread stored)"
     if not clear:
         return f"no clear difference from {other} ({fmt_ratio(ratio)}, within the noise)"
     if ratio >= 1:

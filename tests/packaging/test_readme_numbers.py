@@ -364,3 +364,39 @@ def test_generated_default_column_follows_the_rules() -> None:
             rule = auto_rule(gpu, {"experts": experts, "top_k": top_k})
             backend = rule.backend if rule else "triton"
             assert headlines.default_label(gpu) == f"{backend}/sorted", (gpu, experts)
+
+
+# The RBF table's columns and rows, as stored in extra_info (default precision only).
+RBF_COLUMNS = {"tilax (pallas)": "pallas", "chunked XLA": "xla", "dense XLA": "dense",
+               "dense PyTorch": "torch_dense", "KeOps": "keops"}
+RBF_ROWS = {"forward (`fwd`)": "fwd", "forward + backward (`fwd_bwd`)": "fwd_bwd"}
+RBF_CASE = re.compile(r"dim (?P<dim>\d+), out (?P<out>\d+), n = m = (?P<n>\d{1,3}(?:,\d{3})*)")
+
+
+def test_rbf_cells_are_the_stored_medians() -> None:
+    """The RBF part's cells print the stored medians and quartiles of its linked file's rows
+    at the case it names, and name failures as stored."""
+    part = RBF_PART + full_section_text().partition(RBF_PART)[2]
+    files = linked_files(part)
+    assert len(files) == 1, [f.name for f in files]
+    case = {k: int(v.replace(",", "")) for k, v in RBF_CASE.search(part).groupdict().items()}
+    header, _, *body = table_lines(part)
+    columns = split_cells(header)[1:]
+    assert body, "the RBF part has no table rows"
+    for line in body:
+        label, *cells = split_cells(line)
+        for column, cell in zip(columns, cells, strict=True):
+            found = [r for r in files[0].rows
+                     if r["extra_info"].get("impl") == RBF_COLUMNS[column]
+                     and r["extra_info"].get("op") == RBF_ROWS[label]
+                     and not r["extra_info"].get("precision")
+                     and all(r["extra_info"].get(k) == v for k, v in case.items())]
+            assert len(found) == 1, (column, label, len(found))
+            if cell.startswith("failed"):
+                assert found[0]["extra_info"].get("error"), (column, label)
+                continue
+            match = MEASURED_CELL.fullmatch(cell)
+            assert match and measured(found[0]), (column, label, cell)
+            for key in ("median", "q1", "q3"):
+                assert match[key] == as_printed(found[0]["stats"][key], match[key]), (
+                    column, label, key)

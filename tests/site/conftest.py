@@ -11,6 +11,7 @@ for the site `nox -s docs` builds too.
 
 import fcntl
 import json
+import shutil
 
 import pytest
 from site_build import (
@@ -38,6 +39,9 @@ def shared_build(tmp_path_factory, worker_id):
     with open(root / "build.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not done.exists():
+            # what another worker's failed attempt left
+            shutil.rmtree(root / "data", ignore_errors=True)
+            shutil.rmtree(root / "site", ignore_errors=True)
             data_dir = copy_data(root / "data", PYTEST_BENCHMARK_FIXTURE)
             add_skipped_only_run(data_dir / "results")
             add_ep_run(data_dir / "results")

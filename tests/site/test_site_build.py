@@ -99,12 +99,13 @@ def test_a_newer_run_1_3x_slower_is_flagged_naming_both_runs(built_site, extra_r
     text = html(built_site, "history").replace("\xa0", " ").replace("&nbsp;", " ")
     plain = re.sub(r"<[^>]+>", "", text)
     summary = next(line for line in plain.splitlines()
-                   if f"run {before}" in line and f"→ run {after}" in line)
-    assert re.search(r"\d+ slower \(median 1\.30×, \+30%\)", summary), summary
+                   if f"run {after}" in line and f"run before it, {before}" in line)
+    assert re.search(r"(\d+) of \1 cases clearly slower \(median 1\.30×, \+30%\)",
+                     summary), summary
     flagged = text[text.index('id="history-flagged"'):]
     rows = [re.sub(r"<[^>]+>", "", r) for r in re.findall(r"<tr>(.*?)</tr>", flagged, re.S)]
     # other pairs of stored runs may differ too; every case of this pair is ~30% slower
-    pair = [r for r in rows if f"{before} → {after}" in r]
+    pair = [r for r in rows if f"{before.rsplit('-', 1)[1]} → {after.rsplit('-', 1)[1]}" in r]
     assert pair and all(re.search(r"slower by (29|30|31)%", r) for r in pair), pair[:3]
 
 

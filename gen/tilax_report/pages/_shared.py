@@ -106,7 +106,7 @@ def ranked_display(ranked: pd.DataFrame, case_columns: tuple[str, ...] = ()) -> 
                               for r in ranked.itertuples()],
         "rounds": [rounds_cell(r, f, w) for r, f, w in
                    zip(ranked["fastest_rounds"], few, wide, strict=True)],
-        "repeats": [repeats_note(n, lo, hi) or "1" for n, lo, hi in
+        "repeats": [repeats_note(n, lo, hi) for n, lo, hi in
                     zip(ranked["fastest_repeats"], ranked["fastest_min"],
                         ranked["fastest_max"], strict=True)],
         "vs runner-up": [verdict_phrase(r.ratio, r.clear, r.runner_up, r.method)
@@ -235,7 +235,7 @@ def not_measured(page: Page, rows: pd.DataFrame, what: str, columns: dict[str, s
     ``columns``: tidy column -> header of the case columns to show (key columns first)."""
     failed = analysis.failures(rows).drop_duplicates(["source_file", "source_row", "op"])
     skipped = analysis.skipped(rows).drop_duplicates(["source_file", "source_row", "op"])
-    page.md(f"{heading}\n")
+    page.heading(len(heading) - len(heading.lstrip("#")), heading.lstrip("# "))
     if failed.empty and skipped.empty:
         page.md(f"Every {what} stored here was measured: none failed, none was skipped.")
         return

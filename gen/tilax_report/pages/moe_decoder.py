@@ -57,18 +57,18 @@ def build(results: StoredResults) -> str:
         _section(page, rows)
     with page.collapsed(_shared.earlier_summary(earlier)):
         for _, _, rows in earlier:
-            _section(page, rows, level="###")
+            _section(page, rows)
     return page.render()
 
 
-def _section(page: Page, rows: pd.DataFrame, level: str = "##") -> None:
+def _section(page: Page, rows: pd.DataFrame) -> None:
     if analysis.timed(rows).empty:
-        _unmeasured_sentence(page, rows, level)
+        _unmeasured_sentence(page, rows)
     else:
-        _run_section(page, rows, level)
+        _run_section(page, rows)
 
 
-def _unmeasured_sentence(page: Page, rows: pd.DataFrame, level: str) -> None:
+def _unmeasured_sentence(page: Page, rows: pd.DataFrame) -> None:
     """A file whose decoder rows have no time: one sentence, not a grid of empty cells."""
     per_row = rows.drop_duplicates(["source_file", "source_row"])
     counts = per_row["status"].value_counts()
@@ -76,7 +76,7 @@ def _unmeasured_sentence(page: Page, rows: pd.DataFrame, level: str) -> None:
     why = f" ({reasons.mode().iloc[0]})" if not reasons.empty else ""
     failed = (f" and {plural(int(counts.get('failed', 0)), 'case')} failed"
               if counts.get("failed") else "")
-    page.md(f"{level} {rows['device'].iloc[0]}, run `{rows['run'].iloc[0]}`\n")
+    page.heading(2, f"{rows['device'].iloc[0]}, run `{rows['run'].iloc[0]}`")
     page.md(
         f"Nothing measured: of its {plural(len(per_row), 'decoder case')} in "
         f"{', '.join(f'`{f}`' for f in sorted(rows['source_file'].unique()))}, "
@@ -84,9 +84,9 @@ def _unmeasured_sentence(page: Page, rows: pd.DataFrame, level: str) -> None:
         f"{why}{failed}. See run {run_link(rows['run'].iloc[0])}.")
 
 
-def _run_section(page: Page, rows: pd.DataFrame, level: str) -> None:
+def _run_section(page: Page, rows: pd.DataFrame) -> None:
     device, run = rows["device"].iloc[0], rows["run"].iloc[0]
-    page.md(f"{level} {device}, run `{run}`\n")
+    page.heading(2, f"{device}, run `{run}`")
     if isinstance(rows["run_note"].iloc[0], str):
         page.md(f"*{rows['run_note'].iloc[0]}*")
     spread = rows["q1_ms"].notna().any()
@@ -138,7 +138,7 @@ def _run_section(page: Page, rows: pd.DataFrame, level: str) -> None:
     if (rows["status"] != "measured").any():
         _shared.not_measured(page, rows, "decoder case",
                              {"label": "impl/dispatch", "op": "op", "tokens": "tokens"},
-                             name=f"decoder-{run}", heading=f"{level}# Not measured in this run")
+                             name=f"decoder-{run}", heading="### Not measured in this run")
 
 
 def _numerics(page: Page, rows: pd.DataFrame) -> None:

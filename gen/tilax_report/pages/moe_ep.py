@@ -207,7 +207,7 @@ def _run_section(page: Page, rows: pd.DataFrame, steps: pd.DataFrame, dates: pd.
     device, run = rows["device"].iloc[0], rows["run"].iloc[0]
     devices = sorted(int(n) for n in rows["devices"].dropna().unique())
     meshes = sorted(rows["mesh"].dropna().unique())
-    page.md(f"## {device}, run `{run}`\n")
+    page.heading(2, f"{device}, run `{run}`")
     date = dates.get(run)
     page.md(
         f"Run {run_link(run)}" + (f", {date}" if isinstance(date, str) else "") + ": rows on "
@@ -276,7 +276,7 @@ def _link(page: Page, rows: pd.DataFrame, run: str) -> None:
 def _shape(page: Page, rows: pd.DataFrame, steps: pd.DataFrame, run: str) -> None:
     config, label = rows["config"].iloc[0], rows["label"].iloc[0]
     dtype, op = rows["dtype"].iloc[0], rows["op"].iloc[0]
-    page.md(f"### {config} · {label}\n")
+    page.heading(3, f"{config} · {label}")
     page.md(
         f"{dtype} {op.replace('_', ' ')}, `{label}`: one GPU at T tokens against n GPUs at "
         "n·T tokens, per exchange transport. The exchange share is the exchange-only row's "

@@ -34,7 +34,7 @@ def build(results: StoredResults) -> str:
         "or **skipped**, kept apart. " + _shared.VERDICTS
     )
     page.md("## tilax against its peers\n")
-    page.md(front.headline_markdown(results, front.OVERVIEW_LINKS))
+    page.md(front.boxed(front.headline_markdown(results, front.OVERVIEW_LINKS)))
     _moe_headline(page, table, ready.order, ready.dates)
     _rbf_headline(page, table, ready)
     _findings_in_force(page, table, ready)

@@ -371,7 +371,7 @@ def _launch_chart(page: Page, who: str, rows: pd.DataFrame) -> None:
 def _launch_table(page: Page, who: str, rows: pd.DataFrame) -> None:
     first = rows.iloc[0]
     precision = first["precision"] if isinstance(first["precision"], str) else "default"
-    page.md(f"### {who}: {first['group']}\n")
+    page.heading(3, f"{who}: {first['group']}")
     measured = rows[rows["status"] == "measured"]
     default = measured[measured["is_default"]]
     facts = [f"{first['config']}, n = m = {fmt_int(first['n'])}, precision {precision}, "
