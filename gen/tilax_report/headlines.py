@@ -269,8 +269,10 @@ def rbf_headline(table: pd.DataFrame, run_order: pd.Series) -> RbfHeadline | Non
             if found.empty:
                 continue
             row = found.iloc[0]
-            if row["status"] == "measured" and not (
-                    tilax_files & set(row["source_files"])) or row.get("superseded") is True:
+            other_process = row["status"] == "measured" and not (
+                tilax_files & set(row["source_files"]))
+            superseded = pd.notna(row.get("superseded")) and bool(row.get("superseded"))
+            if other_process or superseded:
                 continue  # no ratio across processes, no claim from a superseded row
             records.append({"column": column, **row.to_dict()})
     source = case.loc[case["label"] == RBF_TILAX, "source_file"].iloc[0]

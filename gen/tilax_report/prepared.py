@@ -13,7 +13,7 @@ from .load import StoredResults
 
 @dataclass(frozen=True)
 class Prepared:
-    table: pd.DataFrame  # analysis.with_labels(results.table); pages copy before changing it
+    table: pd.DataFrame  # analysis.with_labels(results.table), superseded rows' labels marked
     catalogue: pd.DataFrame  # runs.catalogue(table), newest first
     order: pd.Series  # run -> position in time (0 = oldest; missing when undated)
     dates: pd.Series  # run -> date (text), missing when undated
@@ -28,6 +28,10 @@ def prepared(results: StoredResults) -> Prepared:
     if _last and _last[0][0] is results:
         return _last[0][1]
     table = analysis.with_labels(results.table)
+    # A superseded peer row is shown, labelled, everywhere (the data layer keeps it out of
+    # every ranking, baseline and verdict).
+    superseded = table["superseded"].fillna(False).astype(bool)
+    table.loc[superseded, "label"] = table.loc[superseded, "label"] + " (superseded)"
     catalogue = runs.catalogue(table)
     made = Prepared(
         table=table, catalogue=catalogue,

@@ -427,17 +427,14 @@ def repeats_note(repeats: object, low: object, high: object) -> str:
 
 
 def ms_cell(median: float | None, q1: float | None, q3: float | None, rounds: object,
-            repeats: object = None, low: object = None, high: object = None,
-            superseded: object = None) -> str:
+            repeats: object = None, low: object = None, high: object = None) -> str:
     """A grid cell: '1.234 (1.200–1.250) · 10 rounds', marked '· few rounds' below
     verdict.FEW_ROUNDS and '· wide spread' when q3 - q1 exceeds verdict.WIDE_SPREAD of the
-    median; '· median of 3 repeats, lo–hi' for a repeated case and '· superseded' for a peer
-    row measured before a later fix of its glue."""
+    median; '· median of 3 repeats, lo–hi' for a repeated case."""
     from .verdict import FEW_ROUNDS, WIDE_SPREAD
 
     text = fmt_ms(median, q1, q3)
-    text = " · ".join(p for p in (text, repeats_note(repeats, low, high),
-                                  "superseded" if superseded is True else "") if p)
+    text = " · ".join(p for p in (text, repeats_note(repeats, low, high)) if p)
     if rounds is None or pd.isna(rounds):
         return text
     marks = [f"{int(rounds)} rounds"]

@@ -94,7 +94,7 @@ def _run_section(page: Page, rows: pd.DataFrame) -> None:
         page.md("This file stored one time per case (no quartiles).")
     cell = [
         ms_cell(r.median_ms, r.q1_ms, r.q3_ms, r.rounds, r.repeats, r.repeat_min_ms,
-                r.repeat_max_ms, r.superseded) if r.status == "measured" else
+                r.repeat_max_ms) if r.status == "measured" else
         f"failed ({analysis.failure_kind(r.error)})" if r.status == "failed" else "skipped"
         for r in rows.itertuples()
     ]
