@@ -125,3 +125,30 @@ def test_expert_parallel_page(built_site):
     assert f"{ep_run.EFFICIENCY_RAGGED:.3f} (" in text and f"{ep_run.SHARE_RAGGED:.1%} (" in text
     assert f'href="data/{ep_run.FILE_NAME}"' in text
     assert (built_site / "reports" / "data" / ep_run.FILE_NAME).is_file()
+
+
+def article_text(site_dir, page):
+    """The visible words of a report page's article (no chart specs, no tags)."""
+    text = html(site_dir, page)
+    text = text[text.index("<article"):text.index("</article>")]
+    text = re.sub(r"<script.*?</script>", "", text, flags=re.S)
+    text = re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", text))
+    return text.replace("&nbsp;", " ").replace("&para;", "¶").replace("&amp;", "&")
+
+
+def test_nn_suites_page_says_first_what_it_is(built_site):
+    """The NN suites page's first line says these are another codebase's kernels, shown as
+    data, and the page names no commit id (the seed's notes cite commits of that codebase)."""
+    text = article_text(built_site, "nn-suites")
+    first = text[text.index("NN suites ¶") + len("NN suites ¶"):].strip()[:400]
+    assert first.startswith("The seed's results for kernels of another codebase, shown as data")
+    assert "no claim about tilax is drawn from them" in first
+    assert re.findall(r"\b(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}\b", text) == []
+
+
+def test_overview_keeps_only_the_findings_in_force(built_site):
+    """The overview's findings are each GPU's newest run's, not one sentence per run."""
+    text = article_text(built_site, "index")
+    assert "More findings" not in text
+    findings = text[text.index("Findings in force"):text.index("Runs ¶")]
+    assert len(findings.split()) < 400, len(findings.split())
