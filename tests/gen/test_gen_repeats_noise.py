@@ -106,6 +106,16 @@ def test_a_pivot_taking_the_first_cell_cannot_hide_a_repeat(labelled):
     pd.testing.assert_frame_equal(first, median)
 
 
+def test_the_keys_the_pages_pivot_on_name_one_row(labelled):
+    """moe_decoder and nn_suites pivot with aggfunc="first" on these keys: one row each."""
+    decoder = labelled[(labelled["family"] == "moe") & (labelled["suite"] == "decoder")]
+    assert not decoder.duplicated(["run", "label", "op", "tokens"]).any()
+    nn = labelled[labelled["family"] == "nn"]
+    nn = nn.assign(variant=nn["impl"].fillna(nn["suite"]))
+    assert not nn.duplicated(["run", "suite", "variant", "tokens", "resolution", "dtype",
+                              "op"]).any()
+
+
 def test_throughput_follows_the_collapsed_median():
     def rows(*times):
         return schema.conform(pd.DataFrame([
