@@ -213,6 +213,7 @@ def test_rows_without_a_spread_never_get_a_verdict(real):
     h100 = analysis.with_labels(real.table[real.table["source_file"] == "h100-moe-decoder.json"])
     timed = analysis.timed(h100)
     assert not timed.empty and not timed["spread_stored"].any()
+    assert verdict.quality(timed)["no_spread"].all()
     a, b = timed.iloc[0], timed.iloc[1]
     assert verdict.compare(a, b)["method"] == "no spread stored"
     assert verdict.compare(a, b)["clear"] is None
