@@ -354,3 +354,40 @@ def test_runs_page_shows_provenance_newest_first_and_folds_older_runs(real, iden
     stored = runs_page.build(identical[0])
     panel = stored[stored.index("### `h200-20261207-ccccccc`"):]
     assert "recorded at bench time; the benched tree was the declared commit's" in panel
+
+
+def chart_specs(text: str) -> list[dict]:
+    specs = []
+    for part in text.split('<script type="application/json"')[1:]:
+        specs.append(json.loads(part[part.index(">") + 1:part.index("</script>")]))
+    return specs
+
+
+def units(spec: dict):
+    """Every single-view part of a spec (layers and facets unfolded)."""
+    for key in ("layer", "hconcat", "vconcat", "concat"):
+        for part in spec.get(key, []):
+            yield from units(part)
+    if "spec" in spec:
+        yield from units(spec["spec"])
+    if "mark" in spec:
+        yield spec
+
+
+def test_history_and_runs_charts_are_readable(real):
+    """No bars on log axes, no chart taller than 1000 px, at most 8 series a chart."""
+    specs = chart_specs(history_page.build(real)) + chart_specs(runs_page.build(real))
+    assert len(specs) >= 2
+    for spec in specs:
+        for unit in [spec, *units(spec)]:
+            height = unit.get("height", 0)
+            assert isinstance(height, int) and height <= 1000, spec.get("title")
+        for unit in units(spec):
+            mark = unit["mark"]["type"] if isinstance(unit["mark"], dict) else unit["mark"]
+            encoding = unit.get("encoding", {})
+            if mark == "bar":
+                assert all((c.get("scale") or {}).get("type") != "log"
+                           for c in encoding.values() if isinstance(c, dict)), spec
+            colour = encoding.get("color", {})
+            domain = (colour.get("scale") or {}).get("domain", [])
+            assert len(domain) <= 8, spec.get("title")
