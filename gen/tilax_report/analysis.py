@@ -169,7 +169,7 @@ def rank_within_run(frame: pd.DataFrame, case: Sequence[str]) -> pd.DataFrame:
         out.append({
             **dict(zip(keys, key, strict=True)),
             "source_file": best["source_file"],
-            "source_files": _files(good),
+            "source_files": files_behind(good),
             "code": best["code"], "config": best["config"],
             "fastest": best["label"], "fastest_ms": best["median_ms"],
             "fastest_q1": best["q1_ms"], "fastest_q3": best["q3_ms"],
@@ -192,8 +192,9 @@ def rank_within_run(frame: pd.DataFrame, case: Sequence[str]) -> pd.DataFrame:
     return pd.DataFrame(out).astype({k: frame[k].dtype for k in keys})
 
 
-def _files(rows: pd.DataFrame) -> tuple[str, ...]:
-    """Every stored file behind ``rows`` (their repeats' files)."""
+def files_behind(rows: pd.DataFrame) -> tuple[str, ...]:
+    """Every stored file behind ``rows`` (``source_file`` and every repeat's file in
+    ``source_files``), sorted: what a source line under a table or chart should link."""
     names = {f for files in rows["source_files"] if isinstance(files, tuple) for f in files}
     return tuple(sorted(names | set(rows["source_file"].dropna())))
 

@@ -10,13 +10,17 @@ the previous run that measured the case.
 Noise between runs: the stored measurements of one case made with identical code (same
 ``code_hash``: several files of one run, or runs filed under different commits whose ``src/``
 and ``tests/bench/`` are identical) differ by the run-to-run spread alone. Per group of
-identical-code measurements of a case, the spread is log(max / min) of their medians; a case's
-``run_spread`` is the largest over its groups, and never below the *floor*: the
-`FLOOR_QUANTILE` quantile of the spreads of every identical-code group on that GPU (of every
-GPU's groups when that GPU has fewer than `MIN_FLOOR_GROUPS`). The floor stands in where a case
-has no repeat, and bounds a case whose two repeats agreed by chance. A change between runs is
-flagged only when it passes the within-run test **and** exceeds that spread (`verdict.compare`):
-identical-code runs can never be flagged, since their values lie within the spread they define.
+identical-code measurements of a case, the spread is log(max / min) of their medians. A spread
+more than `FENCE_MAD` robust standard deviations (the scaled median absolute deviation) above
+the median of all of them is a fault (a throttled or broken machine), not noise, and is left
+out. A case's ``run_spread`` is the largest of its remaining
+spreads, and never below the *floor*: the `FLOOR_QUANTILE` quantile of the spreads within the
+fence on that GPU (of every GPU's groups when that GPU has fewer than `MIN_FLOOR_GROUPS`). The
+floor stands in where a case has no repeat, and bounds a case whose two repeats agreed by
+chance. A change between runs is flagged only when it passes the within-run test **and**
+exceeds that spread (`verdict.compare`): identical-code runs are never flagged for a difference
+within the noise, since their values lie within the spread they define, while a run 1.3x slower
+on every case is flagged even on identical code.
 
 Runs on different GPUs never share a timeline; runs without a date (the seed files) cannot be
 placed in time and are left out. Numbers and keys only; pages/history.py words them.
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import numpy as np
 import pandas as pd
+from scipy.stats import median_abs_deviation
 
 from . import schema, verdict
 
@@ -38,6 +43,7 @@ POINT = ["run", "source_file", "source_files", "commit", "code_hash", "code_hash
          "run_spread", "run_spread_basis"]
 FLOOR_QUANTILE = 0.95
 MIN_FLOOR_GROUPS = 10
+FENCE_MAD = 8.0
 
 
 def _timed(frame: pd.DataFrame) -> pd.DataFrame:
@@ -66,31 +72,50 @@ def identical_code_groups(rows: pd.DataFrame) -> pd.DataFrame:
     return groups
 
 
+def _limits(log_range: pd.Series) -> pd.Series:
+    fence = log_range.median() + FENCE_MAD * median_abs_deviation(log_range, scale="normal")
+    return pd.Series({"fence": fence, "floor": log_range[log_range <= fence].quantile(
+        FLOOR_QUANTILE), "groups": len(log_range)})
+
+
+def noise_limits(groups: pd.DataFrame) -> pd.DataFrame:
+    """Per device: ``fence`` (an identical-code spread above it is a fault, not noise: the
+    median of the groups' spreads plus `FENCE_MAD` robust standard deviations, the scaled
+    median absolute deviation, which a faulty run among them barely moves),
+    ``floor`` (the `FLOOR_QUANTILE` quantile of the spreads within the fence) and ``groups``;
+    from every device's groups together when a device has fewer than `MIN_FLOOR_GROUPS`."""
+    if groups.empty:
+        return pd.DataFrame(columns=["fence", "floor", "groups"], dtype="float64")
+    pooled = _limits(groups["log_range"])
+    rows = {}
+    for device, per_device in groups.groupby("device", sort=False):
+        rows[device] = (_limits(per_device["log_range"])
+                        if len(per_device) >= MIN_FLOOR_GROUPS else pooled)
+    return pd.DataFrame(rows).T
+
+
 def spread_floor(groups: pd.DataFrame) -> pd.Series:
     """device -> the floor of the run-to-run spread (see the module docstring)."""
-    if groups.empty:
-        return pd.Series(dtype="float64")
-    pooled = groups["log_range"].quantile(FLOOR_QUANTILE)
-    per_device = groups.groupby("device")["log_range"].agg(["size", "quantile"])
-    per_device["quantile"] = groups.groupby("device")["log_range"].quantile(FLOOR_QUANTILE)
-    return per_device["quantile"].where(per_device["size"] >= MIN_FLOOR_GROUPS, pooled)
+    return noise_limits(groups)["floor"].astype("float64")
 
 
 def with_run_spread(table: pd.DataFrame, rows: pd.DataFrame) -> pd.DataFrame:
     """``table`` with ``run_spread`` and ``run_spread_basis`` from the identical-code groups of
-    ``rows`` (the per-file rows): 'identical code' where the case's own spread is above the
-    floor, 'floor' elsewhere, 'no identical-code repeats stored' (and no spread) when the data
-    hold none at all."""
+    ``rows`` (the per-file rows): 'identical code' where the case's own spread (within the
+    fence) is above the floor, 'floor' elsewhere, 'no identical-code repeats stored' (and no
+    spread) when the data hold none at all."""
     groups = identical_code_groups(rows)
-    floor = spread_floor(groups)
-    pooled = groups["log_range"].quantile(FLOOR_QUANTILE) if not groups.empty else np.nan
-    own = groups.groupby("_case")["log_range"].max()
-    key = _case_key(table, ["device", *CASE])
-    case_spread = key.map(own)
-    device_floor = table["device"].map(floor).fillna(pooled)
+    limits = noise_limits(groups)
+    if groups.empty:
+        return table.assign(run_spread=np.nan, run_spread_basis=pd.Series(
+            "no identical-code repeats stored", index=table.index, dtype="str"))
+    noise = groups[groups["log_range"] <= groups["device"].map(limits["fence"])]
+    own = noise.groupby("_case")["log_range"].max()
+    case_spread = _case_key(table, ["device", *CASE]).map(own)
+    device_floor = table["device"].map(limits["floor"]).fillna(
+        _limits(groups["log_range"])["floor"]).astype("float64")
     spread = np.fmax(case_spread, device_floor)
-    basis = np.where(case_spread > device_floor, "identical code",
-                     np.where(device_floor.notna(), "floor", "no identical-code repeats stored"))
+    basis = np.where(case_spread > device_floor, "identical code", "floor")
     return table.assign(run_spread=spread.astype("float64"),
                         run_spread_basis=pd.Series(basis, index=table.index, dtype="str"))
 

@@ -117,7 +117,9 @@ def read_result_file(path: Path) -> tuple[str, dict, pd.DataFrame]:
 def load_results(directory: Path | None = None) -> StoredResults:
     """Read every stored file under ``directory`` (default: `data_dir()`)."""
     directory = (directory or data_dir()).resolve()
-    key = tuple((p.name, p.stat().st_mtime_ns, p.stat().st_size) for p in result_files(directory))
+    tables = [directory / provenance.DECLARED_COMMITS, directory / provenance.PEER_FIXES]
+    key = tuple((p.name, p.stat().st_mtime_ns, p.stat().st_size)
+                for p in [*result_files(directory), *(t for t in tables if t.exists())])
     cached = _CACHE.get(directory)
     if cached and cached[0] == key:
         return cached[1]

@@ -119,6 +119,8 @@ def _within_run(before, after, ratio: float) -> dict:
 
 def compare_frames(before: pd.DataFrame, after: pd.DataFrame) -> pd.DataFrame:
     """`compare` row by row over two aligned frames (same length, same order)."""
+    # only the columns `compare` reads: converting every column of a wide frame costs most
+    before, after = (frame[[c for c in FIELDS if c in frame]] for frame in (before, after))
     records = [compare(b, a) for b, a in zip(before.to_dict("records"),
                                              after.to_dict("records"), strict=True)]
     return pd.DataFrame(records, columns=["ratio", "clear", "method", "p_value"],
@@ -127,10 +129,13 @@ def compare_frames(before: pd.DataFrame, after: pd.DataFrame) -> pd.DataFrame:
 
 def quality(frame: pd.DataFrame) -> pd.DataFrame:
     """Per timed row: ``few_rounds`` (fewer than `FEW_ROUNDS` rounds), ``wide_spread`` (q3 - q1
-    above `WIDE_SPREAD` of the median) and ``no_spread`` (no quartiles stored)."""
+    above `WIDE_SPREAD` of the median) and ``no_spread`` (``spread_stored`` false: no
+    quartiles nor round times of two or more rounds; without that column, no quartiles)."""
     spread = (frame["q3_ms"] - frame["q1_ms"]) / frame["median_ms"]
     return pd.DataFrame({
         "few_rounds": (frame["rounds"].fillna(FEW_ROUNDS) < FEW_ROUNDS).astype(bool),
         "wide_spread": (spread > WIDE_SPREAD).fillna(False).astype(bool),
-        "no_spread": frame["q1_ms"].isna() | frame["q3_ms"].isna(),
+        "no_spread": (~frame["spread_stored"].fillna(False).astype(bool)
+                      if "spread_stored" in frame
+                      else frame["q1_ms"].isna() | frame["q3_ms"].isna()),
     }, index=frame.index)

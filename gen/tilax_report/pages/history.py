@@ -204,10 +204,11 @@ def _noise(page: Page, rows: pd.DataFrame, table: pd.DataFrame) -> None:
         page.md("No case has been measured twice with identical code: the run-to-run spread "
                 "is unknown, and a change is flagged by the within-run test alone.")
         return
-    floor = history.spread_floor(groups)
+    limits = history.noise_limits(groups)
     sentences = []
     for device, per_device in groups.groupby("device", sort=False):
         widest = per_device.loc[per_device["log_range"].idxmax()]
+        faults = int((per_device["log_range"] > limits.loc[device, "fence"]).sum())
         sentences.append(
             f"**{analysis.short_gpu(device)}**: {plural(len(per_device), 'case')} measured "
             f"more than once with identical code ({fmt_int(per_device['measurements'].sum())} "
@@ -215,8 +216,11 @@ def _noise(page: Page, rows: pd.DataFrame, table: pd.DataFrame) -> None:
             f"{per_device['log_range'].median():.1%} and is at most "
             f"{widest['log_range']:.1%} ({widest['suite']} {widest['impl']} "
             f"{widest['op']}: {fmt_ms(widest['min_ms'])}–{fmt_ms(widest['max_ms'])} ms). "
-            f"Floor: **{floor[device]:.1%}** (the {history.FLOOR_QUANTILE:.0%} quantile), the "
-            "spread of every case without a larger one of its own.")
+            f"Floor: **{limits.loc[device, 'floor']:.1%}** (the "
+            f"{history.FLOOR_QUANTILE:.0%} quantile), the spread of every case without a "
+            f"larger one of its own; a spread above {limits.loc[device, 'fence']:.1%} (the "
+            "far-out fence) is a fault, not noise"
+            + (f" ({plural(faults, 'case')} beyond it)." if faults else "."))
     page.md(
         "Measurements of one case with identical code (several files of one run, or runs "
         "filed under different commits whose code hash is the same) differ by noise alone. "
