@@ -200,14 +200,27 @@ def _records(frame: pd.DataFrame) -> list[dict]:
 
 
 def source_files(rows: pd.DataFrame) -> list[str]:
-    return sorted(rows["source_file"].dropna().unique())
+    """Every stored file behind ``rows``: each row's own and, for a case measured more than
+    once in its run, every repeat's (``source_files``)."""
+    return sorted(_files_of(rows).explode().dropna().unique())
+
+
+def _files_of(rows: pd.DataFrame) -> pd.Series:
+    """Per row, the tuple of stored files behind it."""
+    own = rows["source_file"].map(lambda f: (f,) if isinstance(f, str) else ())
+    if "source_files" not in rows:
+        return own
+    return pd.Series([tuple(sorted(set(a) | set(b if isinstance(b, tuple) else ())))
+                      for a, b in zip(own, rows["source_files"], strict=True)],
+                     index=rows.index, dtype="object")
 
 
 def source_line(rows: pd.DataFrame, caption: str = "", raw_dir: str = RAW_DIR) -> str:
     """'Source: [file](data/file) (runs a, b)' as a paragraph with class tilax-source."""
     parts = []
+    per_file = rows[["run"]].assign(file=_files_of(rows)).explode("file")
     for name in source_files(rows):
-        runs = sorted(rows.loc[rows["source_file"] == name, "run"].dropna().unique())
+        runs = sorted(per_file.loc[per_file["file"] == name, "run"].dropna().unique())
         shown = ", ".join(f"`{r}`" for r in runs[:8]) + (f" and {len(runs) - 8} more"
                                                         if len(runs) > 8 else "")
         label = "run" if len(runs) == 1 else "runs"
