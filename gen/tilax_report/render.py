@@ -399,7 +399,8 @@ def verdict_phrase(ratio: float, clear: object, other: str, method: object = Non
     if clear is None or pd.isna(clear):
         if method == "superseded":
             return f"no verdict against {other} (a superseded row)"
-        return f"{fmt_ratio(ratio)} the time of {other}, no verdict (no spread stored)"
+        return (f"{fmt_ratio(ratio)} the time of {other}, no verdict (noise unknown: no spread "
+                "stored)")
     if not clear:
         return f"no clear difference from {other} ({fmt_ratio(ratio)}, within the noise)"
     if ratio >= 1:

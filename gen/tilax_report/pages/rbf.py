@@ -108,9 +108,12 @@ def _headlines(page: Page, table: pd.DataFrame, ready) -> None:
         page.md("\n".join(f"- {s}" for s in sentences))
 
 
-def _per_device(page: Page, rows: pd.DataFrame, order: pd.Series, draw) -> None:
-    """``draw(run, 'GPU, run X', rows)`` per device and run: each GPU's newest run first,
-    the earlier ones folded."""
+def _per_device(page: Page, rows: pd.DataFrame, order: pd.Series | None, draw) -> None:
+    """``draw(run, 'GPU, run X', rows)`` per device and run: each GPU's newest run first
+    (``order``: run -> place in time; None: a run appearing later in ``rows`` is newer), the
+    earlier ones folded."""
+    if order is None:
+        order = pd.Series(range(len(rows["run"].unique())), index=rows["run"].unique())
     newest, earlier = _shared.by_run_newest_first(rows, order)
     for device, run, group in newest:
         draw(run, f"{analysis.short_gpu(device)}, run {run}", group)
@@ -245,7 +248,7 @@ def _tiles(page: Page, rows: pd.DataFrame, order: pd.Series) -> None:
     _per_device(page, good, order, draw)
 
 
-def _launches(page: Page, rows: pd.DataFrame, order: pd.Series) -> None:
+def _launches(page: Page, rows: pd.DataFrame, order: pd.Series | None = None) -> None:
     page.md("## Launch sweep\n")
     if rows.empty:
         page.md(f"No stored run has the `{LAUNCH_SUITE}` suite.")
