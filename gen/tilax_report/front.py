@@ -31,6 +31,7 @@ from .render import (
     repeats_note,
     run_anchor,
     short_error,
+    source_files,
     verdict_phrase,
 )
 
@@ -131,11 +132,11 @@ def moe_markdown(found: headlines.PeerHeadline, links: Links, dates: pd.Series,
     headers = {column: PEER_NAMES.get(column, column) for column in headlines.COLUMNS}
     if not tokamax.empty:
         headers["tokamax"] = f"tokamax {tokamax.iloc[0]}"
-    files = {}  # stored file -> the settings it holds, for the link texts
+    files = {}  # every stored file behind a cell -> the settings it holds, for the links
     for config, tokens in settings:
-        source = cells.loc[(cells["setting"] == config) & (cells["tokens"] == tokens),
-                           "source_file"].iloc[0]
-        files.setdefault(source, []).append(config.split(" d")[0])
+        held = cells[(cells["setting"] == config) & (cells["tokens"] == tokens)]
+        for source in source_files(held):
+            files.setdefault(source, []).append(config.split(" d")[0])
     date = dates.get(found.run)
     lines = []
     first = settings[0]
