@@ -152,3 +152,32 @@ def test_overview_keeps_only_the_findings_in_force(built_site):
     assert "More findings" not in text
     findings = text[text.index("Findings in force"):text.index("Runs ¶")]
     assert len(findings.split()) < 400, len(findings.split())
+
+
+def unit_specs(spec):
+    """Every single-view spec (mark and encoding) inside a layered or faceted spec."""
+    if "mark" in spec:
+        yield spec
+    for key in ("layer", "hconcat", "vconcat", "concat"):
+        for part in spec.get(key, []):
+            yield from unit_specs(part)
+    if isinstance(spec.get("spec"), dict):
+        yield from unit_specs(spec["spec"])
+
+
+@pytest.mark.parametrize("name", [*REPORT_PAGES, "../index"])
+def test_no_bars_on_log_axes(built_site, name):
+    """A bar's length means nothing on a log axis: bar marks use linear scales only."""
+    text = (built_site / "reports" / f"{name}.html").read_text()
+    specs = re.findall(r'<script type="application/json" data-chart-for="[^"]+">(.*?)</script>',
+                       text, re.S)
+    bars_on_log = []
+    for raw in specs:
+        spec = json.loads(raw.replace("<\\/", "</"))
+        for unit in unit_specs(spec):
+            mark = unit["mark"]["type"] if isinstance(unit["mark"], dict) else unit["mark"]
+            scales = [(unit.get("encoding", {}).get(axis) or {}).get("scale") or {}
+                      for axis in ("x", "y")]
+            if mark == "bar" and any(s.get("type") == "log" for s in scales):
+                bars_on_log.append(spec.get("title"))
+    assert bars_on_log == []
