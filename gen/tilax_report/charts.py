@@ -152,14 +152,14 @@ def lines(
     title: str | alt.TitleParams | None = None,
 ) -> alt.TopLevelMixin:
     """Median vs a size, one line per ``color`` value, q1–q3 rules, log axes by default. At
-    most `MAX_SERIES` lines: with more, the fastest ones (smallest median of ``y``) are drawn
-    and the subtitle says how many others the page's tables hold."""
+    most `MAX_SERIES` lines: with more, the lowest ones (smallest median of ``y``: the fastest
+    for times) are drawn and the subtitle says how many others the page's tables hold."""
     data = positive(data, *([x] if log_x else []), *([y] if log_y else []))
     data, left_out = fastest_series(data, color, y)
     if left_out:
         title = alt.TitleParams(title or "", subtitle=(
-            f"the {MAX_SERIES} fastest of {MAX_SERIES + left_out}; the tables list every "
-            "one"))
+            f"the {MAX_SERIES} lowest of {MAX_SERIES + left_out} series; the tables list "
+            "every one"))
     select = alt.selection_point(fields=[color], bind="legend")
     x_enc = alt.X(f"{x}:Q", title=x_title, scale=_scale(log_x),
                   axis=alt.Axis(format=x_format) if x_format else alt.Axis())
