@@ -188,9 +188,10 @@ _NAMED_FRAMES = "tilax_named_frames"
 
 
 def used_columns(frame: pd.DataFrame, spec_text: str) -> list[str]:
-    """The columns of ``frame`` that ``spec_text`` (a spec as JSON) names: as a field, or in
-    an expression (``datum.x``, ``datum['x']``)."""
-    return [name for name in frame.columns if f'"{name}"' in spec_text
+    """The columns of ``frame`` that ``spec_text`` (a spec as JSON) names: as a field (as JSON
+    writes it: 'GPU · suite' is "GPU \\u00b7 suite" there), or in an expression
+    (``datum.x``, ``datum['x']``)."""
+    return [name for name in frame.columns if json.dumps(str(name)) in spec_text
             or f"datum.{name}" in spec_text or f"datum['{name}']" in spec_text]
 
 

@@ -298,6 +298,8 @@ CHART_SHAPES = """() => {
         series: e.querySelectorAll('.role-legend-symbol path').length,
         cut: [...e.querySelectorAll('svg text')].map(t => t.textContent)
              .filter(t => t.endsWith('…')),
+        undefined: [...e.querySelectorAll('svg text')].map(t => t.textContent)
+             .filter(t => t === 'undefined' || t === 'null'),
     }));
 }"""
 
@@ -328,8 +330,8 @@ def test_home_first_screen_names_the_peers_with_ratios_and_a_stored_file(browser
 @pytest.mark.parametrize("name", REPORT_PAGES)
 def test_report_page_is_a_few_screens_with_readable_charts(browser, server, name):
     """With the "Earlier runs" sections closed, the page is at most 25 screens at 1440 x 900;
-    every chart (earlier runs' too) is at most 1,000 px tall, draws at most 8 series and cuts
-    no label short."""
+    every chart (earlier runs' too) is at most 1,000 px tall, draws at most 8 series, cuts
+    no label short and labels nothing 'undefined'."""
     context = browser.new_context(viewport=SCREEN)
     page = context.new_page()
     page.goto(f"{server}/reports/{name}.html", wait_until="load")
@@ -340,4 +342,5 @@ def test_report_page_is_a_few_screens_with_readable_charts(browser, server, name
     assert [c for c in shapes if c["height"] > MAX_CHART_HEIGHT] == []
     assert [c for c in shapes if c["series"] > MAX_SERIES] == []
     assert [c for c in shapes if c["cut"]] == []
+    assert [c for c in shapes if c["undefined"]] == []  # a field missing from the data
     context.close()
