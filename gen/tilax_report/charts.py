@@ -53,12 +53,21 @@ def fastest_series(data: pd.DataFrame, color: str, y: str) -> tuple[pd.DataFrame
     return data[data[color].isin(keep)], data[color].nunique() - MAX_SERIES
 
 
+def repeat_tips(data: pd.DataFrame) -> list[str]:
+    """The repeat count and range for a tooltip, where some case of ``data`` was measured more
+    than once in its run (its point is the median of the repeats)."""
+    if "repeats" in data and (pd.to_numeric(data["repeats"], errors="coerce") > 1).any():
+        return ["repeats", "repeat_min_ms", "repeat_max_ms"]
+    return []
+
+
 def tooltip(fields: Sequence[str | alt.Tooltip]) -> list[alt.Tooltip]:
     """Tooltips for the named columns, formatting the common numeric ones."""
     formats = {
         "median_ms": ".4~f", "q1_ms": ".4~f", "q3_ms": ".4~f", "peak_mb": ",.1f",
         "xla_temp_mb": ",.1f", "ratio": ".3~f", "speedup": ".3~f", "pairs_per_s": ".3~s",
-        "rel_err": ".2e", "value": ".3~g", "share": ".1%",
+        "rel_err": ".2e", "value": ".3~g", "share": ".1%", "repeat_min_ms": ".4~f",
+        "repeat_max_ms": ".4~f",
     }
     tips = []
     for field in fields:
@@ -170,7 +179,7 @@ def lines(
     detail_enc = [alt.Detail(f"{detail}:N")] if detail else []
     line = base.mark_line(strokeWidth=1.6).encode(y_enc, *detail_enc)
     points = base.mark_point(filled=True, size=40).encode(
-        y_enc, tooltip=tooltip([color, x, y, *tips])
+        y_enc, tooltip=tooltip([color, x, y, *tips, *repeat_tips(data)])
     ).add_params(select)
     layers = [line, points]
     if spread and {"q1_ms", "q3_ms"} <= set(data.columns) and data["q1_ms"].notna().any():
@@ -231,7 +240,7 @@ def bars(
         colour(color, color_title or category_title, data,
                legend=alt.Legend() if legend else None),
         opacity=alt.condition(select, alt.value(1.0), alt.value(0.25)),
-        tooltip=tooltip([category, value, *tips]),
+        tooltip=tooltip([category, value, *tips, *repeat_tips(data)]),
     ).add_params(select)
     layers = [bar]
     if bounds is None and spread and value == "median_ms":
