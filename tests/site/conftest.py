@@ -24,16 +24,17 @@ from site_build import (
 )
 
 
-def _shared_folder(tmp_path_factory, worker_id):
-    """A folder that every worker of this test run sees (the run's own under xdist)."""
+def _shared_folder(tmp_path_factory, config):
+    """A folder that every worker of this test run sees (the run's own under xdist, whose
+    workers carry ``workerinput``)."""
     base = tmp_path_factory.getbasetemp()
-    return base.parent if worker_id != "master" else base
+    return base.parent if hasattr(config, "workerinput") else base
 
 
 @pytest.fixture(scope="session")
-def shared_build(tmp_path_factory, worker_id):
+def shared_build(tmp_path_factory, pytestconfig):
     """(site dir, data dir, copied run, slower run), built once per test run."""
-    root = _shared_folder(tmp_path_factory, worker_id) / "tilax-site-build"
+    root = _shared_folder(tmp_path_factory, pytestconfig) / "tilax-site-build"
     root.mkdir(exist_ok=True)
     done = root / "build.json"
     with open(root / "build.lock", "w") as lock:
