@@ -136,7 +136,7 @@ PEER_COLUMNS = {
 }
 PALLAS_IMPLS = ("pallas", "triton", "mosaic")
 # What impl="auto", dispatch="sorted" (MoEConfig's defaults) runs, per GPU: the backend of the
-# package's rules table (src/tilax/moe: the rule rows name their stored runs), Triton where no
+# package's rules table (tilax.moe.rules: each row names its stored run), Triton where no
 # rule holds. tests/packaging/test_readme_numbers.py holds this against the rules table.
 MOSAIC_DEFAULT_GPUS = ("NVIDIA H200",)
 

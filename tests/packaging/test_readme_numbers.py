@@ -32,7 +32,7 @@ FIRST_SCREEN_LINES = 40
 
 # What each column header means, as stored in extra_info: (impl, dispatch); dispatch None for
 # the peers, which have none. "tilax default": dispatch="sorted" (MoEConfig's default) on the
-# backend impl="auto" runs for the row's layer on the file's GPU (tilax.moe.auto_rules:
+# backend impl="auto" runs for the row's layer on the file's GPU (tilax.moe.rules:
 # "mosaic" where a rule holds, else Triton, stored as "pallas"). "tilax fastest": the fastest
 # Pallas impl/dispatch, which the cell names.
 PALLAS_IMPLS = ("pallas", "triton", "mosaic")
@@ -161,9 +161,12 @@ def fastest_pallas_row(file: StoredFile, setting: dict) -> dict:
 def auto_rule(gpu: str | None, setting: dict):
     """The package's rule for ``impl="auto"``, ``dispatch="sorted"``, bf16 at ``setting`` on
     ``gpu`` (None where no rule holds: Triton)."""
-    from tilax.moe import auto_rules
+    try:
+        from tilax.moe import rules
+    except ImportError:  # the name before issue 74's move; drop once the move is merged
+        from tilax.moe import auto_rules as rules
 
-    return auto_rules.rule_for(gpu, "bfloat16", "sorted", setting["experts"], setting["top_k"])
+    return rules.rule_for(gpu, "bfloat16", "sorted", setting["experts"], setting["top_k"])
 
 
 def default_row(file: StoredFile, setting: dict) -> dict:
