@@ -1,10 +1,13 @@
 """Derived tables the report pages share: labels, within-run comparisons, growth fits.
 
 Numbers and keys only: the pages (pages/) put them into words. Speed is only ever compared
-within one file (one process, one run, one device): every ratio here is computed inside a group
-keyed by (source_file, run, device, ...case), with a noise-aware verdict (`verdict`). Runs on
-different GPUs are put side by side separately and labelled as such (`across_devices`); runs
-over time are in `history`.
+within one run on one device, between the run's one value per case (`repeats`: the median of
+the repeats), inside a group keyed by (run, device, ...case), and only between rows measured in
+at least one common file (one process; `share_a_file`), with a noise-aware verdict (`verdict`):
+two single measurements of one file are judged by the within-run test, rows with repeats must
+also be beyond the case's run-to-run spread. Superseded peer rows are never ranked nor used as
+a baseline. Runs on different GPUs are put side by side separately and labelled as such
+(`across_devices`); runs over time are in `history`.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import pandas as pd
 
 from . import verdict
 
-RUN_KEYS = ["source_file", "run", "device"]
+RUN_KEYS = ["run", "device"]
 MOE_CONFIG = ["d_model", "d_hidden", "experts", "top_k", "shared_hidden", "skew"]
 MOE_CASE = [*MOE_CONFIG, "dtype", "op", "tokens"]
 RBF_CONFIG = ["dim", "out", "batch"]
@@ -113,6 +116,14 @@ def timed(frame: pd.DataFrame) -> pd.DataFrame:
     return frame[(frame["status"] == "measured") & frame["median_ms"].notna()]
 
 
+def claimable(frame: pd.DataFrame) -> pd.DataFrame:
+    """Timed rows that may back a claim (a headline, a ranking, a verdict): not superseded."""
+    good = timed(frame)
+    if "superseded" not in good:
+        return good
+    return good[~good["superseded"].fillna(False).astype(bool)]
+
+
 def failures(frame: pd.DataFrame) -> pd.DataFrame:
     """Rows that were attempted and failed (out of memory, timeout, error)."""
     return frame[frame["status"] == "failed"]
@@ -135,58 +146,90 @@ def _group(frame: pd.DataFrame, keys: Sequence[str]):
 
 
 def rank_within_run(frame: pd.DataFrame, case: Sequence[str]) -> pd.DataFrame:
-    """One row per (file, run, case) measured with at least two labels: the fastest label, the
-    runner-up, their ratio and whether the noise allows calling it (``clear``, ``method``;
-    see `verdict`). Failed and skipped labels of the case are counted, not ranked."""
+    """One row per (run, device, case) with at least two claimable labels (`claimable`): the
+    fastest label (by the run's one value, the median of its repeats), the runner-up, their
+    ratio and whether the noise allows calling it (``clear``, ``method``; see `verdict`);
+    when the two share no stored file, no ratio (``method`` 'different files'). Also
+    ``source_file`` (the fastest row's) and ``source_files`` (every file behind the ranked
+    rows). Failed, skipped and superseded labels of the case are counted, not ranked."""
     keys = [*RUN_KEYS, *case]
     # Only the columns read below: picking rows of the whole tidy table is most of the cost.
-    needed = [*keys, "code", "config", "label", "status", "median_ms", "q1_ms", "q3_ms",
-              "rounds", "round_ms"]
+    needed = [*keys, "code", "config", "label", "status", "rounds", "source_files",
+              *verdict.FIELDS]
     frame = frame[list(dict.fromkeys(c for c in needed if c in frame))]
     out = []
     for key, rows in _group(frame, keys):
-        good = timed(rows).sort_values("median_ms")
+        good = claimable(rows).sort_values("median_ms")
         if good["label"].nunique() < 2:
             continue
         best, second, worst = good.iloc[0], good.iloc[1], good.iloc[-1]
         lead = verdict.compare(best, second)
+        if not set(_as_files(best["source_files"])) & set(_as_files(second["source_files"])):
+            lead = {**lead, "ratio": math.nan, "clear": None, "method": "different files"}
         out.append({
             **dict(zip(keys, key, strict=True)),
+            "source_file": best["source_file"],
+            "source_files": files_behind(good),
             "code": best["code"], "config": best["config"],
             "fastest": best["label"], "fastest_ms": best["median_ms"],
             "fastest_q1": best["q1_ms"], "fastest_q3": best["q3_ms"],
-            "fastest_rounds": best["rounds"],
+            "fastest_rounds": best["rounds"], "fastest_repeats": best["repeats"],
+            "fastest_min": best["repeat_min_ms"], "fastest_max": best["repeat_max_ms"],
             "runner_up": second["label"], "runner_up_ms": second["median_ms"],
             "runner_up_q1": second["q1_ms"], "runner_up_q3": second["q3_ms"],
-            "runner_up_rounds": second["rounds"],
+            "runner_up_rounds": second["rounds"], "runner_up_repeats": second["repeats"],
             "ratio": lead["ratio"], "clear": lead["clear"], "method": lead["method"],
             "slowest": worst["label"], "slowest_ratio": worst["median_ms"] / best["median_ms"],
             "labels": good["label"].nunique(),
             "failed": int((rows["status"] == "failed").sum()),
             "skipped": int((rows["status"] == "skipped").sum()),
+            "superseded": int(rows["superseded"].fillna(False).astype(bool).sum()),
         })
     if not out:
-        return pd.DataFrame(columns=[*keys, "code", "config", "fastest", "fastest_ms", "labels",
-                                     "ratio", "clear"])
+        return pd.DataFrame(columns=[*keys, "source_file", "source_files", "code", "config",
+                                     "fastest", "fastest_ms", "labels", "ratio", "clear",
+                                     "method"])
     return pd.DataFrame(out).astype({k: frame[k].dtype for k in keys})
 
 
+def files_behind(rows: pd.DataFrame) -> tuple[str, ...]:
+    """Every stored file behind ``rows`` (``source_file`` and every repeat's file in
+    ``source_files``), sorted: what a source line under a table or chart should link."""
+    names = {f for files in rows["source_files"] if isinstance(files, tuple) for f in files}
+    return tuple(sorted(names | set(rows["source_file"].dropna())))
+
+
+def share_a_file(files: pd.Series, other: pd.Series) -> pd.Series:
+    """Row by row: the two rows' repeats were measured in at least one common stored file (one
+    process): the condition for forming a ratio between them."""
+    return pd.Series([bool(set(_as_files(a)) & set(_as_files(b)))
+                      for a, b in zip(files, other, strict=True)], index=files.index,
+                     dtype=bool)
+
+
+def _as_files(value) -> tuple:
+    return value if isinstance(value, tuple) else ()
+
+
 def speedups(frame: pd.DataFrame, case: Sequence[str], baseline: str) -> pd.DataFrame:
-    """Every timed row with ``speedup`` = baseline median / its median, the baseline being the
-    row labelled ``baseline`` in the same run and case; ``speedup_lo``/``_hi`` bound it with the
-    quartiles (baseline q1 / row q3, baseline q3 / row q1). Cases without a timed baseline are
-    left out."""
+    """Every claimable row (`claimable`) with ``speedup`` = baseline median / its median, the
+    baseline being the claimable row labelled ``baseline`` in the same run and case;
+    ``speedup_lo``/``_hi`` bound it with the quartiles (baseline q1 / row q3, baseline q3 / row
+    q1); ``clear`` and ``method`` the verdict. Cases without a timed baseline are left out."""
     keys = [*RUN_KEYS, *case]
-    good = timed(frame)
-    base = good[good["label"] == baseline][[*keys, "median_ms", "q1_ms", "q3_ms", "round_ms"]]
+    good = claimable(frame)
+    fields = [c for c in [*verdict.FIELDS, "source_files"] if c not in keys]
+    base = good[good["label"] == baseline][[*keys, *fields]]
     base = base.drop_duplicates(subset=keys)
     merged = good.merge(base, on=keys, how="inner", suffixes=("", "_base"))
+    merged = merged[share_a_file(merged["source_files"], merged["source_files_base"])]
     merged["speedup"] = merged["median_ms_base"] / merged["median_ms"]
     merged["speedup_lo"] = merged["q1_ms_base"] / merged["q3_ms"]
     merged["speedup_hi"] = merged["q3_ms_base"] / merged["q1_ms"]
-    base_rows = merged[["median_ms_base", "q1_ms_base", "q3_ms_base", "round_ms_base"]]
-    base_rows.columns = ["median_ms", "q1_ms", "q3_ms", "round_ms"]
-    merged["clear"] = verdict.compare_frames(base_rows, merged)["clear"]
+    base_rows = merged[[f"{c}_base" for c in fields]]
+    base_rows.columns = fields
+    judged = verdict.compare_frames(base_rows, merged)
+    merged["clear"], merged["method"] = judged["clear"], judged["method"]
     merged["baseline"] = baseline
     return merged
 

@@ -39,7 +39,26 @@ IMPL_COLOURS = {
 PALETTE = ["#4c78a8", "#f58518", "#54a24b", "#e45756", "#b279a2", "#9e765f", "#439894",
            "#b79a20", "#79706e", "#d67195", "#9ecae9", "#ffbf79", "#88d27a", "#ff9d98",
            "#d6a5c9", "#d8b5a5", "#83bcb6", "#f2cf5b", "#bab0ac", "#fcbfd2"]
+# Lines of one chart a reader can tell apart (colours and legend entries).
+MAX_SERIES = 8
 FONT = "system-ui, -apple-system, 'Segoe UI', Roboto, sans-serif"
+
+
+def fastest_series(data: pd.DataFrame, color: str, y: str) -> tuple[pd.DataFrame, int]:
+    """``data`` limited to its `MAX_SERIES` ``color`` values of smallest median ``y``, and how
+    many values were left out: more lines than that cannot be told apart."""
+    if color not in data or data[color].nunique() <= MAX_SERIES:
+        return data, 0
+    keep = data.groupby(color)[y].median().sort_values().index[:MAX_SERIES]
+    return data[data[color].isin(keep)], data[color].nunique() - MAX_SERIES
+
+
+def repeat_tips(data: pd.DataFrame) -> list[str]:
+    """The repeat count and range for a tooltip, where some case of ``data`` was measured more
+    than once in its run (its point is the median of the repeats)."""
+    if "repeats" in data and (pd.to_numeric(data["repeats"], errors="coerce") > 1).any():
+        return ["repeats", "repeat_min_ms", "repeat_max_ms"]
+    return []
 
 
 def tooltip(fields: Sequence[str | alt.Tooltip]) -> list[alt.Tooltip]:
@@ -47,7 +66,8 @@ def tooltip(fields: Sequence[str | alt.Tooltip]) -> list[alt.Tooltip]:
     formats = {
         "median_ms": ".4~f", "q1_ms": ".4~f", "q3_ms": ".4~f", "peak_mb": ",.1f",
         "xla_temp_mb": ",.1f", "ratio": ".3~f", "speedup": ".3~f", "pairs_per_s": ".3~s",
-        "rel_err": ".2e", "value": ".3~g", "share": ".1%",
+        "rel_err": ".2e", "value": ".3~g", "share": ".1%", "repeat_min_ms": ".4~f",
+        "repeat_max_ms": ".4~f",
     }
     tips = []
     for field in fields:
@@ -60,14 +80,16 @@ def tooltip(fields: Sequence[str | alt.Tooltip]) -> list[alt.Tooltip]:
     return tips
 
 
-def finish(chart: alt.TopLevelMixin, title: str | None = None) -> alt.TopLevelMixin:
-    """Site-wide look: system font (no web font), quiet grid, legend on the right."""
+def finish(chart: alt.TopLevelMixin, title: str | alt.TitleParams | None = None
+           ) -> alt.TopLevelMixin:
+    """Site-wide look: system font (no web font), quiet grid, legend on the right, and no
+    label cut short (a limit of 0 is none: a cut label names nothing)."""
     if title:
         chart = chart.properties(title=title)
     return (
         chart.configure(font=FONT)
-        .configure_axis(labelFontSize=11, titleFontSize=12, gridOpacity=0.5)
-        .configure_legend(labelFontSize=11, titleFontSize=12, labelLimit=260)
+        .configure_axis(labelFontSize=11, titleFontSize=12, gridOpacity=0.5, labelLimit=0)
+        .configure_legend(labelFontSize=11, titleFontSize=12, labelLimit=0)
         .configure_header(labelFontSize=12, titleFontSize=12)
         .configure_title(fontSize=14, anchor="start")
     )
@@ -136,10 +158,17 @@ def lines(
     width: int = 240,
     height: int = 170,
     detail: str | None = None,
-    title: str | None = None,
+    title: str | alt.TitleParams | None = None,
 ) -> alt.TopLevelMixin:
-    """Median vs a size, one line per ``color`` value, q1–q3 rules, log axes by default."""
+    """Median vs a size, one line per ``color`` value, q1–q3 rules, log axes by default. At
+    most `MAX_SERIES` lines: with more, the lowest ones (smallest median of ``y``: the fastest
+    for times) are drawn and the subtitle says how many others the page's tables hold."""
     data = positive(data, *([x] if log_x else []), *([y] if log_y else []))
+    data, left_out = fastest_series(data, color, y)
+    if left_out:
+        title = alt.TitleParams(title or "", subtitle=(
+            f"the {MAX_SERIES} lowest of {MAX_SERIES + left_out} series; the tables list "
+            "every one"))
     select = alt.selection_point(fields=[color], bind="legend")
     x_enc = alt.X(f"{x}:Q", title=x_title, scale=_scale(log_x),
                   axis=alt.Axis(format=x_format) if x_format else alt.Axis())
@@ -150,7 +179,7 @@ def lines(
     detail_enc = [alt.Detail(f"{detail}:N")] if detail else []
     line = base.mark_line(strokeWidth=1.6).encode(y_enc, *detail_enc)
     points = base.mark_point(filled=True, size=40).encode(
-        y_enc, tooltip=tooltip([color, x, y, *tips])
+        y_enc, tooltip=tooltip([color, x, y, *tips, *repeat_tips(data)])
     ).add_params(select)
     layers = [line, points]
     if spread and {"q1_ms", "q3_ms"} <= set(data.columns) and data["q1_ms"].notna().any():
@@ -188,7 +217,8 @@ def bars(
     """Horizontal bars of ``value`` per ``category`` (q1–q3 rules on times, or a rule from
     the ``bounds`` columns (low, high) on other values); an optional vertical reference rule
     (e.g. ratio 1; the name of a column to draw it where that column has a value, e.g. in
-    some facets only)."""
+    some facets only). With ``log`` the values are dots, not bars: a bar's length means
+    nothing on a log axis."""
     data = positive(data, value) if log else data
     legend = color is not None and color != category
     color = color or category
@@ -199,17 +229,18 @@ def bars(
     sort = (list(data.groupby(category)[value].min().sort_values().index) if sort_by_value
             else None)
     y_enc = alt.Y(f"{category}:N", title=category_title, sort=sort)
-    x_scale = alt.Scale(type="log") if log else alt.Scale(zero=True)
+    x_scale = (alt.Scale(type="log", nice=False, padding=12) if log
+               else alt.Scale(zero=True))
     x_axis = alt.Axis(format="~g", tickCount=6)
     base = alt.Chart().encode(y=y_enc)
-    # On a log axis a bar has no zero to start from: start it at the plot's left edge.
-    start = [alt.X2Value(0)] if log else []
-    bar = base.mark_bar(height=bar_height * 0.8).encode(
-        alt.X(f"{value}:Q", title=value_title, scale=x_scale, stack=None, axis=x_axis), *start,
+    mark = (base.mark_point(filled=True, size=70, opacity=1) if log
+            else base.mark_bar(height=bar_height * 0.8))
+    bar = mark.encode(
+        alt.X(f"{value}:Q", title=value_title, scale=x_scale, stack=None, axis=x_axis),
         colour(color, color_title or category_title, data,
                legend=alt.Legend() if legend else None),
         opacity=alt.condition(select, alt.value(1.0), alt.value(0.25)),
-        tooltip=tooltip([category, value, *tips]),
+        tooltip=tooltip([category, value, *tips, *repeat_tips(data)]),
     ).add_params(select)
     layers = [bar]
     if bounds is None and spread and value == "median_ms":
@@ -271,8 +302,7 @@ def heatmap(
             scale_kwargs["clamp"] = True
     base = alt.Chart().encode(
         alt.X(f"{x}:O", title=x_title, sort=list(x_sort) if x_sort is not None else "ascending",
-              axis=alt.Axis(labelAngle=0 if _fits(data[x], cell) else -35, orient="top",
-                            labelLimit=220)),
+              axis=alt.Axis(labelAngle=0 if _fits(data[x], cell) else -35, orient="top")),
         alt.Y(f"{y}:O", title=y_title, sort=list(y_sort) if y_sort is not None else "ascending"),
     )
     rect = base.mark_rect().encode(
@@ -309,12 +339,19 @@ def ladder(
     tips: Sequence[str | alt.Tooltip] = (),
     width: int = 300,
     height: int = 200,
-    title: str | None = None,
+    title: str | alt.TitleParams | None = None,
 ) -> alt.TopLevelMixin:
     """A size ladder: ``y`` vs ``x`` on log axes per series; a failed step (OOM, timeout) is a
     cross in the series' colour along the top edge (hover it for the error)."""
     # Skipped sizes were never attempted: not a failure, not drawn.
     data = data[data["status"] != "skipped"].copy()
+    reach = data[data["status"] == "measured"].groupby(color)[x].max()
+    if data[color].nunique() > MAX_SERIES:  # the ladders that went furthest
+        keep = reach.sort_values(ascending=False).index[:MAX_SERIES]
+        title = alt.TitleParams(title or "", subtitle=(
+            f"the {MAX_SERIES} that reached the largest sizes of {data[color].nunique()}; "
+            "the table lists every one"))
+        data = data[data[color].isin(keep)]
     data["error_short"] = data["error"].map(short_error)
     ok = data["status"] == "measured"
     top = data.loc[ok, y].max() if data.loc[ok, y].notna().any() else 1.0

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from . import schema
+from . import history, provenance, repeats, schema
 from .formats import (
     h100_decoder_seed,
     moe_layer_seed,
@@ -43,12 +43,14 @@ class UnreadableResultFile(Exception):
 
 @dataclass(frozen=True)
 class StoredResults:
-    """Everything the report pages need: the tidy table and the list of stored files."""
+    """Everything the report pages need: the tidy table (one row per case and run), the
+    stored rows it was made from (one per file and row) and the list of stored files."""
 
     data_dir: Path
-    table: pd.DataFrame  # schema.COLUMNS
+    table: pd.DataFrame  # schema.COLUMNS, one row per run and case (repeats.collapse)
     files: pd.DataFrame  # one row per file: see `_describe_file`
     listed_runs: dict[str, list[str]]  # file -> runs its config lists (MoE seed only)
+    rows: pd.DataFrame  # schema.COLUMNS, every stored row as read (the raw-data page)
 
 
 def data_dir() -> Path:
@@ -115,7 +117,9 @@ def read_result_file(path: Path) -> tuple[str, dict, pd.DataFrame]:
 def load_results(directory: Path | None = None) -> StoredResults:
     """Read every stored file under ``directory`` (default: `data_dir()`)."""
     directory = (directory or data_dir()).resolve()
-    key = tuple((p.name, p.stat().st_mtime_ns, p.stat().st_size) for p in result_files(directory))
+    tables = [directory / provenance.DECLARED_COMMITS, directory / provenance.PEER_FIXES]
+    key = tuple((p.name, p.stat().st_mtime_ns, p.stat().st_size)
+                for p in [*result_files(directory), *(t for t in tables if t.exists())])
     cached = _CACHE.get(directory)
     if cached and cached[0] == key:
         return cached[1]
@@ -126,9 +130,14 @@ def load_results(directory: Path | None = None) -> StoredResults:
         files.append(_describe_file(path, name, doc, frame))
         if name == moe_layer_seed.NAME:
             listed[path.name] = moe_layer_seed.listed_runs(doc)
-    table = pd.concat(frames, ignore_index=True) if frames else schema.empty_table()
-    results = StoredResults(directory, assign_runs(schema.conform(table)), pd.DataFrame(files),
-                            listed)
+    rows = pd.concat(frames, ignore_index=True) if frames else schema.empty_table()
+    rows = assign_runs(schema.conform(rows))
+    rows = with_provenance(rows, provenance.read_json(directory / provenance.DECLARED_COMMITS,
+                                                      {}),
+                           provenance.read_json(directory / provenance.PEER_FIXES, []))
+    rows = repeats.single_rows(rows.assign(spread_stored=spread_stored(rows)))
+    table = history.with_run_spread(repeats.collapse(rows), rows)
+    results = StoredResults(directory, table, pd.DataFrame(files), listed, rows)
     _CACHE[directory] = (key, results)
     return results
 
@@ -154,6 +163,39 @@ def assign_runs(table: pd.DataFrame) -> pd.DataFrame:
                                        table.loc[ours, "commit"], strict=True)
     ]
     return table
+
+
+def with_provenance(table: pd.DataFrame, declared: dict[str, dict],
+                    fixes: list[dict]) -> pd.DataFrame:
+    """Code hashes of rows whose file stored none, from the committed table of declared
+    commits (source ``declared``), and the ``superseded`` label of peer rows measured at a
+    declared commit that does not contain the fix of that peer's glue (`provenance`)."""
+    entry = table["commit"].map(lambda c: declared.get(c) if isinstance(c, str) else None)
+    known = entry.notna() & table["code_hash"].isna()
+    table = table.copy()
+    table.loc[known, "code_hash"] = entry[known].map(lambda e: e["code_hash"])
+    table.loc[known, "code_hash_source"] = "declared"
+    superseded = pd.Series(False, index=table.index)
+    superseded_by = pd.Series(None, index=table.index, dtype="object")
+    for fix in fixes:
+        lacks = entry.map(lambda e, f=fix["fixed_in"]: isinstance(e, dict)
+                          and f not in e["has_peer_fixes"])
+        hit = lacks & (table["impl"] == fix["impl"]) & ~superseded
+        superseded |= hit
+        superseded_by[hit] = fix["fixed_in"]
+    table["superseded"] = superseded.astype("boolean")
+    table["superseded_by"] = superseded_by
+    return schema.conform(table)
+
+
+def spread_stored(table: pd.DataFrame) -> pd.Series:
+    """Timed rows with something to judge a difference by: the time of at least two rounds,
+    or quartiles of at least two rounds (a single sample's quartiles are its one time)."""
+    rounds = table["round_ms"].map(lambda r: len(r) if isinstance(r, tuple) else 0)
+    quartiles = table["q1_ms"].notna() & table["q3_ms"].notna() & (
+        table["rounds"].fillna(2) >= 2)
+    timed = (table["status"] == "measured") & table["median_ms"].notna()
+    return (timed & ((rounds >= 2) | quartiles)).astype("boolean")
 
 
 def gpu_slug(device_name: str) -> str:

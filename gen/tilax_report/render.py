@@ -10,6 +10,7 @@ saying why (``p.tilax-empty``).
 
 from __future__ import annotations
 
+import contextlib
 import html
 import json
 import math
@@ -29,9 +30,13 @@ RAW_DIR = "data"
 class Page:
     """A report page under construction: Markdown text plus numbered charts and tables."""
 
-    def __init__(self, slug: str, title: str):
+    def __init__(self, slug: str, title: str | None = None, raw_dir: str = RAW_DIR):
+        """``title``: the page's heading (none for a part of a hand-written page);
+        ``raw_dir``: where the stored files' copies are, relative to the page."""
         self.slug = slug
-        self.parts: list[str] = [f"# {title}\n"]
+        self.raw_dir = raw_dir
+        self.folded = False  # inside `collapsed`: headings become bold lines
+        self.parts: list[str] = [f"# {title}\n"] if title else []
         self._count = 0
 
     def md(self, text: str) -> None:
@@ -49,7 +54,7 @@ class Page:
             sentence = empty or nothing_to_draw(spec_title(spec), rows)
             self.parts.append(f'<p class="tilax-empty" id="{chart_id}">'
                               f"{html.escape(sentence, quote=False)}"
-                              f"</p>\n\n{source_line(rows)}\n")
+                              f"</p>\n\n{source_line(rows, raw_dir=self.raw_dir)}\n")
             return
         spec_json = json.dumps(spec, separators=(",", ":"), allow_nan=False, default=str)
         spec_json = spec_json.replace("</", "<\\/")
@@ -58,7 +63,7 @@ class Page:
             f'<div class="tilax-figure">\n'
             f'<div class="tilax-chart" id="{chart_id}" data-sources="{html.escape(files)}"></div>\n'
             f'<script type="application/json" data-chart-for="{chart_id}">{spec_json}</script>\n'
-            f"</div>\n\n{source_line(rows, caption)}\n"
+            f"</div>\n\n{source_line(rows, caption, self.raw_dir)}\n"
         )
 
     def table(self, frame: pd.DataFrame, rows: pd.DataFrame, caption: str = "",
@@ -75,12 +80,35 @@ class Page:
             f'<div class="tilax-table" id="{table_id}" data-sources="{html.escape(files)}" '
             f'data-key-columns="{key_columns}" markdown="1">\n\n'
             f"{markdown_table(frame, markdown_columns)}\n\n</div>\n\n"
-            f"{source_line(rows, caption)}\n"
+            f"{source_line(rows, caption, self.raw_dir)}\n"
         )
         if collapsed:
             body = (f'<details class="tilax-details" markdown="1">\n'
                     f"<summary>{html.escape(collapsed)}</summary>\n\n{body}\n</details>\n")
         self.parts.append(body)
+
+    def heading(self, level: int, text: str) -> None:
+        """A heading; inside a folded section a bold line instead, so that the table of
+        contents lists only what the page shows open."""
+        self.md(f"**{text}**" if self.folded else f"{'#' * level} {text}\n")
+
+    @contextlib.contextmanager
+    def collapsed(self, summary: str):
+        """Everything written inside the ``with`` block goes into one closed ``<details>``
+        (older runs under the newest): nothing when the block wrote nothing."""
+        start, folded = len(self.parts), self.folded
+        self.folded = True
+        try:
+            yield
+        finally:
+            self.folded = folded
+        inner = self.parts[start:]
+        del self.parts[start:]
+        if inner:
+            self.parts.append(
+                f'<details class="tilax-details tilax-earlier" markdown="1">\n'
+                f"<summary>{html.escape(summary)}</summary>\n\n" + "\n".join(inner)
+                + "\n</details>\n")
 
     def render(self) -> str:
         return "\n".join(self.parts)
@@ -160,9 +188,10 @@ _NAMED_FRAMES = "tilax_named_frames"
 
 
 def used_columns(frame: pd.DataFrame, spec_text: str) -> list[str]:
-    """The columns of ``frame`` that ``spec_text`` (a spec as JSON) names: as a field, or in
-    an expression (``datum.x``, ``datum['x']``)."""
-    return [name for name in frame.columns if f'"{name}"' in spec_text
+    """The columns of ``frame`` that ``spec_text`` (a spec as JSON) names: as a field (as JSON
+    writes it: 'GPU · suite' is "GPU \\u00b7 suite" there), or in an expression
+    (``datum.x``, ``datum['x']``)."""
+    return [name for name in frame.columns if json.dumps(str(name)) in spec_text
             or f"datum.{name}" in spec_text or f"datum['{name}']" in spec_text]
 
 
@@ -172,18 +201,31 @@ def _records(frame: pd.DataFrame) -> list[dict]:
 
 
 def source_files(rows: pd.DataFrame) -> list[str]:
-    return sorted(rows["source_file"].dropna().unique())
+    """Every stored file behind ``rows``: each row's own and, for a case measured more than
+    once in its run, every repeat's (``source_files``)."""
+    return sorted(_files_of(rows).explode().dropna().unique())
 
 
-def source_line(rows: pd.DataFrame, caption: str = "") -> str:
+def _files_of(rows: pd.DataFrame) -> pd.Series:
+    """Per row, the tuple of stored files behind it."""
+    own = rows["source_file"].map(lambda f: (f,) if isinstance(f, str) else ())
+    if "source_files" not in rows:
+        return own
+    return pd.Series([tuple(sorted(set(a) | set(b if isinstance(b, tuple) else ())))
+                      for a, b in zip(own, rows["source_files"], strict=True)],
+                     index=rows.index, dtype="object")
+
+
+def source_line(rows: pd.DataFrame, caption: str = "", raw_dir: str = RAW_DIR) -> str:
     """'Source: [file](data/file) (runs a, b)' as a paragraph with class tilax-source."""
     parts = []
+    per_file = rows[["run"]].assign(file=_files_of(rows)).explode("file")
     for name in source_files(rows):
-        runs = sorted(rows.loc[rows["source_file"] == name, "run"].dropna().unique())
+        runs = sorted(per_file.loc[per_file["file"] == name, "run"].dropna().unique())
         shown = ", ".join(f"`{r}`" for r in runs[:8]) + (f" and {len(runs) - 8} more"
                                                         if len(runs) > 8 else "")
         label = "run" if len(runs) == 1 else "runs"
-        parts.append(f"[{name}]({RAW_DIR}/{name})" + (f" ({label} {shown})" if runs else ""))
+        parts.append(f"[{name}]({raw_dir}/{name})" + (f" ({label} {shown})" if runs else ""))
     text = "Source: " + ("; ".join(parts) if parts else "no stored rows")
     if caption:
         text += ". " + caption.strip()
@@ -348,16 +390,18 @@ def rounds_cell(rounds: object, few: bool = False, wide: bool = False) -> str:
     return " · ".join([text, *marks])
 
 
-def verdict_phrase(ratio: float, clear: object, other: str) -> str:
+def verdict_phrase(ratio: float, clear: object, other: str, method: object = None) -> str:
     """How a row compares with ``other`` (``ratio`` = other's median / this one's, above 1:
-    this one is faster): '1.64× faster than X', 'no clear difference from X (1.01×)', or
-    '1.21× faster than X (noise unknown: one time stored)'."""
+    this one is faster): '1.64× faster than X', 'no clear difference from X (1.01×)', or,
+    where a row stored no spread (one time, no rounds or quartiles), no verdict: 'X's time
+    1.21× this one's (no spread stored)'."""
     if ratio is None or pd.isna(ratio):
         return ""
     if clear is None or pd.isna(clear):
-        word = "faster than" if ratio >= 1 else "slower than"
-        shown = ratio if ratio >= 1 else 1 / ratio
-        return f"{fmt_ratio(shown)} {word} {other} (noise unknown: one time stored)"
+        if method == "superseded":
+            return f"no verdict against {other} (a superseded row)"
+        return (f"{fmt_ratio(ratio)} the time of {other}, no verdict (noise unknown: no spread "
+                "stored)")
     if not clear:
         return f"no clear difference from {other} ({fmt_ratio(ratio)}, within the noise)"
     if ratio >= 1:
@@ -388,13 +432,24 @@ def run_link(run: str) -> str:
     return f"[`{run}`](runs.md#{run_anchor(run)})"
 
 
-def ms_cell(median: float | None, q1: float | None, q3: float | None, rounds: object) -> str:
+def repeats_note(repeats: object, low: object, high: object) -> str:
+    """'median of 3 repeats, 7.364–7.608' for a case measured more than once in its run
+    (the data layer's one value per case and run), else ''."""
+    if repeats is None or pd.isna(repeats) or int(repeats) <= 1:
+        return ""
+    places = decimals_for(float(low)) if not pd.isna(low) else 3
+    return f"median of {int(repeats)} repeats, {low:.{places}f}–{high:.{places}f}"
+
+
+def ms_cell(median: float | None, q1: float | None, q3: float | None, rounds: object,
+            repeats: object = None, low: object = None, high: object = None) -> str:
     """A grid cell: '1.234 (1.200–1.250) · 10 rounds', marked '· few rounds' below
     verdict.FEW_ROUNDS and '· wide spread' when q3 - q1 exceeds verdict.WIDE_SPREAD of the
-    median."""
+    median; '· median of 3 repeats, lo–hi' for a repeated case."""
     from .verdict import FEW_ROUNDS, WIDE_SPREAD
 
     text = fmt_ms(median, q1, q3)
+    text = " · ".join(p for p in (text, repeats_note(repeats, low, high)) if p)
     if rounds is None or pd.isna(rounds):
         return text
     marks = [f"{int(rounds)} rounds"]

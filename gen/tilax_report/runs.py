@@ -1,5 +1,7 @@
-"""The run catalogue: one row per run (every file of one commit on one GPU), ordered by date.
+"""The run catalogue: one row per run (every file of one commit on one GPU), ordered by date,
+with its provenance: the declared commit, the code hash of what ran and where it comes from.
 
+The functions here count stored rows: give them the per-file rows (`load.StoredResults.rows`).
 Numbers and keys only; the runs page (pages/runs.py) puts them into words.
 """
 
@@ -23,11 +25,27 @@ def _joined(values: pd.Series) -> str:
     return ", ".join(sorted({str(v) for v in values.dropna()}))
 
 
+def _all_true(values: pd.Series):
+    values = values.dropna()
+    return bool(values.all()) if not values.empty else None
+
+
+def _any_true(values: pd.Series):
+    values = values.dropna()
+    return bool(values.any()) if not values.empty else None
+
+
 def catalogue(table: pd.DataFrame) -> pd.DataFrame:
     """One row per run: its environment (the first value its files record), ``date`` and
     ``started`` (its first file's), ``files`` (list), ``suites``, ``families``, ``codes``, the
     rows per status (each stored row counted once) and ``order`` (0 = oldest; missing for runs
-    without a date, which cannot be placed in time). Sorted newest first, undated runs last."""
+    without a date, which cannot be placed in time). Provenance: ``code_hashes`` (the distinct
+    code hashes of its files, comma-separated; usually one), ``code_hash_source`` (stored,
+    declared), ``tree_matches_declared`` (stored provenance: every file's tree was the declared
+    commit's; missing for declared labels), ``recorded_heads`` and ``recorded_dirty`` (what
+    pytest-benchmark found on the GPU host), and ``same_code_runs`` (the other runs whose code
+    hash is the same: identical src/ and tests/bench/). Sorted newest first, undated runs
+    last."""
     per_row = table.drop_duplicates(["source_file", "source_row"])
     grouped = table.groupby("run", sort=False)
     runs = pd.DataFrame({
@@ -45,7 +63,16 @@ def catalogue(table: pd.DataFrame) -> pd.DataFrame:
         "bench_budget_s": table.drop_duplicates(["run", "source_file"]).sort_values("source_file")
         .groupby("run", sort=False)["bench_budget_s"].agg(lambda s: s.dropna().tolist()),
         "bench_parts": grouped["bench_part"].agg(_joined),
+        "code_hashes": grouped["code_hash"].agg(_joined),
+        "code_hash_source": grouped["code_hash_source"].agg(_joined),
+        "tree_matches_declared": grouped["tree_matches_declared"].agg(_all_true),
+        "recorded_heads": grouped["recorded_head"].agg(_joined),
+        "recorded_dirty": grouped["recorded_dirty"].agg(_any_true),
     })
+    by_hash = runs[runs["code_hashes"] != ""].groupby("code_hashes").groups
+    runs["same_code_runs"] = [
+        sorted(set(by_hash.get(h, [])) - {run}) if h else []
+        for run, h in zip(runs.index, runs["code_hashes"], strict=True)]
     counts = per_row.groupby(["run", "status"]).size().unstack("status")
     counts = counts.reindex(columns=["measured", "failed", "skipped"]).fillna(0).astype(int)
     runs = runs.join(counts).reset_index()

@@ -6,6 +6,7 @@ docs/reports/schema.md documents them for readers; tests/gen/test_schema.py keep
 
 from __future__ import annotations
 
+import numpy as np
 import pandas as pd
 
 # name -> (pandas dtype, one-line meaning). Missing values mean "not recorded / not measured".
@@ -25,7 +26,19 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "gpu_memory_gb": ("float64", "GPU memory in GB"),
     "date": ("str", "date the file was written (YYYY-MM-DD) where it records it"),
     "started": ("str", "time the file's run started (ISO 8601, UTC) where it records it"),
-    "commit": ("str", "tilax commit measured (pytest-benchmark runs)"),
+    "commit": ("str", "tilax commit measured (pytest-benchmark runs): the commit the run was "
+                      "filed under (declared), or machine_info.tilax_provenance.declared_commit"),
+    # Provenance: which code the run measured (docs/reports/schema.md#provenance).
+    "recorded_head": ("str", "the HEAD pytest-benchmark found on the GPU host (commit_info; "
+                             "host_git when the commit was given by TILAX_BENCH_COMMIT)"),
+    "recorded_dirty": ("boolean", "that HEAD's working tree had uncommitted changes"),
+    "code_hash": ("str", "SHA-256 of the contents of src/ and tests/bench/ (tilax_report."
+                         "provenance.code_hash): equal hashes, identical code"),
+    "code_hash_source": ("str", "stored (recorded at bench time in machine_info."
+                                "tilax_provenance) or declared (computed from git for the "
+                                "declared commit: data/provenance/declared-commits.json)"),
+    "tree_matches_declared": ("boolean", "stored provenance: the benched tree was the declared "
+                                         "commit's (missing for declared labels: not checked)"),
     # The software and hardware of the run (machine_info; the seed files' device block).
     "gpu_driver": ("str", "NVIDIA driver version"),
     "compute_capability": ("str", "GPU compute capability"),
@@ -115,7 +128,22 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "q1_ms": ("float64", "first quartile, ms"),
     "q3_ms": ("float64", "third quartile, ms"),
     "rounds": ("Int64", "timed rounds"),
-    "round_ms": ("object", "the time of every round, ms (a tuple; pytest-benchmark stats.data)"),
+    "round_ms": ("object", "the time of every round, ms (a tuple; pytest-benchmark stats.data); "
+                           "for repeats, the rounds of every repeat, pooled"),
+    # One value per case and run (gen/tilax_report/repeats.py).
+    "repeats": ("Int64", "timed measurements of this case in this run collapsed into the row "
+                         "(0: none timed)"),
+    "attempts": ("Int64", "stored rows of this case in this run (any status) collapsed into "
+                          "the row"),
+    "repeat_min_ms": ("float64", "smallest median among the repeats, ms"),
+    "repeat_max_ms": ("float64", "largest median among the repeats, ms"),
+    "source_files": ("object", "every file the row's repeats came from (a tuple of names)"),
+    "spread_stored": ("boolean", "the row has a spread to judge: per-round times or quartiles "
+                                 "of at least two rounds"),
+    "run_spread": ("float64", "the case's run-to-run spread on this GPU, as log(max/min) of "
+                              "identical-code measurements, never below the floor"),
+    "run_spread_basis": ("str", "where run_spread comes from: identical code (n files), floor, "
+                                "or none stored"),
     "inner": ("Int64", "calls per timed sample (seed files: inner; pytest-benchmark: iterations)"),
     "compile_s": ("float64", "first call including compilation, s"),
     "sync_call_s": ("float64", "one warm call and its wait on its own (host latency included: "
@@ -166,6 +194,9 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "rel_err_ref": ("str", "what the relative errors compare against"),
     "finite": ("boolean", "outputs were finite (NN suites)"),
     # Outcome.
+    "superseded": ("boolean", "a peer's row measured before a later fix of that peer's glue "
+                              "(data/provenance/peer-fixes.json): shown, never claimed"),
+    "superseded_by": ("str", "the commit whose fix supersedes the row"),
     "status": ("str", "measured, failed (attempted, with the error) or skipped (not attempted, "
                       "with why)"),
     "error": ("str", "failed rows: the error; skipped rows: why it was not attempted"),
@@ -174,6 +205,17 @@ COLUMNS: dict[str, tuple[str, str]] = {
 }
 
 COLUMN_NAMES = list(COLUMNS)
+
+# What a row measured (with run and device): the rows of one run that agree on all of these are
+# repeats of one case (repeats.py collapses them into one row).
+CASE_COLUMNS = [
+    "code", "family", "suite", "impl", "dispatch", "routing", "dtype", "op", "piece", "part",
+    "exchange", "exchange_chunks", "mesh", "devices", "precision", "fwd_backend", "bwd_backend",
+    "tokens", "tokens_per_device", "d_model", "d_hidden", "experts", "top_k", "shared_hidden",
+    "skew", "block_m", "recompute", "slab_elems", "n", "m", "dim", "out", "batch", "block_q",
+    "block_k", "block_o", "path", "kernel", "block_p", "block_l", "num_warps", "num_stages",
+    "repeat", "resolution", "model_dim", "params", "summary",
+]
 
 # Columns whose values are integers (possibly missing); seed files store some as floats.
 INTEGER_COLUMNS = [name for name, (dtype, _) in COLUMNS.items() if dtype == "Int64"]
@@ -193,13 +235,25 @@ def conform(frame: pd.DataFrame) -> pd.DataFrame:
     unknown = sorted(set(frame.columns) - set(COLUMN_NAMES))
     if unknown:
         raise ValueError(f"columns not in the schema: {unknown}")
-    frame = frame.reindex(columns=COLUMN_NAMES)
+    columns = {}
     for name, (dtype, _) in COLUMNS.items():
+        if name not in frame:  # built directly: casting a column of nothing costs the most
+            columns[name] = _missing(len(frame), dtype)
+            continue
         try:
-            frame[name] = _cast(frame[name], dtype)
+            columns[name] = _cast(frame[name], dtype).to_numpy() if dtype == "object" else \
+                _cast(frame[name], dtype).array
         except (TypeError, ValueError) as exc:
             raise ValueError(f"column {name!r} does not fit dtype {dtype}: {exc}") from exc
-    return frame.reset_index(drop=True)
+    return pd.DataFrame(columns)
+
+
+def _missing(length: int, dtype: str):
+    if dtype == "float64":
+        return np.full(length, np.nan)
+    if dtype == "object":
+        return np.full(length, np.nan, dtype=object)
+    return pd.array([None] * length, dtype=dtype)
 
 
 def _cast(column: pd.Series, dtype: str) -> pd.Series:

@@ -13,6 +13,7 @@ import mkdocs_gen_files
 import vl_convert
 from mkdocs.exceptions import PluginError
 
+from .front import HOME_MARKER, home_page
 from .load import StoredResults, UnreadableResultFile, load_results
 from .pages import HAND_WRITTEN, PAGES
 
@@ -20,6 +21,7 @@ RAW_DATA_DIR = "reports/data"
 NAV_FILE = "reports/SUMMARY.md"
 VEGA_BUNDLE = "assets/vendor/vega-bundle.js"
 VEGA_LITE_VERSION = "6.4"  # matches the Vega-Lite schema Altair 6 writes
+HOME_PAGE = "index.md"
 
 
 def stored_results() -> StoredResults:
@@ -39,11 +41,23 @@ def write_site() -> None:
     results = stored_results()  # first: an unreadable stored file fails the build at once
     write_raw_data(results)
     write_vega_bundle()
+    write_home(results)
     for name in PAGES:
         module = page_module(name)
         with mkdocs_gen_files.open(module.PATH, "w") as page:
             page.write(module.build(results))
     write_nav()
+
+
+def write_home(results: StoredResults) -> None:
+    """The hand-written home page with the generated headline at its marker."""
+    with mkdocs_gen_files.open(HOME_PAGE, "r") as page:
+        hand_written = page.read()
+    if HOME_MARKER not in hand_written:
+        raise PluginError(f"docs/{HOME_PAGE} has lost the headline's marker line "
+                          f"{HOME_MARKER!r}")
+    with mkdocs_gen_files.open(HOME_PAGE, "w") as page:
+        page.write(home_page(results, hand_written))
 
 
 def nav_lines() -> list[str]:

@@ -12,16 +12,21 @@ TIME_STATS = ("min", "max", "mean", "median", "q1", "q3", "iqr", "stddev", "tota
 
 
 def write_slower_copy(source: Path, results_dir: Path, factor: float, commit: str,
-                      days_later: int = 1) -> Path:
+                      days_later: int = 1, code_hash: str | None = None) -> Path:
     """Write a copy of the pytest-benchmark file ``source`` as a newer run: commit
     ``commit``, dated ``days_later`` days after it, every time multiplied by ``factor``
-    (throughput divided by it). Returns the new file's path, named like the bench names
-    files (<gpu>-<yyyymmdd>-<commit>-<tag>.json)."""
+    (throughput divided by it). With ``code_hash``, the copy records bench-time provenance
+    (``machine_info.tilax_provenance``: that hash, ``commit`` declared, tree matching): give
+    the source's hash for a run of identical code. Returns the new file's path, named like
+    the bench names files (<gpu>-<yyyymmdd>-<commit>-<tag>.json)."""
     doc = json.loads(source.read_text())
     started = datetime.datetime.fromisoformat(doc["datetime"]) + datetime.timedelta(days_later)
     doc["datetime"] = started.isoformat()
     doc["machine_info"]["commit"] = commit
     doc["commit_info"] = {"id": "unknown"}
+    if code_hash is not None:
+        doc["machine_info"]["tilax_provenance"] = {
+            "code_hash": code_hash, "declared_commit": commit, "tree_matches_declared": True}
     for bench in doc["benchmarks"]:
         stats, info = bench.get("stats") or {}, bench["extra_info"]
         for key in TIME_STATS:

@@ -8,7 +8,7 @@ import re
 import altair as alt
 import pandas as pd
 import pytest
-from tilax_report import analysis, headlines, runs, schema, verdict
+from tilax_report import analysis, headlines, repeats, runs, schema, verdict
 from tilax_report.pages import _shared
 from tilax_report.render import (
     Page,
@@ -27,7 +27,8 @@ def tiny_table(rows: list[dict]) -> pd.DataFrame:
             "dispatch": "sorted", "dtype": "bfloat16", "op": "train_step", "tokens": 4096,
             "experts": 8, "top_k": 2, "d_model": 512, "d_hidden": 1024, "skew": 0.0,
             "status": "measured"}
-    return analysis.with_labels(schema.conform(pd.DataFrame([base | r for r in rows])))
+    frame = repeats.single_rows(schema.conform(pd.DataFrame([base | r for r in rows])))
+    return analysis.with_labels(frame)
 
 
 TWO_RUNS = [

@@ -259,7 +259,7 @@ def test_every_file_in_the_real_data_dir_is_read(real_data_dir):
     assert set(stored.files["source_file"]) == names
     for name in names:
         doc = json.loads((real_data_dir / "results" / name).read_text())
-        rows = stored.table[stored.table["source_file"] == name]
+        rows = stored.rows[stored.rows["source_file"] == name]
         if "benchmarks" in doc:
             assert len(rows) == len(doc["benchmarks"])
         elif name != "h100-moe-decoder.json":  # one stored row holds both ops there

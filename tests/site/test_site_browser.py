@@ -6,6 +6,7 @@ import contextlib
 import functools
 import http.server
 import json
+import re
 import threading
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -52,17 +53,10 @@ def serving(site_dir):
         thread.join()
 
 
-@pytest.fixture(scope="module", params=["stored", "with_h200"])
-def server(request):
-    """The site built from the stored data, and the one built with an extra pytest-benchmark
-    run (H200), each served locally."""
-    fixture = "built_site" if request.param == "stored" else "built_site_with_h200"
-    with serving(request.getfixturevalue(fixture)) as url:
-        yield url
-
-
 @pytest.fixture(scope="module")
-def stored_server(built_site):
+def server(built_site):
+    """The site (conftest.py: the one build of the stored data and the extra runs), served
+    locally."""
     with serving(built_site) as url:
         yield url
 
@@ -129,13 +123,13 @@ def test_report_page_renders_offline(browser, server, name):
     page.context.close()
 
 
-def test_headline_table_value_matches_the_stored_file(browser, stored_server):
+def test_headline_table_value_matches_the_stored_file(browser, server):
     stored = json.loads((DATA / "results" / "rtx3090-moe-layer.json").read_text())["results"]
     row = next(r for r in stored if r["run"] == "f_gpu_a" and r["impl"] == "pallas"
                and r["dispatch"] == "sorted" and r["dtype"] == "bfloat16"
                and r["tokens"] == 32768 and r["op"] == "train_step")
     expected = f"{row['median_ms']:.2f} ({row['q1_ms']:.2f}–{row['q3_ms']:.2f})"
-    page, _, _ = open_page(browser, stored_server, "reports/index.html")
+    page, _, _ = open_page(browser, server, "reports/index.html")
     header, *rows = page.evaluate(TABLE_ROWS, "headline-moe-32k")
     shown = next(r for r in rows if r[header.index("run (code)")].startswith("f_gpu_a")
                  and r[header.index("config")] == "E8 top-2 d512 h1024")
@@ -144,10 +138,10 @@ def test_headline_table_value_matches_the_stored_file(browser, stored_server):
     page.context.close()
 
 
-def test_raw_data_link_downloads_the_stored_bytes(browser, stored_server):
-    page, _, _ = open_page(browser, stored_server, "reports/raw-data.html")
+def test_raw_data_link_downloads_the_stored_bytes(browser, server):
+    page, _, _ = open_page(browser, server, "reports/raw-data.html")
     href = page.locator("#raw-files a", has_text="h100-moe-decoder.json").get_attribute("href")
-    response = page.request.get(f"{stored_server}/reports/{href}")
+    response = page.request.get(f"{server}/reports/{href}")
     assert response.body() == (DATA / "results" / "h100-moe-decoder.json").read_bytes()
     page.context.close()
 
@@ -162,13 +156,13 @@ DOC_PAGES = [
 
 
 @pytest.mark.parametrize("path", DOC_PAGES)
-def test_doc_page_loads_offline(browser, stored_server, path):
+def test_doc_page_loads_offline(browser, server, path):
     """Guides, API reference and methodology load without console errors or foreign requests,
     and the API pages carry the rendered docstrings of the public names."""
-    page, errors, requests = open_page(browser, stored_server, path)
+    page, errors, requests = open_page(browser, server, path)
     assert page.locator("article h1").count() == 1, path
     assert errors == []
-    local = urlsplit(stored_server).netloc
+    local = urlsplit(server).netloc
     assert [url for url in requests
             if urlsplit(url).scheme in ("http", "https", "ws", "wss")
             and urlsplit(url).netloc != local] == []
@@ -181,12 +175,6 @@ def test_doc_page_loads_offline(browser, stored_server, path):
     page.context.close()
 
 
-@pytest.fixture(scope="module")
-def extra_server(built_site_with_h200):
-    with serving(built_site_with_h200) as url:
-        yield url
-
-
 SVG_TEXT_SIZES = """() => [...document.querySelectorAll('div.tilax-chart svg text')]
     .filter(t => t.textContent.trim() && t.getBBox().width > 0)
     .map(t => {
@@ -197,9 +185,9 @@ SVG_TEXT_SIZES = """() => [...document.querySelectorAll('div.tilax-chart svg tex
     })"""
 
 
-def test_status_categories_are_measured_failed_skipped(browser, extra_server):
+def test_status_categories_are_measured_failed_skipped(browser, server):
     """The status chart and the file table keep skipped rows apart from failures."""
-    page, errors, _ = open_page(browser, extra_server, "reports/raw-data.html")
+    page, errors, _ = open_page(browser, server, "reports/raw-data.html")
     legend = page.evaluate("""() => [...document.querySelectorAll(
         'div.tilax-chart svg .role-legend text')].map(t => t.textContent)""")
     assert {"measured", "failed", "skipped"} <= set(legend)
@@ -211,8 +199,8 @@ def test_status_categories_are_measured_failed_skipped(browser, extra_server):
     page.context.close()
 
 
-def test_empty_chart_is_replaced_by_its_sentence(browser, extra_server):
-    page, errors, _ = open_page(browser, extra_server, "reports/rbf.html")
+def test_empty_chart_is_replaced_by_its_sentence(browser, server):
+    page, errors, _ = open_page(browser, server, "reports/rbf.html")
     empty = page.locator("p.tilax-empty", has_text="L4, run l4-20260115-0dd5eed")
     assert empty.count() >= 1
     text = empty.first.inner_text()
@@ -223,15 +211,18 @@ def test_empty_chart_is_replaced_by_its_sentence(browser, extra_server):
     page.context.close()
 
 
-def test_history_view_flags_the_slower_run(browser, extra_server, extra_runs):
+def test_history_view_flags_the_slower_run(browser, server, extra_runs):
     _, before, after = extra_runs
-    page, errors, _ = open_page(browser, extra_server, "reports/history.html")
+    page, errors, _ = open_page(browser, server, "reports/history.html")
     article = page.locator("article").inner_text().replace("\xa0", " ")
-    assert f"run {before}" in article and f"run {after}" in article
-    page.locator("details.tilax-details summary").first.click()
+    assert f"run {after}" in article and f"run before it, {before}" in article
+    page.evaluate("() => { for (const d of document.querySelectorAll('details')) d.open = true; }")
     header, *rows = page.evaluate(TABLE_ROWS, "history-flagged")
+    if page.locator("#history-flagged-more").count():  # the flagged changes after the first
+        rows += page.evaluate(TABLE_ROWS, "history-flagged-more")[1:]
     # other pairs of stored runs may differ too; every case of this pair is ~30% slower
-    pair = [r for r in rows if r[header.index("runs")] == f"{before} → {after}"]
+    commits = f"{before.rsplit('-', 1)[1]} → {after.rsplit('-', 1)[1]}"
+    pair = [r for r in rows if r[header.index("commits")] == commits]
     assert pair and all(r[header.index("change")] in ("slower by 29%", "slower by 30%",
                                                       "slower by 31%") for r in pair), pair[:3]
     # The timeline chart draws one case at a time; choosing another redraws it.
@@ -246,8 +237,8 @@ def test_history_view_flags_the_slower_run(browser, extra_server, extra_runs):
 
 
 @pytest.mark.parametrize("name", REPORT_PAGES)
-def test_no_chart_text_is_smaller_than_10px(browser, extra_server, name):
-    page, _, _ = open_page(browser, extra_server, f"reports/{name}.html")
+def test_no_chart_text_is_smaller_than_10px(browser, server, name):
+    page, _, _ = open_page(browser, server, f"reports/{name}.html")
     sizes = page.evaluate(SVG_TEXT_SIZES)
     small = [s for s in sizes if s["px"] < 10 - 1e-6]
     assert small == [], small[:5]
@@ -272,9 +263,84 @@ KEY_COLUMNS_OVERFLOW = """() => {
 
 
 @pytest.mark.parametrize("name", REPORT_PAGES)
-def test_key_columns_need_no_horizontal_scrolling_at_1280px(browser, extra_server, name):
-    page, _, _ = open_page(browser, extra_server, f"reports/{name}.html")
+def test_key_columns_need_no_horizontal_scrolling_at_1280px(browser, server, name):
+    page, _, _ = open_page(browser, server, f"reports/{name}.html")
     page.set_viewport_size({"width": 1280, "height": 900})
     page.wait_for_timeout(100)
     assert page.evaluate(KEY_COLUMNS_OVERFLOW) == []
     page.context.close()
+
+
+# What a reader sees: the home page's first screen, and report pages of a few screens each.
+SCREEN = {"width": 1440, "height": 900}
+MAX_SCREENS = 25
+MAX_CHART_HEIGHT = 1000
+MAX_SERIES = 8
+FIRST_SCREEN = """() => {
+    const inView = e => { const r = e.getBoundingClientRect();
+                          return r.height > 0 && r.top >= 0 && r.bottom <= innerHeight; };
+    const text = [...document.querySelectorAll('article p, article li, article td, article th')]
+        .filter(inView).map(e => e.textContent.replace(/\\s+/g, ' ')).join(' \\n ');
+    const links = [...document.querySelectorAll('article a[href]')].filter(inView)
+        .map(a => a.getAttribute('href'));
+    return {text, links};
+}"""
+PAGE_HEIGHT_COLLAPSED = """() => {
+    for (const d of document.querySelectorAll('details')) d.open = false;
+    return document.documentElement.scrollHeight;
+}"""
+CHART_SHAPES = """() => {
+    for (const d of document.querySelectorAll('details')) d.open = true;
+    return [...document.querySelectorAll('div.tilax-chart')].map(e => ({
+        id: e.id,
+        height: e.querySelector('svg') ? e.querySelector('svg').getBoundingClientRect().height
+                                       : 0,
+        series: e.querySelectorAll('.role-legend-symbol path').length,
+        cut: [...e.querySelectorAll('svg text')].map(t => t.textContent)
+             .filter(t => t.endsWith('…')),
+        undefined: [...e.querySelectorAll('svg text')].map(t => t.textContent)
+             .filter(t => t === 'undefined' || t === 'null'),
+    }));
+}"""
+
+
+def test_home_first_screen_names_the_peers_with_ratios_and_a_stored_file(browser, server,
+                                                                          extra_runs):
+    """At 1440 x 900 the home page's first screen says how tilax compares with PyTorch and
+    tokamax, in ratios, and links a stored result file, served byte for byte."""
+    context = browser.new_context(viewport=SCREEN)
+    page = context.new_page()
+    page.goto(f"{server}/index.html", wait_until="load")
+    page.wait_for_function(ALL_CHARTS_SETTLED, timeout=60_000)
+    seen = page.evaluate(FIRST_SCREEN)
+    text = seen["text"].replace("\xa0", " ")
+    for peer in ("PyTorch compiled", "tokamax"):
+        assert re.search(rf"\d+\.\d+× (faster|slower) than {peer}", text), (peer, text[:600])
+    stored = [href for href in seen["links"]
+              if href.startswith("reports/data/") and href.endswith(".json")]
+    assert stored, seen["links"]
+    data_dir = extra_runs[0]
+    for href in stored:
+        response = page.request.get(f"{server}/{href}")
+        name = href.removeprefix("reports/data/")
+        assert response.ok and response.body() == (data_dir / "results" / name).read_bytes()
+    context.close()
+
+
+@pytest.mark.parametrize("name", REPORT_PAGES)
+def test_report_page_is_a_few_screens_with_readable_charts(browser, server, name):
+    """With the "Earlier runs" sections closed, the page is at most 25 screens at 1440 x 900;
+    every chart (earlier runs' too) is at most 1,000 px tall, draws at most 8 series, cuts
+    no label short and labels nothing 'undefined'."""
+    context = browser.new_context(viewport=SCREEN)
+    page = context.new_page()
+    page.goto(f"{server}/reports/{name}.html", wait_until="load")
+    page.wait_for_function(ALL_CHARTS_SETTLED, timeout=60_000)
+    height = page.evaluate(PAGE_HEIGHT_COLLAPSED)
+    assert height <= MAX_SCREENS * SCREEN["height"], f"{name}: {height} px"
+    shapes = page.evaluate(CHART_SHAPES)
+    assert [c for c in shapes if c["height"] > MAX_CHART_HEIGHT] == []
+    assert [c for c in shapes if c["series"] > MAX_SERIES] == []
+    assert [c for c in shapes if c["cut"]] == []
+    assert [c for c in shapes if c["undefined"]] == []  # a field missing from the data
+    context.close()

@@ -85,10 +85,20 @@ def _environment(doc: dict[str, Any], file_stem: str) -> dict[str, Any]:
     # commit_info is "unknown" when the bench ran from a copy without .git; machine_info's
     # commit comes from TILAX_BENCH_COMMIT then.
     commit = str(machine.get("commit") or "") or str(commit_info.get("id") or "")[:7]
+    provenance = machine.get("tilax_provenance")
+    if provenance is not None:
+        provenance = as_mapping(provenance, "machine_info.tilax_provenance")
+        require(provenance, ["code_hash", "declared_commit", "tree_matches_declared"],
+                "machine_info.tilax_provenance")
+        commit = str(provenance["declared_commit"]) or commit
     if FULL_SHA.fullmatch(commit):  # TILAX_BENCH_COMMIT given as a full sha: one run all the same
         commit = commit[:7]
     suites = machine.get("bench_suites")
     started = str(doc["datetime"]) if doc.get("datetime") else None
+    # What git said on the GPU host: host_git when the commit was given by TILAX_BENCH_COMMIT.
+    head = commit_info.get("host_git") if isinstance(commit_info.get("host_git"), dict) \
+        else commit_info
+    head_id = str(head.get("id") or "")
     return {
         "run": file_stem,
         # a run on the CPU backend (no GPU) is named for it, not left as an unknown GPU
@@ -98,6 +108,11 @@ def _environment(doc: dict[str, Any], file_stem: str) -> dict[str, Any]:
         "started": started,
         "date": started[:10] if started else None,
         "commit": commit if commit and commit != "unknown" else None,
+        "recorded_head": head_id[:7] if head_id and head_id != "unknown" else None,
+        "recorded_dirty": head.get("dirty") if head_id and head_id != "unknown" else None,
+        "code_hash": provenance["code_hash"] if provenance else None,
+        "code_hash_source": "stored" if provenance else None,
+        "tree_matches_declared": provenance["tree_matches_declared"] if provenance else None,
     }
 
 

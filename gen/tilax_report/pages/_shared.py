@@ -17,6 +17,7 @@ from ..render import (
     fmt_size,
     fmt_time,
     plural,
+    repeats_note,
     rounds_cell,
     run_link,
     short_error,
@@ -24,6 +25,8 @@ from ..render import (
     verdict_phrase,
 )
 
+VERDICTS = ("A ratio is called faster or slower only beyond the noise "
+            "([methodology](../methodology.md#verdicts)).")
 NOISE_RULE = (
     "A verdict (\"A is 1.6× faster than B\") is stated only when the noise allows it: a rank "
     "test on the stored time of every round, or interquartile ranges that do not overlap "
@@ -31,6 +34,28 @@ NOISE_RULE = (
     f"{(verdict.MIN_EFFECT - 1) * 100:.0f}%; otherwise the page says *no clear difference*. "
     "See [methodology](../methodology.md#verdicts)."
 )
+
+
+def by_run_newest_first(rows: pd.DataFrame, order: pd.Series
+                        ) -> tuple[list[tuple[str, str, pd.DataFrame]],
+                                   list[tuple[str, str, pd.DataFrame]]]:
+    """``rows`` split into (device, run, rows) groups, newest run first (``order``: run ->
+    position in time; undated runs last): the newest run of each GPU, then every earlier one.
+    Pages show the first list and fold the second under "Earlier runs"."""
+    keys = rows[["device", "run"]].drop_duplicates()
+    keys = keys.assign(_when=-keys["run"].map(order).fillna(-1)).sort_values(
+        ["_when", "device", "run"])
+    newest, earlier, seen = [], [], set()
+    for device, run in zip(keys["device"], keys["run"], strict=True):
+        group = rows[(rows["device"] == device) & (rows["run"] == run)]
+        (earlier if device in seen else newest).append((device, run, group))
+        seen.add(device)
+    return newest, earlier
+
+
+def earlier_summary(groups: list, what: str = "run") -> str:
+    """'Earlier runs (12)' for the folded section."""
+    return f"Earlier {what}s ({len(groups)}): older code or the same GPU measured before"
 
 
 def quoted_run(run: str, dates: pd.Series) -> str:
@@ -81,7 +106,10 @@ def ranked_display(ranked: pd.DataFrame, case_columns: tuple[str, ...] = ()) -> 
                               for r in ranked.itertuples()],
         "rounds": [rounds_cell(r, f, w) for r, f, w in
                    zip(ranked["fastest_rounds"], few, wide, strict=True)],
-        "vs runner-up": [verdict_phrase(r.ratio, r.clear, r.runner_up)
+        "repeats": [repeats_note(n, lo, hi) for n, lo, hi in
+                    zip(ranked["fastest_repeats"], ranked["fastest_min"],
+                        ranked["fastest_max"], strict=True)],
+        "vs runner-up": [verdict_phrase(r.ratio, r.clear, r.runner_up, r.method)
                          for r in ranked.itertuples()],
         "vs dense routing": [verdict_phrase(v, c, "dense") for v, c in
                              zip(ranked["vs dense routing"], ranked["vs dense routing clear"],
@@ -207,7 +235,7 @@ def not_measured(page: Page, rows: pd.DataFrame, what: str, columns: dict[str, s
     ``columns``: tidy column -> header of the case columns to show (key columns first)."""
     failed = analysis.failures(rows).drop_duplicates(["source_file", "source_row", "op"])
     skipped = analysis.skipped(rows).drop_duplicates(["source_file", "source_row", "op"])
-    page.md(f"{heading}\n")
+    page.heading(len(heading) - len(heading.lstrip("#")), heading.lstrip("# "))
     if failed.empty and skipped.empty:
         page.md(f"Every {what} stored here was measured: none failed, none was skipped.")
         return

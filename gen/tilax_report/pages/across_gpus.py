@@ -10,13 +10,17 @@ from .. import charts
 from ..render import Page, fmt_ms, join_names, rounds_cell
 
 GPU_COLOURS = ["#4c78a8", "#f58518", "#54a24b", "#e45756", "#b279a2", "#9d755d"]
+# The chart's rows (implementation · case) at most: 17 px each keeps it under 1 000 px.
+MAX_CHART_ROWS = 50
 
 
-def render_across_gpus(page: Page, rows: pd.DataFrame, what: str, devices: list[str]) -> None:
-    """One chart and table of the same cases measured on several GPUs. ``rows`` come from
-    ``analysis.across_devices``, sorted in the order to show, with ``case`` (the case in
-    words) and ``label`` (the implementation); ``what`` names the cases ("MoE layer case") and
-    ``devices`` the GPUs that have any."""
+def render_across_gpus(page: Page, rows: pd.DataFrame, what: str, devices: list[str],
+                       order: pd.Series) -> None:
+    """One chart and table of the same cases measured on several GPUs, each GPU's newest run
+    of each case. ``rows`` come from ``analysis.across_devices``, sorted in the order to
+    show, with ``case`` (the case in words) and ``label`` (the implementation); ``what`` names
+    the cases ("MoE layer case"), ``devices`` the GPUs that have any and ``order`` the runs'
+    places in time."""
     page.md("## Same implementation on different GPUs\n")
     page.md(
         "!!! warning \"Different machines\"\n"
@@ -31,12 +35,19 @@ def render_across_gpus(page: Page, rows: pd.DataFrame, what: str, devices: list[
             "configuration will appear here."
         )
         return
-    rows = rows.assign(impl_case=rows["label"] + " · " + rows["case"])
-    order = list(dict.fromkeys(rows["impl_case"]))
+    rows = rows.assign(impl_case=rows["label"] + " · " + rows["case"],
+                       _when=rows["run"].map(order).fillna(-1))
+    newest = rows.groupby(["impl_case", "gpu"])["_when"].transform("max")
+    rows = rows[rows["_when"] == newest].drop(columns="_when")
+    # still on several GPUs after keeping each GPU's newest run
+    rows = rows[rows.groupby("impl_case")["gpu"].transform("nunique") >= 2]
+    cases = list(dict.fromkeys(rows["impl_case"]))
+    shown = rows[rows["impl_case"].isin(cases[:MAX_CHART_ROWS])]
+    order = cases[:MAX_CHART_ROWS]
     gpus = sorted(rows["gpu"].unique())
     select = alt.selection_point(fields=["gpu"], bind="legend")
-    chart = alt.Chart(rows).mark_tick(thickness=2, size=13).encode(
-        alt.Y("impl_case:N", title=None, sort=order, axis=alt.Axis(labelLimit=360)),
+    chart = alt.Chart(shown).mark_tick(thickness=2, size=13).encode(
+        alt.Y("impl_case:N", title=None, sort=order),
         alt.X("median_ms:Q", title="median time (ms, log scale, shared by every row)",
               scale=alt.Scale(type="log", nice=False, padding=10)),
         alt.Color("gpu:N", title="GPU", scale=alt.Scale(domain=gpus,
@@ -45,10 +56,12 @@ def render_across_gpus(page: Page, rows: pd.DataFrame, what: str, devices: list[
         tooltip=charts.tooltip(["impl_case", "gpu", "run", "median_ms", "q1_ms", "q3_ms",
                                 "rounds"]),
     ).add_params(select).properties(width=330, height=alt.Step(17))
+    more = (f" The chart shows the first {MAX_CHART_ROWS} of {len(cases)} cases; the table "
+            "below lists every one." if len(cases) > MAX_CHART_ROWS else "")
     page.chart(charts.finish(chart, "Same case, different GPUs (different machines and runs)"),
-               rows, "One tick per run (hover for its run, quartiles and rounds); ticks of "
-                     "runs with the same time overlap. Click a GPU in the legend to "
-                     "highlight it.")
+               shown, "One tick per GPU: its newest run of the case (hover for the run, "
+                      "quartiles and rounds). Click a GPU in the legend to highlight it."
+                      + more)
     display = pd.DataFrame({
         "impl": rows["label"], "case": rows["case"],
         "median ms (q1–q3)": [fmt_ms(r.median_ms, r.q1_ms, r.q3_ms) for r in rows.itertuples()],

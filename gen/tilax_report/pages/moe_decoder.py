@@ -7,8 +7,9 @@ from __future__ import annotations
 import altair as alt
 import pandas as pd
 
-from .. import analysis, charts, headlines, runs
+from .. import analysis, charts, headlines
 from ..load import StoredResults
+from ..prepared import prepared
 from ..render import (
     Page,
     case_label,
@@ -30,33 +31,41 @@ REFERENCE = "triton/sorted"
 
 
 def build(results: StoredResults) -> str:
-    table = analysis.with_labels(results.table)
+    ready = prepared(results)
+    table = ready.table
     decoder = table[(table["family"] == "moe") & (table["suite"] == "decoder")]
     page = Page(SLUG, TITLE)
     page.md(
-        "A decoder-sized MoE layer: d_model 512, 64 experts of width 128, top-8 routing and a "
-        "shared expert of width 1024, dropless, bfloat16; forward and train step "
-        "(value and grad with respect to parameters and input). Each stored file is its own "
-        "section; ratios are within the file."
+        "Which implementation runs a decoder-sized MoE layer fastest: d_model 512, 64 experts "
+        "of width 128, top-8 routing and a shared expert of width 1024, dropless, bfloat16, "
+        "forward and train step (value and grad with respect to parameters and input), at "
+        "each token count. The newest run on each GPU comes first, with its table and "
+        "charts; earlier runs are folded under *Earlier runs* (and followed over time on the "
+        "[history page](history.md)). Ratios are within one stored file. "
+        + _shared.VERDICTS
     )
-    page.md(_shared.NOISE_RULE)
     if decoder.empty:
         page.md("No stored run has the decoder suite.")
         return page.render()
-    catalogue = runs.catalogue(table)
-    dates = pd.Series(catalogue["date"].to_numpy(), index=catalogue["run"])
-    findings = _shared.decoder_sentences(headlines.decoder_ranked(table), dates)
+    newest, earlier = _shared.by_run_newest_first(decoder, ready.order)
+    ranked = headlines.decoder_ranked(table)
+    newest_runs = {run for _, run, _ in newest}
+    findings = _shared.decoder_sentences(ranked[ranked["run"].isin(newest_runs)], ready.dates)
     page.md("\n".join(f"- {s}" for s in findings))
-    unmeasured = []
     # One section per run (its files together); the ratios inside stay within each file.
-    for _run, rows in decoder.groupby("run", sort=False):
-        if analysis.timed(rows).empty:
-            unmeasured.append(rows)
-        else:
-            _run_section(page, rows)
-    for rows in unmeasured:
-        _unmeasured_sentence(page, rows)
+    for _, _, rows in newest:
+        _section(page, rows)
+    with page.collapsed(_shared.earlier_summary(earlier)):
+        for _, _, rows in earlier:
+            _section(page, rows)
     return page.render()
+
+
+def _section(page: Page, rows: pd.DataFrame) -> None:
+    if analysis.timed(rows).empty:
+        _unmeasured_sentence(page, rows)
+    else:
+        _run_section(page, rows)
 
 
 def _unmeasured_sentence(page: Page, rows: pd.DataFrame) -> None:
@@ -67,7 +76,7 @@ def _unmeasured_sentence(page: Page, rows: pd.DataFrame) -> None:
     why = f" ({reasons.mode().iloc[0]})" if not reasons.empty else ""
     failed = (f" and {plural(int(counts.get('failed', 0)), 'case')} failed"
               if counts.get("failed") else "")
-    page.md(f"## {rows['device'].iloc[0]}, run `{rows['run'].iloc[0]}`\n")
+    page.heading(2, f"{rows['device'].iloc[0]}, run `{rows['run'].iloc[0]}`")
     page.md(
         f"Nothing measured: of its {plural(len(per_row), 'decoder case')} in "
         f"{', '.join(f'`{f}`' for f in sorted(rows['source_file'].unique()))}, "
@@ -77,14 +86,15 @@ def _unmeasured_sentence(page: Page, rows: pd.DataFrame) -> None:
 
 def _run_section(page: Page, rows: pd.DataFrame) -> None:
     device, run = rows["device"].iloc[0], rows["run"].iloc[0]
-    page.md(f"## {device}, run `{run}`\n")
+    page.heading(2, f"{device}, run `{run}`")
     if isinstance(rows["run_note"].iloc[0], str):
         page.md(f"*{rows['run_note'].iloc[0]}*")
     spread = rows["q1_ms"].notna().any()
     if not spread:
         page.md("This file stored one time per case (no quartiles).")
     cell = [
-        ms_cell(r.median_ms, r.q1_ms, r.q3_ms, r.rounds) if r.status == "measured" else
+        ms_cell(r.median_ms, r.q1_ms, r.q3_ms, r.rounds, r.repeats, r.repeat_min_ms,
+                r.repeat_max_ms) if r.status == "measured" else
         f"failed ({analysis.failure_kind(r.error)})" if r.status == "failed" else "skipped"
         for r in rows.itertuples()
     ]

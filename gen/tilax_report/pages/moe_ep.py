@@ -8,8 +8,9 @@ from __future__ import annotations
 import altair as alt
 import pandas as pd
 
-from .. import analysis, charts, runs, scaling, verdict
+from .. import analysis, charts, scaling, verdict
 from ..load import StoredResults
+from ..prepared import prepared
 from ..render import (
     Page,
     fmt_int,
@@ -31,16 +32,24 @@ ONE_GPU = "— (one GPU)"
 
 
 def build(results: StoredResults) -> str:
-    table = analysis.with_labels(results.table)
+    ready = prepared(results)
+    table = ready.table
     rows = scaling.ep_rows(table)
     page = Page(SLUG, TITLE)
     if rows.empty:
         page.md(NOTHING_STORED)
         return page.render()
     page.md(
-        "The MoE layer split over the GPUs of one host (`moe_apply` with a mesh: the experts "
-        "divided over the GPUs, the tokens too, every token copy sent to the GPU that holds "
-        "its expert and back), from the `ep` benchmark suite. Per run and layer shape: "
+        "How well the MoE layer scales over the GPUs of one host (`moe_apply` with a mesh: "
+        "experts and tokens divided over the GPUs, each token copy sent to its expert's GPU "
+        "and back): the link's bandwidth, the weak-scaling efficiency of the bf16 train step "
+        "for each exchange transport, and the exchange's share of the step. The newest run "
+        "on each GPU kind comes first; earlier runs are folded under *Earlier runs*. Ratios "
+        "pair rows of one stored file. " + _shared.VERDICTS
+    )
+    page.md(
+        "??? note \"What the columns measure\"\n"
+        "    Per run and layer shape: "
         "**the link**, a plain all-to-all or all-gather of the bytes one trip of an exchange "
         "moves (GB/s counts the bytes that leave each GPU); **weak scaling**, the bf16 train "
         "step on one GPU at T tokens against n GPUs at n·T tokens, for each exchange transport "
@@ -49,9 +58,7 @@ def build(results: StoredResults) -> str:
         "and **the exchange's share** of the step, from the same step with the "
         "experts replaced by the identity and no shared expert (routing, the copies' trips "
         "there and back and the weighted combine, forward and backward)."
-    )
-    page.md(
-        "**Weak-scaling efficiency** = (n-GPU tokens/s) / (n × one-GPU tokens/s), tokens/s "
+        "\n\n    **Weak-scaling efficiency** = (n-GPU tokens/s) / (n × one-GPU tokens/s), tokens/s "
         "being tokens / median step time: 1 means n GPUs do n times the work in the time one "
         "GPU does its share. **Exchange share** = exchange-only median / step median. "
         "**Overlap** = n-GPU step median / max(one-GPU step median, exchange-only median): the "
@@ -61,14 +68,15 @@ def build(results: StoredResults) -> str:
         "the same stored file (one process); the range beside each comes from the rows' "
         "quartiles (the extreme ratios of q1 and q3)."
     )
-    page.md(_shared.NOISE_RULE)
-    catalogue = runs.catalogue(table)
-    dates = pd.Series(catalogue["date"].to_numpy(), index=catalogue["run"])
+    dates, order = ready.dates, ready.order
     steps = scaling.step_rows(rows)
-    order = pd.Series(catalogue["order"].to_numpy(), index=catalogue["run"])
     _summary(page, steps, rows, order)
-    for run in [r for r in catalogue["run"] if r in set(rows["run"])]:
-        _run_section(page, rows[rows["run"] == run], steps[steps["run"] == run], dates)
+    newest, earlier = _shared.by_run_newest_first(rows, order)
+    for _, run, run_rows in newest:
+        _run_section(page, run_rows, steps[steps["run"] == run], dates)
+    with page.collapsed(_shared.earlier_summary(earlier)):
+        for _, run, run_rows in earlier:
+            _run_section(page, run_rows, steps[steps["run"] == run], dates)
     return page.render()
 
 
@@ -199,7 +207,7 @@ def _run_section(page: Page, rows: pd.DataFrame, steps: pd.DataFrame, dates: pd.
     device, run = rows["device"].iloc[0], rows["run"].iloc[0]
     devices = sorted(int(n) for n in rows["devices"].dropna().unique())
     meshes = sorted(rows["mesh"].dropna().unique())
-    page.md(f"## {device}, run `{run}`\n")
+    page.heading(2, f"{device}, run `{run}`")
     date = dates.get(run)
     page.md(
         f"Run {run_link(run)}" + (f", {date}" if isinstance(date, str) else "") + ": rows on "
@@ -268,7 +276,7 @@ def _link(page: Page, rows: pd.DataFrame, run: str) -> None:
 def _shape(page: Page, rows: pd.DataFrame, steps: pd.DataFrame, run: str) -> None:
     config, label = rows["config"].iloc[0], rows["label"].iloc[0]
     dtype, op = rows["dtype"].iloc[0], rows["op"].iloc[0]
-    page.md(f"### {config} · {label}\n")
+    page.heading(3, f"{config} · {label}")
     page.md(
         f"{dtype} {op.replace('_', ' ')}, `{label}`: one GPU at T tokens against n GPUs at "
         "n·T tokens, per exchange transport. The exchange share is the exchange-only row's "

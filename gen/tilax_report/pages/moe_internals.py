@@ -9,6 +9,7 @@ import pandas as pd
 
 from .. import analysis, charts
 from ..load import StoredResults
+from ..prepared import prepared
 from ..render import Page, fmt_int, fmt_ms, fmt_num, fmt_ratio, short_error
 from . import _shared
 
@@ -27,18 +28,21 @@ LOWER_BOUND_NOTE = (
 
 
 def build(results: StoredResults) -> str:
-    table = analysis.with_labels(results.table)
-    moe = table[table["family"] == "moe"]
+    ready = prepared(results)
+    moe = ready.table[ready.table["family"] == "moe"]
     page = Page(SLUG, TITLE)
     page.md(
         "Where the time of a MoE train step goes and how the tuning knobs move it, from the "
-        "runs that measured one implementation under controlled changes. Times are medians "
-        "(q1–q3); runs of `before` and `final` code are compared only as A/B repetitions."
+        "runs that measured one implementation under controlled changes: the cost of each "
+        "piece, the row tile `block_m`, the scatter's slab size, the largest train step that "
+        "fits, and A/B repetitions of `before` against `final` code. Times are medians "
+        "(q1–q3); each sweep opens with its newest run on each GPU, earlier runs folded."
     )
     _pieces(page, moe[moe["suite"] == "pieces"])
-    _block_m(page, moe[moe["suite"] == "blockm"])
+    _block_m(page, moe[moe["suite"] == "blockm"], ready.order)
     _slab(page, moe[(moe["suite"] == "layer") & moe["slab_elems"].notna()])
-    _maxtok(page, moe[moe["suite"] == "maxtok"], moe[moe["suite"] == "maxtok_summary"])
+    _maxtok(page, moe[moe["suite"] == "maxtok"], moe[moe["suite"] == "maxtok_summary"],
+            ready.order)
     _ab(page, moe[moe["suite"] == "layer"])
     _shared.not_measured(page, moe[moe["suite"].isin(["pieces", "blockm", "maxtok"])],
                          "case", {"suite": "suite", "label": "impl", "piece": "piece",
@@ -94,14 +98,15 @@ def _pieces(page: Page, rows: pd.DataFrame) -> None:
     page.table(display.fillna(""), rows, "Share of the summed pieces.")
 
 
-def _block_m(page: Page, rows: pd.DataFrame) -> None:
+def _block_m(page: Page, rows: pd.DataFrame, order: pd.Series) -> None:
     page.md("## block_m sweep\n")
     if rows.empty:
         page.md("No stored run has the `blockm` suite.")
         return
     page.md("The grouped matmul's row tile `block_m` for the sorted pallas path.")
     rows = rows.assign(case=_case(rows))
-    for (device, run), group in rows.groupby(["device", "run"], sort=False):
+
+    def draw(device: str, run: str, group: pd.DataFrame) -> None:
         good = analysis.timed(group)
         chart = charts.lines(
             good, x="block_m", x_title="block_m", color="case", color_title="case",
@@ -110,6 +115,13 @@ def _block_m(page: Page, rows: pd.DataFrame) -> None:
             title=f"{analysis.short_gpu(device)}, run {run}: block_m sweep",
         )
         page.chart(chart, group, _not_drawn(group))
+
+    newest, earlier = _shared.by_run_newest_first(rows, order)
+    for group in newest:
+        draw(*group)
+    with page.collapsed(_shared.earlier_summary(earlier)):
+        for group in earlier:
+            draw(*group)
 
 
 def _slab(page: Page, rows: pd.DataFrame) -> None:
@@ -159,7 +171,8 @@ def _slab_label(value) -> str:
     return f"2^{exponent}" if 1 << exponent == value else fmt_int(value)
 
 
-def _maxtok(page: Page, ladder: pd.DataFrame, summary: pd.DataFrame) -> None:
+def _maxtok(page: Page, ladder: pd.DataFrame, summary: pd.DataFrame, order: pd.Series
+            ) -> None:
     page.md("## Largest train step\n")
     if ladder.empty and summary.empty:
         page.md("No stored run has the `maxtok` ladder.")
@@ -169,14 +182,23 @@ def _maxtok(page: Page, ladder: pd.DataFrame, summary: pd.DataFrame) -> None:
         "peak device memory (`peak_bytes_in_use`) of the steps that ran."
     )
     ladder = ladder.assign(series=ladder["label"] + " · " + ladder["code"].fillna(ladder["run"]))
-    for device, group in ladder.groupby("device", sort=False):
+
+    def draw(device: str, run: str, group: pd.DataFrame) -> None:
         chart = charts.ladder(
-            group, x="tokens", x_title="tokens", color="series", color_title="impl · code/run",
+            group, x="tokens", x_title="tokens", color="series", color_title="impl · code",
             tips=["run", "code", "median_ms"], width=420, height=240,
-            title=f"{analysis.short_gpu(device)}: peak memory of the bf16 train step vs tokens",
+            title=f"{analysis.short_gpu(device)}, run {run}: peak memory of the bf16 train "
+                  "step vs tokens",
         )
         page.chart(chart, group, "A cross on the top edge marks the size that failed "
                                  "(hover for the error); skipped sizes are not drawn.")
+
+    newest, earlier = _shared.by_run_newest_first(ladder, order)
+    for group in newest:
+        draw(*group)
+    with page.collapsed(_shared.earlier_summary(earlier)):
+        for group in earlier:
+            draw(*group)
     keys = ["source_file", "run", "gpu", "code", "label"]
     limits = analysis.ladder_limits(ladder.assign(code=ladder["code"].fillna("")),
                                     summary.assign(code=summary["code"].fillna("")),

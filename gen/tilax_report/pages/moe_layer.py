@@ -6,9 +6,10 @@ from __future__ import annotations
 import altair as alt
 import pandas as pd
 
-from .. import analysis, charts, headlines, runs
+from .. import analysis, charts, headlines
 from ..load import StoredResults
-from ..render import Page, case_label, fmt_int, fmt_num, fmt_ratio, fmt_size, join_names
+from ..prepared import prepared
+from ..render import Page, case_label, fmt_int, fmt_num, fmt_ratio, join_names
 from . import _shared
 from .across_gpus import render_across_gpus, sorted_rows
 
@@ -22,45 +23,51 @@ CASE_LABEL = ["dtype", "op", "tokens"]
 
 
 def build(results: StoredResults) -> str:
-    table = analysis.with_labels(results.table)
+    ready = prepared(results)
+    table = ready.table
     layer = headlines.moe_layer_rows(table)
     page = Page(SLUG, TITLE)
     page.md(
-        "The MoE layer (router, top-k dispatch, SwiGLU experts, combine) per implementation. "
+        "Which implementation of the MoE layer (router, top-k dispatch, SwiGLU experts, "
+        "combine) is fastest, by how much, and how time and memory grow with the tokens. "
         "Labels read `impl/dispatch` for dropless routing; `capacity (…)` drops the token "
-        "copies over each expert's capacity and so computes a different function; "
-        "`dense routing` runs every expert on every token. Times are medians (q1–q3) with "
-        "their rounds; speed ratios are computed within one stored file (one process on one "
-        "GPU)."
+        "copies over each expert's capacity (a different function); `dense routing` runs "
+        "every expert on every token. Each section opens with the newest run on each GPU; "
+        "earlier runs are folded under *Earlier runs* and followed over time on the "
+        "[history page](history.md). Ratios are within one stored file. " + _shared.VERDICTS
     )
-    page.md(_shared.NOISE_RULE)
     if layer.empty:
         page.md("No stored run has MoE layer rows.")
         return page.render()
-    catalogue = runs.catalogue(table)
-    order = pd.Series(catalogue["order"].to_numpy(), index=catalogue["run"])
-    dates = pd.Series(catalogue["date"].to_numpy(), index=catalogue["run"])
-    finding = headlines.moe_train_32k(table, order)
+    finding = headlines.moe_train_32k(table, ready.order)
     if not finding.chosen.empty:
         page.md("## 32k-token bf16 train step\n")
-        page.md("\n".join(f"- {_shared.moe_headline(best, dates)}"
+        page.md("\n".join(f"- {_shared.moe_headline(best, ready.dates)}"
                           for _, best in finding.chosen.iterrows()))
     timed_layer = _with_chart_groups(layer[layer["tokens"].fillna(0) >= MIN_TIMED_TOKENS])
+    newest = {run for _, run, _ in
+              _shared.by_run_newest_first(_comparison_runs(timed_layer), ready.order)[0]}
     main = _main_configs(timed_layer)
-    _fastest_table(page, timed_layer)
-    _time_vs_tokens(page, timed_layer, main)
-    _speedups(page, timed_layer)
-    _xla_memory(page, timed_layer, main)
-    _other_configs(page, timed_layer, main)
+    _fastest_table(page, timed_layer, newest)
+    _time_vs_tokens(page, timed_layer, main, newest)
+    _speedups(page, timed_layer, newest)
+    _xla_memory(page, timed_layer, main, newest)
+    _other_configs(page, timed_layer, main, newest)
     _numerics(page, layer)
     _shared.power_table(page, timed_layer, {"label": "impl", "config": "config", "op": "op",
                                             "tokens": "tokens", "gpu": "GPU"},
                         name="moe-layer")
-    _across_gpus(page, table)
+    _across_gpus(page, table, ready.order)
     _shared.not_measured(page, layer, "MoE layer case",
                          {"label": "impl", "config": "config", "dtype": "dtype", "op": "op",
                           "tokens": "tokens", "gpu": "GPU"}, name="moe-layer")
     return page.render()
+
+
+def _newest_first(groups: list[tuple], newest: set[str]) -> tuple[list[tuple], list[tuple]]:
+    """Chart groups (..., rows) whose rows hold a newest run, and the others."""
+    first = [g for g in groups if set(g[-1]["run"]) & newest]
+    return first, [g for g in groups if not set(g[-1]["run"]) & newest]
 
 
 def _with_chart_groups(layer: pd.DataFrame) -> pd.DataFrame:
@@ -96,90 +103,115 @@ def _groups(rows: pd.DataFrame):
         yield source, device, code, group.drop(columns="_code")
 
 
-def _fastest_table(page: Page, layer: pd.DataFrame) -> None:
+def _fastest_table(page: Page, layer: pd.DataFrame, newest: set[str]) -> None:
     ranked = headlines.rank_exact_moe(layer, ["config", *CASE_LABEL])
     page.md("## Fastest implementation per case\n")
     if ranked.empty:
         page.md("No run measured two implementations of the same case.")
         return
     page.md(
-        "Every file, run and case with at least two exact implementations measured, ranked "
-        "within the file (capacity routing drops tokens, so its time is shown but not ranked). "
-        "The *vs* columns compare the fastest with the runner-up and the baselines, with a "
-        "verdict only where the noise allows it."
+        "Each case with at least two exact implementations measured, ranked within the file "
+        "(capacity routing drops tokens, so its time is shown but not ranked); the *vs* "
+        "columns compare the fastest with the runner-up and the baselines."
     )
-    behind = layer[layer["run"].isin(set(ranked["run"]))]
+    now = ranked[ranked["run"].isin(newest)]
+    before = ranked[~ranked["run"].isin(newest)]
     # key columns: the case, the fastest and its median with spread (rounds and verdicts follow)
-    page.table(_shared.ranked_display(ranked, tuple(CASE_LABEL)), behind,
-               name="moe-layer-fastest", key_columns=6,
-               collapsed=f"All {len(ranked)} cases" if len(ranked) > 30 else None)
+    page.table(_shared.ranked_display(now, tuple(CASE_LABEL)),
+               layer[layer["run"].isin(set(now["run"]))], name="moe-layer-fastest",
+               key_columns=6)
+    if not before.empty:
+        page.table(_shared.ranked_display(before, tuple(CASE_LABEL)),
+                   layer[layer["run"].isin(set(before["run"]))],
+                   name="moe-layer-fastest-earlier", key_columns=6,
+                   collapsed=f"Earlier runs: {len(before)} cases")
 
 
-def _time_vs_tokens(page: Page, layer: pd.DataFrame, main: dict) -> None:
+def _time_vs_tokens(page: Page, layer: pd.DataFrame, main: dict, newest: set[str]) -> None:
     page.md("## Time vs tokens\n")
     page.md(
         "One chart per GPU and code version, for the configuration most rows measured; lines "
         "join the token counts of one implementation (the runs are named under each chart). "
         "Click legend entries to highlight."
     )
-    for source, device, code, group in _groups(_comparison_runs(layer)):
-        rows = group[group["config"] == main.get((source, device))]
-        good = analysis.timed(rows)
-        if good.empty:
-            continue
-        title = f"{device}{f', {code} code' if code else ''}: {rows['config'].iloc[0]}"
-        tips = ["run", "routing", "q1_ms", "q3_ms", "inner", "rounds"]
-        if good["tokens"].nunique() >= 2:
-            chart = charts.lines(
-                good, x="tokens", x_title="tokens", color="label",
-                color_title="implementation", row=alt.Row("dtype:N", title=None),
-                column=alt.Column("op:N", title=None), tips=tips, title=title,
-            )
-        else:
-            chart = charts.bars(
-                good, category="label", category_title="implementation", log=True,
-                row=alt.Row("dtype:N", title=None), column=alt.Column("op:N", title=None),
-                tips=[*tips, "tokens"], width=220,
-                title=f"{title}, {fmt_int(good['tokens'].iloc[0])} tokens",
-            )
-        page.chart(chart, rows, "Median with q1–q3 rules; log axes.")
+    first, later = _newest_first(list(_groups(_comparison_runs(layer))), newest)
+    for group in first:
+        _time_chart(page, *group, main)
+    with page.collapsed(_shared.earlier_summary(later)):
+        for group in later:
+            _time_chart(page, *group, main)
 
 
-def _speedups(page: Page, layer: pd.DataFrame) -> None:
+def _time_chart(page: Page, source: str, device: str, code: str, group: pd.DataFrame,
+                main: dict) -> None:
+    rows = group[group["config"] == main.get((source, device))]
+    good = analysis.timed(rows)
+    if good.empty:
+        return
+    title = f"{device}{f', {code} code' if code else ''}: {rows['config'].iloc[0]}"
+    tips = ["run", "routing", "q1_ms", "q3_ms", "inner", "rounds"]
+    if good["tokens"].nunique() >= 2:
+        chart = charts.lines(
+            good, x="tokens", x_title="tokens", color="label",
+            color_title="implementation", row=alt.Row("dtype:N", title=None),
+            column=alt.Column("op:N", title=None), tips=tips, title=title,
+        )
+    else:
+        chart = charts.bars(
+            good, category="label", category_title="implementation", log=True,
+            row=alt.Row("dtype:N", title=None), column=alt.Column("op:N", title=None),
+            tips=[*tips, "tokens"], width=220,
+            title=f"{title}, {fmt_int(good['tokens'].iloc[0])} tokens",
+        )
+    page.chart(chart, rows, "Median with q1–q3 rules; log axes.")
+
+
+def _speedups(page: Page, layer: pd.DataFrame, newest: set[str]) -> None:
     page.md("## Speedup vs ragged_dot and vs dense routing\n")
     page.md(
         "Baseline median / implementation median, within each run and case (above 1: faster "
         "than the baseline). Cases whose baseline failed or was not measured have no cell."
     )
-    shown = False
+    groups = []
     for baseline in ("ragged_dot/sorted", "dense routing"):
         speed = analysis.speedups(layer, ["config", *CASE_LABEL], baseline)
         speed = speed[speed["label"] != baseline]
-        for (source, run), rows in speed.groupby(["source_file", "run"], sort=False):
-            shown = True
-            rows = rows.sort_values(["dtype", "op", "tokens"])
-            rows = rows.assign(
-                case=[case_label(r.dtype, r.op, r.tokens) for r in rows.itertuples()],
-                text=[fmt_ratio(v) if c is not False else f"~{fmt_ratio(v)}"
-                      for v, c in zip(rows["speedup"], rows["clear"], strict=True)],
-            )
-            chart = charts.heatmap(
-                rows, x="case", x_title=None, x_sort=list(dict.fromkeys(rows["case"])),
-                y="label", y_title=None, value="speedup",
-                value_title=f"× vs {baseline}", text="text", log=True, domain_mid=1,
-                scheme="redblue", tips=["run", "config", "speedup_lo", "speedup_hi"],
-                cell=64, title=f"{rows['device'].iloc[0]}, run {run} ({rows['config'].iloc[0]}): "
-                               f"speedup vs {baseline}",
-            )
-            page.chart(chart, layer[(layer["source_file"] == source) & (layer["run"] == run)],
-                       "Blue: faster than the baseline; red: slower (colours saturate at 4×); "
-                       "~: no clear difference (within the noise). Tooltip: the speedup's "
-                       "range from the quartiles.")
-    if not shown:
+        groups += [(baseline, source, run, rows) for (source, run), rows in
+                   speed.groupby(["source_file", "run"], sort=False)]
+    if not groups:
         page.md("No run measured ragged_dot or dense routing next to another implementation.")
+        return
+    first, later = _newest_first(groups, newest)
+    for group in first:
+        _speedup_chart(page, layer, *group)
+    with page.collapsed(_shared.earlier_summary(later)):
+        for group in later:
+            _speedup_chart(page, layer, *group)
 
 
-def _xla_memory(page: Page, layer: pd.DataFrame, main: dict) -> None:
+def _speedup_chart(page: Page, layer: pd.DataFrame, baseline: str, source: str, run: str,
+                   rows: pd.DataFrame) -> None:
+    rows = rows.sort_values(["dtype", "op", "tokens"])
+    rows = rows.assign(
+        case=[case_label(r.dtype, r.op, r.tokens) for r in rows.itertuples()],
+        text=[fmt_ratio(v) if c is not False else f"~{fmt_ratio(v)}"
+              for v, c in zip(rows["speedup"], rows["clear"], strict=True)],
+    )
+    chart = charts.heatmap(
+        rows, x="case", x_title=None, x_sort=list(dict.fromkeys(rows["case"])),
+        y="label", y_title=None, value="speedup",
+        value_title=f"× vs {baseline}", text="text", log=True, domain_mid=1,
+        scheme="redblue", tips=["run", "config", "speedup_lo", "speedup_hi"],
+        cell=64, title=f"{rows['device'].iloc[0]}, run {run} ({rows['config'].iloc[0]}): "
+                       f"speedup vs {baseline}",
+    )
+    page.chart(chart, layer[(layer["source_file"] == source) & (layer["run"] == run)],
+               "Blue: faster than the baseline; red: slower (colours saturate at 4×); "
+               "~: no clear difference (within the noise). Tooltip: the speedup's "
+               "range from the quartiles.")
+
+
+def _xla_memory(page: Page, layer: pd.DataFrame, main: dict, newest: set[str]) -> None:
     rows = _comparison_runs(layer[layer["xla_temp_mb"].notna()])
     if rows.empty:
         return
@@ -188,21 +220,30 @@ def _xla_memory(page: Page, layer: pd.DataFrame, main: dict) -> None:
         "XLA's temp buffer size for the compiled call (`xla_temp_mb`, from the executable's "
         "memory analysis, not a measured peak)."
     )
-    for source, device, code, group in _groups(rows):
-        group = group[group["config"] == main.get((source, device))]
-        if group["tokens"].nunique() < 2:
-            continue
-        chart = charts.lines(
-            group, x="tokens", x_title="tokens", color="label", color_title="implementation",
-            y="xla_temp_mb", y_title="XLA temp (MiB)", spread=False,
-            row=alt.Row("dtype:N", title=None), column=alt.Column("op:N", title=None),
-            tips=["run", "xla_arg_mb", "xla_out_mb"],
-            title=f"{device}{f', {code} code' if code else ''}: {group['config'].iloc[0]}",
-        )
-        page.chart(chart, group)
+    first, later = _newest_first(list(_groups(rows)), newest)
+    for group in first:
+        _xla_memory_chart(page, *group, main)
+    with page.collapsed(_shared.earlier_summary(later)):
+        for group in later:
+            _xla_memory_chart(page, *group, main)
 
 
-def _other_configs(page: Page, layer: pd.DataFrame, main: dict) -> None:
+def _xla_memory_chart(page: Page, source: str, device: str, code: str, group: pd.DataFrame,
+                      main: dict) -> None:
+    group = group[group["config"] == main.get((source, device))]
+    if group["tokens"].nunique() < 2:
+        return
+    chart = charts.lines(
+        group, x="tokens", x_title="tokens", color="label", color_title="implementation",
+        y="xla_temp_mb", y_title="XLA temp (MiB)", spread=False,
+        row=alt.Row("dtype:N", title=None), column=alt.Column("op:N", title=None),
+        tips=["run", "xla_arg_mb", "xla_out_mb"],
+        title=f"{device}{f', {code} code' if code else ''}: {group['config'].iloc[0]}",
+    )
+    page.chart(chart, group)
+
+
+def _other_configs(page: Page, layer: pd.DataFrame, main: dict, newest: set[str]) -> None:
     rows = _comparison_runs(layer)
     rows = rows[[main.get((s, d)) != c for s, d, c in
                  zip(rows["chart_group"], rows["device"], rows["config"], strict=True)]]
@@ -211,19 +252,28 @@ def _other_configs(page: Page, layer: pd.DataFrame, main: dict) -> None:
     page.md("## Other configurations\n")
     configs = sorted(rows["config"].unique())
     page.md(f"Configurations besides the main one: {join_names(configs)}.")
-    for (_source, run, config), group in rows.groupby(["source_file", "run", "config"],
-                                                     sort=False):
-        good = analysis.timed(group)
-        if good.empty:
-            continue
-        case = ", ".join(f"{fmt_int(t)} tokens" for t in sorted(good["tokens"].unique()))
-        chart = charts.bars(
-            good, category="label", category_title="implementation", log=True,
-            row=alt.Row("dtype:N", title=None), column=alt.Column("op:N", title=None),
-            tips=["run", "tokens", "q1_ms", "q3_ms", "max_expert_frac"], width=220,
-            title=f"{group['device'].iloc[0]}, run {run}: {config}, {case}",
-        )
-        page.chart(chart, group, _not_drawn(group))
+    groups = [(*key, group) for key, group in
+              rows.groupby(["source_file", "run", "config"], sort=False)]
+    first, later = _newest_first(groups, newest)
+    for group in first:
+        _config_chart(page, *group)
+    with page.collapsed(_shared.earlier_summary(later)):
+        for group in later:
+            _config_chart(page, *group)
+
+
+def _config_chart(page: Page, _source: str, run: str, config: str, group: pd.DataFrame) -> None:
+    good = analysis.timed(group)
+    if good.empty:
+        return
+    case = ", ".join(f"{fmt_int(t)} tokens" for t in sorted(good["tokens"].unique()))
+    chart = charts.bars(
+        good, category="label", category_title="implementation", log=True,
+        row=alt.Row("dtype:N", title=None), column=alt.Column("op:N", title=None),
+        tips=["run", "tokens", "q1_ms", "q3_ms", "max_expert_frac"], width=220,
+        title=f"{group['device'].iloc[0]}, run {run}: {config}, {case}",
+    )
+    page.chart(chart, group, _not_drawn(group))
 
 
 def _not_drawn(rows: pd.DataFrame) -> str:
@@ -280,13 +330,14 @@ def _numerics(page: Page, layer: pd.DataFrame) -> None:
                "Largest relative error over every case measured.")
 
 
-def _across_gpus(page: Page, table: pd.DataFrame) -> None:
+def _across_gpus(page: Page, table: pd.DataFrame, order: pd.Series) -> None:
     moe = table[(table["family"] == "moe") & table["suite"].isin(["layer", "decoder"])]
     rows = analysis.across_devices(moe, ["suite", "config", *CASE_LABEL])
     if not rows.empty:
         rows = sorted_rows(rows, ["suite", *analysis.MOE_CONFIG, "dtype", "op", "tokens",
                                   "label", "gpu", "run"])
-        rows = rows.assign(case=rows["suite"] + " · " + rows["config"] + " · " + rows["dtype"]
-                           + " " + rows["op"] + " " + rows["tokens"].map(fmt_size))
+        rows = rows.assign(case=[f"{r.suite} · {r.config} · "
+                                 f"{case_label(r.dtype, r.op, r.tokens)}"
+                                 for r in rows.itertuples()])
     devices = sorted(moe["device"].dropna().unique())
-    render_across_gpus(page, rows, "MoE layer case", devices)
+    render_across_gpus(page, rows, "MoE layer case", devices, order)

@@ -1,19 +1,23 @@
-"""NN suites: the wider network benchmarks of the RTX 3090 file (transformer, diffusion, moe,
-ssm, unet), including their error rows."""
+"""NN suites: the seed's whole-network benchmarks of another codebase's kernels (the RTX 3090
+file: transformer, diffusion, moe, ssm, unet), shown as data, error rows included. The page
+draws no conclusion from them: they are not tilax's kernels."""
 
 from __future__ import annotations
+
+import re
 
 import altair as alt
 import pandas as pd
 
 from .. import analysis, charts
 from ..load import StoredResults
-from ..render import Page, fmt_int, fmt_time, ms_cell, plural, short_error, verdict_phrase
-from . import _shared
+from ..prepared import prepared
+from ..render import Page, fmt_int, join_names, ms_cell, plural, short_error
 
 PATH = "reports/nn-suites.md"
 TITLE = "NN suites"
 SLUG = "nn-suites"
+COMMIT_ID = re.compile(r"\b(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}\b")
 SUITE_TEXT = {
     "transformer": "a transformer block per attention variant",
     "diffusion": "a diffusion transformer block per attention variant",
@@ -24,16 +28,22 @@ SUITE_TEXT = {
 
 
 def build(results: StoredResults) -> str:
-    table = analysis.with_labels(results.table)
+    table = prepared(results).table
     nn = table[table["family"] == "nn"]
+    files = join_names([f"`{f}`" for f in sorted(nn["source_file"].unique())]) or "no file"
     page = Page(SLUG, TITLE)
     page.md(
-        "Whole-network benchmarks: forward and train step, float32 and bfloat16, batch 8. The "
-        "variant compared is the attention implementation (transformer, diffusion), the MoE "
-        "implementation (moe) or the recurrent cell (ssm). Times are medians (q1–q3); ratios "
-        "are within the run."
+        f"**The seed's results for kernels of another codebase, shown as data** ({files}): "
+        "attention variants, state-space and recurrent cells, a UNet and an MoE layer inside "
+        "whole networks, as that codebase built them. They are not tilax's kernels, and no "
+        "claim about tilax is drawn from them; tilax's own MoE and RBF results are on the "
+        "other report pages."
     )
-    page.md(_shared.NOISE_RULE)
+    page.md(
+        "What each table answers: the time of one forward call and one train step of each "
+        "network variant, float32 and bfloat16, batch 8, at each size the seed measured. "
+        "Times are medians (q1–q3) with their rounds; failed cases keep their error."
+    )
     if nn.empty:
         page.md("No stored run has NN suite rows.")
         return page.render()
@@ -53,19 +63,11 @@ def _suite_section(page: Page, suite: str, rows: pd.DataFrame, notes: pd.DataFra
     page.md(f"## {suite}\n")
     page.md(f"{SUITE_TEXT.get(suite, suite).capitalize()}.")
     for note in notes["run_note"]:
-        page.md(f"*Note stored with the run:* {note}")
+        page.md(f"*Note stored with the run:* {_without_commits(note)}")
     size = "tokens" if rows["tokens"].notna().any() else "resolution"
     has_variants = rows["impl"].notna().any()
     rows = rows.assign(variant=rows["impl"].fillna(suite))
     good = analysis.timed(rows)
-    ranked = analysis.rank_within_run(rows.assign(label=rows["variant"]),
-                                      ["dtype", "op", size])
-    if not ranked.empty:
-        top = ranked[ranked[size] == ranked[size].max()]
-        parts = [f"{r.dtype} {r.op}: **{r.fastest}** "
-                 f"{fmt_time(r.fastest_ms, r.fastest_q1, r.fastest_q3, r.fastest_rounds)}, "
-                 f"{verdict_phrase(r.ratio, r.clear, r.runner_up)}" for r in top.itertuples()]
-        page.md(f"At {size} {fmt_int(top[size].iloc[0])}: " + "; ".join(parts) + ".")
     if good[size].nunique() >= 2:
         chart = charts.lines(
             good, x=size, x_title=size, color="variant",
@@ -90,6 +92,11 @@ def _suite_section(page: Page, suite: str, rows: pd.DataFrame, notes: pd.DataFra
             "variant": failed["variant"], size: failed[size].map(fmt_int),
             "dtype": failed["dtype"], "op": failed["op"], "error": failed["error"].map(short_error),
         }), failed, "Failed cases.", name=f"nn-{suite}-failures")
+
+
+def _without_commits(note: str) -> str:
+    """A stored note without the other codebase's commit ids, which name nothing here."""
+    return COMMIT_ID.sub("a commit of that codebase", note)
 
 
 def _failed_note(rows: pd.DataFrame) -> str:

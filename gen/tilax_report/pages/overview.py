@@ -6,8 +6,9 @@ from __future__ import annotations
 import altair as alt
 import pandas as pd
 
-from .. import analysis, charts, headlines, runs
+from .. import analysis, charts, front, headlines
 from ..load import StoredResults
+from ..prepared import prepared
 from ..render import Page, fmt_int, join_names, run_link
 from . import _shared
 
@@ -18,29 +19,28 @@ STATUS_COLOURS = {"measured": "#4c78a8", "failed": "#e45756", "skipped": "#bab0a
 
 
 def build(results: StoredResults) -> str:
-    table = analysis.with_labels(results.table)
-    catalogue = runs.catalogue(table)
-    order = pd.Series(catalogue["order"].to_numpy(), index=catalogue["run"])
-    dates = pd.Series(catalogue["date"].to_numpy(), index=catalogue["run"])
+    ready = prepared(results)
+    table, catalogue = ready.table, ready.catalogue
     page = Page(SLUG, "Benchmark reports")
     devices = sorted(table["device"].dropna().unique())
     page.md(
-        f"Generated at build time from the {len(results.files)} stored result files in "
+        "What the stored runs say about choosing an implementation: tilax against its peers, "
+        "the fastest MoE layer on each GPU and how the RBF kernels' memory grows, from the "
+        "newest run on each GPU; the pages in the menu answer one question each and fold "
+        f"earlier runs away. Generated from the {len(results.files)} stored result files in "
         f"`data/results/` ({fmt_int(len(table))} table rows, {len(catalogue)} runs on "
-        f"{join_names(devices)}). Times are **medians** with the first and third quartiles "
-        "(q1–q3) and the number of rounds. Speeds are compared only as **ratios within one "
-        "stored file** (one process on one GPU); *N×* means N times faster. Every stored row "
-        "is **measured**, **failed** (attempted: out of memory, timeout, error) or "
-        "**skipped** (never attempted, e.g. the run's time budget ran out), and the pages keep "
-        "the three apart. Headlines quote the **newest run** on each GPU that has the rows "
-        "they need."
+        f"{join_names(devices)}). Times are **medians** (q1–q3) with their rounds; ratios are "
+        "within one stored file (one process on one GPU); rows are **measured**, **failed** "
+        "or **skipped**, kept apart. " + _shared.VERDICTS
     )
-    page.md(_shared.NOISE_RULE)
-    _moe_headline(page, table, order, dates)
-    _rbf_headline(page, table, dates)
-    _more_findings(page, table, dates)
+    page.md("## tilax against its peers\n")
+    page.md(front.boxed(front.headline_markdown(results, front.OVERVIEW_LINKS)))
+    _moe_headline(page, table, ready.order, ready.dates)
+    _rbf_headline(page, table, ready)
+    _findings_in_force(page, table, ready)
     _run_list(page, catalogue, table)
-    _status(page, table)
+    page.md("Stored rows per file and status: [raw data](raw-data.md); column meanings: "
+            "[table schema](schema.md).")
     return page.render()
 
 
@@ -55,11 +55,19 @@ def _moe_headline(page: Page, table: pd.DataFrame, order: pd.Series, dates: pd.S
                       for _, best in finding.chosen.iterrows()))
     page.md(
         "Ranked among the exact layers (dropless and dense routing) within each stored file; "
-        "each GPU's sentence quotes its newest run with this case. Every run with the case is "
-        "in the table. Details: [MoE layer](moe-layer.md)."
+        "each GPU's sentence quotes its newest run with this case. Details: "
+        "[MoE layer](moe-layer.md)."
     )
-    page.table(_shared.ranked_display(finding.ranked), finding.rows, name="headline-moe-32k",
+    chosen = finding.chosen[["source_file", "run"]].apply(tuple, axis=1)
+    keyed = finding.ranked[["source_file", "run"]].apply(tuple, axis=1)
+    newest = finding.ranked[keyed.isin(set(chosen))]
+    earlier = finding.ranked[~keyed.isin(set(chosen))]
+    page.table(_shared.ranked_display(newest), finding.rows, name="headline-moe-32k",
                key_columns=4)
+    if not earlier.empty:
+        page.table(_shared.ranked_display(earlier), finding.rows,
+                   name="headline-moe-32k-earlier", key_columns=4,
+                   collapsed=f"Earlier runs with this case ({len(earlier)} rows)")
     for _, best in finding.chosen.iterrows():
         rows = finding.rows[(finding.rows["run"] == best["run"])
                             & (finding.rows["source_file"] == best["source_file"])
@@ -70,24 +78,28 @@ def _moe_headline(page: Page, table: pd.DataFrame, order: pd.Series, dates: pd.S
             title=f"{analysis.short_gpu(best['device'])}: 32k bf16 train step, "
                   f"{best['config']}",
         )
-        page.chart(chart, rows, f"Run {best['run']}. Bars: median; black rule: q1–q3; log "
+        page.chart(chart, rows, f"Run {best['run']}. Dots: median; black rule: q1–q3; log "
                                 "scale.")
 
 
-def _rbf_headline(page: Page, table: pd.DataFrame, dates: pd.Series) -> None:
+def _rbf_headline(page: Page, table: pd.DataFrame, ready) -> None:
     rows, growth = headlines.rbf_memory(table)
     page.md("## RBF kernels: how peak memory grows with n\n")
     if growth.empty:
         page.md("No stored run has RBF peak-memory measurements.")
         return
-    page.md("\n".join(f"- {s}" for s in _shared.memory_sentences(growth, dates)))
+    newest = {run for _, run, _ in _shared.by_run_newest_first(growth, ready.order)[0]}
+    page.md("\n".join(f"- {s}" for s in
+                      _shared.memory_sentences(growth[growth["run"].isin(newest)], ready.dates)))
     page.md(
         "Peak device memory (`peak_bytes_in_use`) of one call in a fresh process, n = m. The "
         "exponent is a least-squares fit of log(peak) on log(n) over the sizes that ran. "
-        "Details: [RBF kernels](rbf.md)."
+        "Details and earlier runs: [RBF kernels](rbf.md)."
     )
-    page.table(_shared.memory_display(growth), rows, name="headline-rbf-memory")
-    for (_source, device), group in rows.groupby(["source_file", "device"], sort=False):
+    page.table(_shared.memory_display(growth[growth["run"].isin(newest)]),
+               rows[rows["run"].isin(newest)], name="headline-rbf-memory")
+    shown = rows[rows["run"].isin(newest)]
+    for (_source, device), group in shown.groupby(["source_file", "device"], sort=False):
         peak = group[group["suite"] == "kernel_mv_peak"]
         group = peak if not peak.empty else group
         chart = charts.ladder(
@@ -98,11 +110,23 @@ def _rbf_headline(page: Page, table: pd.DataFrame, dates: pd.Series) -> None:
         page.chart(chart, group, "Log–log; a cross on the top edge marks a failed size.")
 
 
-def _more_findings(page: Page, table: pd.DataFrame, dates: pd.Series) -> None:
-    sentences = (_shared.decoder_sentences(headlines.decoder_ranked(table), dates)
-                 + _shared.rbf_win_sentences(headlines.rbf_wins_at_largest_n(table), dates))
+def _findings_in_force(page: Page, table: pd.DataFrame, ready) -> None:
+    """The decoder and kernel_mv findings of each GPU's newest run (earlier runs' findings
+    are on the suites' pages, folded)."""
+    decoder = headlines.decoder_ranked(table)
+    wins = headlines.rbf_wins_at_largest_n(table)
+    sentences = []
+    if not decoder.empty:
+        newest = {run for _, run, _ in _shared.by_run_newest_first(decoder, ready.order)[0]}
+        sentences += _shared.decoder_sentences(decoder[decoder["run"].isin(newest)],
+                                               ready.dates)
+    if not wins.empty:
+        newest = {run for _, run, _ in _shared.by_run_newest_first(wins, ready.order)[0]}
+        sentences += _shared.rbf_win_sentences(wins[wins["run"].isin(newest)], ready.dates)
     if sentences:
-        page.md("## More findings\n")
+        page.md("## Findings in force\n")
+        page.md("From each GPU's newest run of the suite; earlier runs are on the "
+                "[MoE decoder](moe-decoder.md) and [RBF kernels](rbf.md) pages.")
         page.md("\n".join(f"- {s}" for s in sentences))
 
 
@@ -126,33 +150,7 @@ def _run_list(page: Page, catalogue: pd.DataFrame, table: pd.DataFrame) -> None:
         "suites": catalogue["suites"],
     })
     page.table(display, table, "Rows counted per stored row.", name="run-list",
-               markdown_columns=("run",), key_columns=6)
+               markdown_columns=("run",), key_columns=6,
+               collapsed=f"All {len(display)} runs, newest first")
 
 
-def _status(page: Page, table: pd.DataFrame) -> None:
-    page.md("## Rows per run and suite\n")
-    counts = analysis.status_counts(table.drop_duplicates(["source_file", "source_row"]),
-                                    ["run", "suite"])
-    long = counts.melt(id_vars=["run", "suite"], var_name="status", value_name="rows")
-    long = long[long["rows"] > 0]
-    long["run · suite"] = long["run"] + " · " + long["suite"]
-    chart = (
-        alt.Chart(long)
-        .mark_bar()
-        .encode(
-            alt.Y("run · suite:N", title=None, sort=None, axis=alt.Axis(labelLimit=320)),
-            alt.X("rows:Q", title="stored rows", stack="zero"),
-            alt.Color("status:N", title="status",
-                      scale=alt.Scale(domain=list(STATUS_COLOURS),
-                                      range=list(STATUS_COLOURS.values()))),
-            alt.Order("status_order:Q"),
-            tooltip=charts.tooltip(["run", "suite", "status", "rows"]),
-        )
-        .transform_calculate(status_order="indexof(['measured','failed','skipped'], "
-                                          "datum.status)")
-        .properties(width=300, height=alt.Step(14))
-    )
-    page.chart(charts.finish(chart, "Stored rows per run and suite, by status"), table,
-               "Measured: a time; failed: attempted, with the error; skipped: never "
-               "attempted, with why.")
-    page.md("All files: [raw data](raw-data.md); column meanings: [table schema](schema.md).")

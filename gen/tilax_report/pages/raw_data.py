@@ -7,6 +7,7 @@ import altair as alt
 import pandas as pd
 
 from .. import charts
+from ..analysis import short_gpu
 from ..load import StoredResults
 from ..render import RAW_DIR, Page, fmt_int, run_link
 from .overview import STATUS_COLOURS
@@ -18,7 +19,7 @@ SLUG = "raw-data"
 
 def build(results: StoredResults) -> str:
     files = results.files
-    table = results.table
+    table = results.rows  # every stored row as read, one per file and row
     page = Page(SLUG, TITLE)
     page.md(
         "Every stored result file, copied byte for byte into the site at build time. Click a "
@@ -44,30 +45,34 @@ def build(results: StoredResults) -> str:
     })
     page.table(display, table, "Every file in `data/results/`, linked in the first column.",
                name="raw-files", markdown_columns=("file", "run", "SHA-256"), key_columns=4)
-    counts = files.melt(id_vars=["source_file"],
-                        value_vars=["measured_rows", "failed_rows", "skipped_rows"],
-                        var_name="status", value_name="rows")
-    counts["status"] = counts["status"].str.removesuffix("_rows")
-    counts = counts[counts["rows"] > 0]
+    # Per GPU and suite rather than per file: one bar per file made a chart 2,600 px tall.
+    per_row = table.drop_duplicates(["source_file", "source_row"])
+    per_row = per_row.assign(gpu=per_row["device"].map(short_gpu).fillna("unknown GPU"))
+    counts = (per_row.groupby(["gpu", "suite", "status"]).size().rename("rows").reset_index())
+    counts["GPU · suite"] = counts["gpu"] + " · " + counts["suite"]
+    files_per = per_row.groupby(["gpu", "suite"])["source_file"].nunique().rename("files")
+    counts = counts.merge(files_per.reset_index(), on=["gpu", "suite"])
     chart = (
         alt.Chart(counts)
         .mark_bar()
         .encode(
-            alt.Y("source_file:N", title=None, axis=alt.Axis(labelLimit=320)),
+            alt.Y("GPU · suite:N", title=None),
             alt.X("rows:Q", title="stored rows", stack="zero"),
             alt.Color("status:N", title="status",
                       scale=alt.Scale(domain=list(STATUS_COLOURS),
                                       range=list(STATUS_COLOURS.values()))),
             alt.Order("status_order:Q"),
-            tooltip=charts.tooltip(["source_file", "status", "rows"]),
+            tooltip=charts.tooltip(["gpu", "suite", "status", "rows", "files"]),
         )
         .transform_calculate(status_order="indexof(['measured','failed','skipped'], "
                                           "datum.status)")
-        .properties(width=360, height=alt.Step(22))
+        .properties(width=360, height=alt.Step(16))
     )
-    page.chart(charts.finish(chart, "Stored rows per file by status"), table)
+    page.chart(charts.finish(chart, "Stored rows per GPU and suite, by status"), table,
+               "The table above has the same counts per file.")
     split = files[files["table_rows"] != files["stored_rows"]]["source_file"]
-    page.md(f"{fmt_int(len(table))} table rows in all."
+    page.md(f"{fmt_int(len(table))} stored rows as read ({fmt_int(len(results.table))} once "
+            "each case of a run is one row)."
             + (f" {', '.join(f'`{f}`' for f in split)} store several ops of a case in one row, "
                "which the table splits into one row per op." if not split.empty else ""))
     return page.render()

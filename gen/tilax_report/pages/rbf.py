@@ -8,8 +8,9 @@ import math
 import altair as alt
 import pandas as pd
 
-from .. import analysis, charts, headlines, runs, verdict
+from .. import analysis, charts, headlines, verdict
 from ..load import StoredResults
+from ..prepared import prepared
 from ..render import (
     Page,
     fmt_int,
@@ -53,62 +54,75 @@ LOWER_BOUND_NOTE = (
 
 
 def build(results: StoredResults) -> str:
-    table = analysis.with_labels(results.table)
+    ready = prepared(results)
+    table = ready.table
     rbf = table[table["family"] == "rbf"]
     page = Page(SLUG, TITLE)
     page.md(
-        "`rbf_kernel_mv` (out = K(q, k) v with a Gaussian kernel) and `rbf_kde_density` per "
-        "implementation: `dense` materialises the n × m kernel matrix, `xla` is chunked plain "
-        "XLA, `pallas` the fused tiled kernel, `torch_dense` a PyTorch dense baseline; "
-        "`default@gpu-benchmarks` is the public default before the change. `fwd` is one "
-        "forward call, `fwd_bwd` forward plus gradients in q, k, v and the lengthscale. n = m "
-        "throughout. Times are medians (q1–q3) with their rounds; ratios are within one "
-        "stored file (one process on one GPU)."
+        "Which implementation of `rbf_kernel_mv` (out = K(q, k) v, Gaussian kernel) and "
+        "`rbf_kde_density` is fastest at each size, how much memory each needs and how large "
+        "n can grow: `dense` materialises the n × m kernel matrix, `xla` is chunked plain XLA, "
+        "`pallas` the fused tiled kernel, `torch_dense` and `keops` are peers. `fwd` is one "
+        "forward call, `fwd_bwd` forward plus gradients; n = m. Each section opens with the "
+        "newest run on each GPU; earlier runs are folded under *Earlier runs*. Ratios are "
+        "within one stored file. " + _shared.VERDICTS
     )
-    page.md(_shared.NOISE_RULE)
     if rbf.empty:
         page.md("No stored run has RBF rows.")
         return page.render()
-    _headlines(page, table)
-    _kernel_mv(page, rbf[rbf["suite"] == "kernel_mv"])
-    _speedups(page, rbf[rbf["suite"] == "kernel_mv"])
-    _peers(page, rbf[rbf["suite"] == "kernel_mv"])
-    _kde(page, rbf[rbf["suite"] == "kde_density"])
-    _tiles(page, rbf[rbf["suite"] == "kernel_mv_tiles"])
-    _launches(page, rbf[rbf["suite"] == LAUNCH_SUITE])
+    order = ready.order
+    _headlines(page, table, ready)
+    kernel_mv = rbf[rbf["suite"] == "kernel_mv"]
+    _kernel_mv(page, kernel_mv, order)
+    _speedups(page, kernel_mv, order)
+    _peers(page, kernel_mv)
+    _kde(page, rbf[rbf["suite"] == "kde_density"], order)
+    _tiles(page, rbf[rbf["suite"] == "kernel_mv_tiles"], order)
+    _launches(page, rbf[rbf["suite"] == LAUNCH_SUITE], order)
     _crossover(page, rbf[rbf["suite"] == "kernel_mv_crossover"])
-    _memory(page, table)
-    _max_n(page, rbf[rbf["suite"] == "kernel_mv_max_n"])
+    _memory(page, table, order)
+    _max_n(page, rbf[rbf["suite"] == "kernel_mv_max_n"], order)
     # The launch sweep keeps its numerics, failures and skips in its own tables (a launch is
     # not a case of the charts and tables below) and compares launches within one run only.
     others = rbf[rbf["suite"] != LAUNCH_SUITE]
     _numerics(page, others)
-    _across_gpus(page, others)
+    _across_gpus(page, others, order)
     _shared.not_measured(page, others, "RBF case",
                          {"suite": "suite", "label": "impl", "op": "op", "config": "config",
                           "n": "n", "gpu": "GPU"}, name="rbf")
     return page.render()
 
 
-def _headlines(page: Page, table: pd.DataFrame) -> None:
-    catalogue = runs.catalogue(table)
-    dates = pd.Series(catalogue["date"].to_numpy(), index=catalogue["run"])
+def _headlines(page: Page, table: pd.DataFrame, ready) -> None:
+    """The findings of each GPU's newest run with the rows they need."""
     _, growth = headlines.rbf_memory(table)
-    sentences = (_shared.memory_sentences(growth, dates)
-                 + _shared.rbf_win_sentences(headlines.rbf_wins_at_largest_n(table), dates))
+    newest = {run for _, run, _ in _shared.by_run_newest_first(growth, ready.order)[0]}
+    wins = headlines.rbf_wins_at_largest_n(table)
+    if not wins.empty:
+        newest |= {run for _, run, _ in _shared.by_run_newest_first(wins, ready.order)[0]}
+        wins = wins[wins["run"].isin(newest)]
+    sentences = (_shared.memory_sentences(growth[growth["run"].isin(newest)], ready.dates)
+                 + _shared.rbf_win_sentences(wins, ready.dates))
     if sentences:
         page.md("## Findings\n")
         page.md("\n".join(f"- {s}" for s in sentences))
 
 
-def _per_device(rows: pd.DataFrame):
-    """(run, 'GPU, run X' title prefix, rows) per device and run: one chart each, so a newer
-    run never shares a title with an older one."""
-    for (device, run), group in rows.groupby(["device", "run"], sort=False):
-        yield run, f"{analysis.short_gpu(device)}, run {run}", group
+def _per_device(page: Page, rows: pd.DataFrame, order: pd.Series | None, draw) -> None:
+    """``draw(run, 'GPU, run X', rows)`` per device and run: each GPU's newest run first
+    (``order``: run -> place in time; None: a run appearing later in ``rows`` is newer), the
+    earlier ones folded."""
+    if order is None:
+        order = pd.Series(range(len(rows["run"].unique())), index=rows["run"].unique())
+    newest, earlier = _shared.by_run_newest_first(rows, order)
+    for device, run, group in newest:
+        draw(run, f"{analysis.short_gpu(device)}, run {run}", group)
+    with page.collapsed(_shared.earlier_summary(earlier)):
+        for device, run, group in earlier:
+            draw(run, f"{analysis.short_gpu(device)}, run {run}", group)
 
 
-def _kernel_mv(page: Page, rows: pd.DataFrame) -> None:
+def _kernel_mv(page: Page, rows: pd.DataFrame, order: pd.Series) -> None:
     page.md("## kernel_mv: time vs n\n")
     if rows.empty:
         page.md("No stored run has the `kernel_mv` suite.")
@@ -118,28 +132,31 @@ def _kernel_mv(page: Page, rows: pd.DataFrame) -> None:
         "different sizes can come from different runs of the same file on the same GPU (named "
         "under the chart); failed sizes (out of memory) are listed under Failures."
     )
-    for _, who, group in _per_device(rows):
+    def draw(_run, who, group):
         good = analysis.timed(group)
         chart = charts.lines(
             good, x="n", x_title="n (= m)", color="label", color_title="implementation",
             row=alt.Row("config:N", title=None, sort=analysis.config_order(good)),
             column=alt.Column("op:N", title=None),
-            tips=["run", "q1_ms", "q3_ms", "pairs_per_s"], width=260, height=150,
+            tips=["run", "q1_ms", "q3_ms", "pairs_per_s"], width=260, height=110,
             title=f"{who}: kernel_mv median time vs n",
         )
         page.chart(chart, group, "Log–log; rules: q1–q3.")
 
+    _per_device(page, rows, order, draw)
 
-def _speedups(page: Page, rows: pd.DataFrame) -> None:
+
+def _speedups(page: Page, rows: pd.DataFrame, order: pd.Series) -> None:
     if rows.empty:
         return
     page.md("## Speedup vs xla and vs dense\n")
     page.md("Baseline median / implementation median within each run and case; a missing cell "
             "means the baseline (or the implementation) failed or was not measured there.")
-    for baseline in ("xla", "dense"):
-        speed = analysis.speedups(rows, CASE, baseline)
-        speed = speed[speed["label"] != baseline]
-        for (device, run), group in speed.groupby(["device", "run"], sort=False):
+    speed = pd.concat([analysis.speedups(rows, CASE, baseline) for baseline in ("xla", "dense")])
+    speed = speed[speed["label"] != speed["baseline"]]
+
+    def draw(run, who, per_run):
+        for baseline, group in per_run.groupby("baseline", sort=False):
             group = group.assign(text=[fmt_ratio(v) if c is not False else f"~{fmt_ratio(v)}"
                                        for v, c in zip(group["speedup"], group["clear"],
                                                        strict=True)])
@@ -150,12 +167,14 @@ def _speedups(page: Page, rows: pd.DataFrame) -> None:
                 scheme="redblue", row=alt.Row("label:N", title=None),
                 column=alt.Column("op:N", title=None),
                 tips=["run", "speedup_lo", "speedup_hi"], cell=56,
-                title=f"{analysis.short_gpu(device)}, run {run}: speedup vs {baseline}",
+                title=f"{who}: speedup vs {baseline}",
             )
-            page.chart(chart, rows[(rows["device"] == device) & (rows["run"] == run)],
+            page.chart(chart, rows[rows["run"] == run],
                        "Blue: faster than the baseline; red: slower (colours saturate at 4×); "
                        "~: no clear difference (within the noise); tooltip: the range from "
                        "the quartiles.")
+
+    _per_device(page, speed, order, draw)
 
 
 def _peers(page: Page, rows: pd.DataFrame) -> None:
@@ -182,23 +201,25 @@ def _peers(page: Page, rows: pd.DataFrame) -> None:
             "error is in the stored file):\n\n" + "\n".join(f"- {line}" for line in lines))
 
 
-def _kde(page: Page, rows: pd.DataFrame) -> None:
+def _kde(page: Page, rows: pd.DataFrame, order: pd.Series) -> None:
     page.md("## KDE density\n")
     if rows.empty:
         page.md("No stored run has the `kde_density` suite.")
         return
-    for _, who, group in _per_device(rows):
+    def draw(_run, who, group):
         chart = charts.lines(
             analysis.timed(group), x="n", x_title="n (= m)", color="label",
             color_title="implementation",
             row=alt.Row("config:N", title=None, sort=analysis.config_order(group)),
             column=alt.Column("op:N", title=None), tips=["run", "q1_ms", "q3_ms"],
-            width=260, height=150, title=f"{who}: rbf_kde_density median time vs n",
+            width=260, height=110, title=f"{who}: rbf_kde_density median time vs n",
         )
         page.chart(chart, group, _not_drawn(group))
 
+    _per_device(page, rows, order, draw)
 
-def _tiles(page: Page, rows: pd.DataFrame) -> None:
+
+def _tiles(page: Page, rows: pd.DataFrame, order: pd.Series) -> None:
     page.md("## Tile sweep\n")
     if rows.empty:
         page.md("No stored run has the `kernel_mv_tiles` suite.")
@@ -215,17 +236,19 @@ def _tiles(page: Page, rows: pd.DataFrame) -> None:
     keys = ["source_file", "run", "case"]
     good["relative"] = good["median_ms"] / good.groupby(keys)["median_ms"].transform("min")
     good["text"] = good["median_ms"].map(fmt_ms)
-    for (device, run), group in good.groupby(["device", "run"], sort=False):
+    def draw(run, who, group):
         chart = charts.heatmap(
             group, x="tile", x_title="block_q × block_k × block_o", y="case", y_title=None,
             value="relative", value_title="× best tile", text="text", scheme="oranges",
             tips=["run", "median_ms", "q1_ms", "q3_ms"], cell=78,
-            title=f"{analysis.short_gpu(device)}, run {run}: tile sweep",
+            title=f"{who}: tile sweep",
         )
-        page.chart(chart, rows[(rows["device"] == device) & (rows["run"] == run)])
+        page.chart(chart, rows[rows["run"] == run])
+
+    _per_device(page, good, order, draw)
 
 
-def _launches(page: Page, rows: pd.DataFrame) -> None:
+def _launches(page: Page, rows: pd.DataFrame, order: pd.Series | None = None) -> None:
     page.md("## Launch sweep\n")
     if rows.empty:
         page.md(f"No stored run has the `{LAUNCH_SUITE}` suite.")
@@ -251,18 +274,19 @@ def _launches(page: Page, rows: pd.DataFrame) -> None:
                for r in rows.itertuples()],
         rel_error=_worst_error(rows),
     )
-    order = {group: i for i, group in enumerate(LAUNCH_GROUPS)}
-    rows = rows.assign(_order=[order.get((r.path, r.kernel), len(order))
+    families = {group: i for i, group in enumerate(LAUNCH_GROUPS)}
+    rows = rows.assign(_order=[families.get((r.path, r.kernel), len(families))
                                for r in rows.itertuples()])
     rows = rows.sort_values(["_order", "path", "kernel"], kind="stable")
     ranked = pd.concat([_ranked(group) for _, group in
                         rows.groupby(LAUNCH_KEYS, dropna=False, sort=False)])
-    for (device, run), per_run in ranked.groupby(["device", "run"], sort=False):
-        who = f"{analysis.short_gpu(device)}, run {run}"
+    def draw(_run, who, per_run):
         for _, group in per_run.groupby(LAUNCH_KEYS, dropna=False, sort=False):
             _launch_table(page, who, group)
         # After the run's tables: before them it would sit under the previous run's heading.
         _launch_chart(page, who, per_run)
+
+    _per_device(page, ranked, order, draw)
 
 
 def _launches_count(count: int) -> str:
@@ -319,7 +343,7 @@ def _launch_chart(page: Page, who: str, rows: pd.DataFrame) -> None:
     points = alt.Chart(data).mark_point(filled=True, size=70).encode(
         alt.X("vs_default:Q", title="median / the default launch's (log scale)",
               scale=alt.Scale(type="log", nice=False, padding=12)),
-        alt.Y("family:N", title=None, sort=families, axis=alt.Axis(labelLimit=240)),
+        alt.Y("family:N", title=None, sort=families),
         alt.Color("marked:N", title="launch", scale=alt.Scale(
             domain=["default", "other launch"], range=["#e45756", "#4c78a8"]),
             legend=alt.Legend(orient="bottom")),
@@ -350,7 +374,7 @@ def _launch_chart(page: Page, who: str, rows: pd.DataFrame) -> None:
 def _launch_table(page: Page, who: str, rows: pd.DataFrame) -> None:
     first = rows.iloc[0]
     precision = first["precision"] if isinstance(first["precision"], str) else "default"
-    page.md(f"### {who}: {first['group']}\n")
+    page.heading(3, f"{who}: {first['group']}")
     measured = rows[rows["status"] == "measured"]
     default = measured[measured["is_default"]]
     facts = [f"{first['config']}, n = m = {fmt_int(first['n'])}, precision {precision}, "
@@ -470,7 +494,7 @@ def _crossover(page: Page, rows: pd.DataFrame) -> None:
     page.table(display, rows, collapsed=f"Crossover summary ({len(display)} cases)")
 
 
-def _memory(page: Page, table: pd.DataFrame) -> None:
+def _memory(page: Page, table: pd.DataFrame, order: pd.Series) -> None:
     page.md("## Peak memory vs n\n")
     rows, growth = headlines.rbf_memory(table)
     peak = rows[rows["suite"] == "kernel_mv_peak"]
@@ -478,17 +502,19 @@ def _memory(page: Page, table: pd.DataFrame) -> None:
         page.md("No stored run has the `kernel_mv_peak` suite.")
         return
     page.md("Peak device memory of one call, each size in a fresh process.")
-    for _, who, group in _per_device(peak):
+    def draw(_run, who, group):
         chart = charts.ladder(
             group, x="n", x_title="n (= m)", color="label", color_title="implementation",
             column=alt.Column("op:N", title=None), tips=["run", "config", "run_s"],
             title=f"{who}: peak memory vs n",
         )
         page.chart(chart, group, "Log–log; a cross on the top edge marks a failed size.")
+
+    _per_device(page, peak, order, draw)
     page.table(_shared.memory_display(growth), rows, name="rbf-memory-growth")
 
 
-def _max_n(page: Page, rows: pd.DataFrame) -> None:
+def _max_n(page: Page, rows: pd.DataFrame, order: pd.Series) -> None:
     page.md("## Largest n (max-n ladder)\n")
     if rows.empty:
         page.md("No stored run has the `kernel_mv_max_n` suite.")
@@ -499,13 +525,15 @@ def _max_n(page: Page, rows: pd.DataFrame) -> None:
     )
     stated = rows[rows["summary"].fillna(False).astype(bool)]
     ladder = rows.drop(stated.index)
-    for _, who, group in _per_device(ladder):
+    def draw(_run, who, group):
         chart = charts.ladder(
             group, x="n", x_title="n (= m)", color="label", color_title="implementation",
             column=alt.Column("op:N", title=None), tips=["run", "config", "run_s"],
             width=380, height=220, title=f"{who}: max-n ladder",
         )
         page.chart(chart, group, "A cross marks the size that failed or timed out.")
+
+    _per_device(page, ladder, order, draw)
     keys = ["source_file", "run", "device", "label", "op", "config"]
     limits = analysis.ladder_limits(ladder, stated, size="n", stated="max_n", keys=keys)
     limits = analysis.best_limit_per_ladder(limits, keys[1:])
@@ -561,7 +589,7 @@ def _numerics(page: Page, rbf: pd.DataFrame) -> None:
                name="rbf-numerics")
 
 
-def _across_gpus(page: Page, rbf: pd.DataFrame) -> None:
+def _across_gpus(page: Page, rbf: pd.DataFrame, order: pd.Series) -> None:
     rows = analysis.across_devices(rbf, ["suite", *CASE])
     if not rows.empty:
         rows = sorted_rows(rows, ["suite", *analysis.RBF_CONFIG, "op", "n", "label", "gpu",
@@ -569,7 +597,7 @@ def _across_gpus(page: Page, rbf: pd.DataFrame) -> None:
         rows = rows.assign(case=rows["suite"] + " · " + rows["config"] + " · " + rows["op"]
                            + " · n " + rows["n"].map(fmt_int))
     devices = sorted(rbf["device"].dropna().unique())
-    render_across_gpus(page, rows, "RBF case", devices)
+    render_across_gpus(page, rows, "RBF case", devices, order)
 
 
 def _not_drawn(rows: pd.DataFrame) -> str:
