@@ -1,12 +1,12 @@
 """Which code a stored run measured: the code hash of a tree, and the committed table of the
 declared commits of the stored files (data/provenance/declared-commits.json).
 
-The *code hash* of a tree is the SHA-256 over every file under ``src/`` and ``tests/bench/``
-(``__pycache__`` folders and ``.pyc`` files aside), taken in the order of their paths relative to
-the repository root (POSIX, byte order), each file contributing ``path NUL sha256(content) LF``.
-Two trees with the same hash hold byte-identical ``src/`` and ``tests/bench/``; the bench
-harness records it at bench time (``machine_info.tilax_provenance``), and `code_hash_of_commit`
-computes the same value from git for a commit.
+The *code hash* of a tree is the SHA-256 of the JSON of the git tree ids of its ``src/`` and
+``tests/bench/`` (``{"src": id, "tests/bench": id}``, sorted keys). A git tree id hashes every
+file's bytes, name and mode, so two trees with the same hash hold byte-identical code, and anyone
+can check it with ``git rev-parse <commit>:src``. The bench harness computes the tree ids from
+the files on disk (tests/bench/bench_provenance.py, ``machine_info.tilax_provenance``), and
+`code_hash_of_commit` computes the same value from git for a commit.
 
 Stored files from before the harness recorded it carry only a *declared* commit (the label the
 run was filed under). This module, run as a script, adds to the committed table every declared
@@ -27,7 +27,6 @@ import hashlib
 import json
 import subprocess
 import sys
-from collections.abc import Iterable
 from pathlib import Path
 
 CODE_DIRS = ("src", "tests/bench")
@@ -36,29 +35,13 @@ PEER_FIXES = Path("provenance") / "peer-fixes.json"  # under data/
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-def code_hash(files: Iterable[tuple[str, bytes]]) -> str:
-    """The code hash of ``(path relative to the repository root, content)`` pairs (the files
-    under `CODE_DIRS`; any order)."""
-    digest = hashlib.sha256()
-    for path, content in sorted(files, key=lambda item: item[0].encode()):
-        digest.update(path.encode() + b"\0" + hashlib.sha256(content).hexdigest().encode()
-                      + b"\n")
-    return digest.hexdigest()
-
-
-def _ignored(parts: tuple[str, ...]) -> bool:
-    return "__pycache__" in parts or parts[-1].endswith(".pyc")
-
-
-def code_hash_of_tree(root: Path) -> str:
-    """The code hash of a working tree (what the bench harness records)."""
-    files = []
-    for folder in CODE_DIRS:
-        for path in sorted((root / folder).rglob("*")):
-            relative = path.relative_to(root)
-            if path.is_file() and not _ignored(relative.parts):
-                files.append((relative.as_posix(), path.read_bytes()))
-    return code_hash(files)
+def code_hash(trees: dict[str, str]) -> str:
+    """The code hash of ``{folder: git tree id}`` for the folders of `CODE_DIRS`: SHA-256 of
+    their JSON (sorted keys), exactly what the bench harness records from the files on disk
+    (tests/bench/bench_provenance.py)."""
+    if sorted(trees) != sorted(CODE_DIRS):
+        raise ValueError(f"code_hash needs the trees of {CODE_DIRS}, got {sorted(trees)}")
+    return hashlib.sha256(json.dumps(trees, sort_keys=True).encode()).hexdigest()
 
 
 def _git(repo: Path, *args: str, stdin: bytes | None = None) -> bytes:
@@ -66,32 +49,21 @@ def _git(repo: Path, *args: str, stdin: bytes | None = None) -> bytes:
                           check=True).stdout
 
 
+def trees_of_commit(repo: Path, commit: str) -> dict[str, str]:
+    """``{folder: git tree id}`` of `CODE_DIRS` at ``commit``."""
+    return {folder: _git(repo, "rev-parse", f"{commit}:{folder}").decode().strip()
+            for folder in CODE_DIRS}
+
+
 def code_hash_of_commit(repo: Path, commit: str) -> str:
     """The code hash of ``commit``'s ``src/`` and ``tests/bench/``, read from git."""
-    listing = _git(repo, "ls-tree", "-r", "-z", commit, "--", *CODE_DIRS).split(b"\0")
-    entries = []
-    for line in filter(None, listing):
-        meta, path = line.split(b"\t", 1)
-        _mode, kind, blob = meta.split()
-        if kind == b"blob" and not _ignored(tuple(path.decode().split("/"))):
-            entries.append((path.decode(), blob.decode()))
-    batch = _git(repo, "cat-file", "--batch",
-                 stdin="".join(f"{blob}\n" for _, blob in entries).encode())
-    files, offset = [], 0
-    for path, _blob in entries:
-        header_end = batch.index(b"\n", offset)
-        size = int(batch[offset:header_end].split()[2])
-        start = header_end + 1
-        files.append((path, batch[start:start + size]))
-        offset = start + size + 1
-    return code_hash(files)
+    return code_hash(trees_of_commit(repo, commit))
 
 
 def describe_commit(repo: Path, commit: str, fixes: list[dict]) -> dict:
     """The table entry of one declared commit."""
     full = _git(repo, "rev-parse", f"{commit}^{{commit}}").decode().strip()
-    trees = {folder: _git(repo, "rev-parse", f"{full}:{folder}").decode().strip()
-             for folder in CODE_DIRS}
+    trees = trees_of_commit(repo, full)
     has_fix = []
     for fix in fixes:
         done = subprocess.run(["git", "-C", str(repo), "merge-base", "--is-ancestor",
@@ -103,7 +75,7 @@ def describe_commit(repo: Path, commit: str, fixes: list[dict]) -> dict:
         "date": _git(repo, "show", "-s", "--format=%cI", full).decode().strip(),
         "src_tree": trees["src"],
         "bench_tree": trees["tests/bench"],
-        "code_hash": code_hash_of_commit(repo, full),
+        "code_hash": code_hash(trees),
         "has_peer_fixes": has_fix,
     }
 

@@ -21,7 +21,14 @@ def test_the_declared_commits_table_is_up_to_date_with_the_stored_files_and_git(
     assert set(table) == provenance.declared_commits_of_stored_files(REPO / "data")
 
 
-def test_code_hash_of_a_tree_equals_the_hash_git_gives_for_its_commit(tmp_path):
+def test_code_hash_of_a_tree_on_disk_equals_the_hash_git_gives_for_its_commit(tmp_path):
+    """What the bench harness records from the files (tests/bench/bench_provenance.py) is the
+    code hash the site computes from git for the commit; a changed file changes it."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "bench_provenance", REPO / "tests" / "bench" / "bench_provenance.py",
+        submodule_search_locations=[])
     archive = tmp_path / "head.tar"
     subprocess.run(["git", "-C", str(REPO), "archive", "-o", str(archive), "HEAD", "src",
                     "tests/bench"], check=True)
@@ -29,11 +36,21 @@ def test_code_hash_of_a_tree_equals_the_hash_git_gives_for_its_commit(tmp_path):
         tar.extractall(tmp_path / "tree", filter="data")
     (tmp_path / "tree" / "src" / "__pycache__").mkdir()
     (tmp_path / "tree" / "src" / "__pycache__" / "x.cpython-312.pyc").write_bytes(b"\0")
-    assert provenance.code_hash_of_tree(tmp_path / "tree") == provenance.code_hash_of_commit(
-        REPO, "HEAD")
+    import sys
+
+    sys.path.insert(0, str(REPO / "tests" / "bench"))
+    try:
+        bench_provenance = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(bench_provenance)
+    finally:
+        sys.path.remove(str(REPO / "tests" / "bench"))
+
+    def on_disk():
+        return bench_provenance.provenance(None, tmp_path / "tree")["code_hash"]
+
+    assert on_disk() == provenance.code_hash_of_commit(REPO, "HEAD")
     (tmp_path / "tree" / "tests" / "bench" / "conftest.py").write_text("# changed\n")
-    assert provenance.code_hash_of_tree(tmp_path / "tree") != provenance.code_hash_of_commit(
-        REPO, "HEAD")
+    assert on_disk() != provenance.code_hash_of_commit(REPO, "HEAD")
 
 
 def test_identical_code_under_two_commits_has_one_hash_and_the_peer_fix_is_recorded():
