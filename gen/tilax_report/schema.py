@@ -215,9 +215,9 @@ CASE_COLUMNS = [
     "code", "family", "suite", "impl", "dispatch", "routing", "dtype", "op", "piece", "part",
     "exchange", "exchange_chunks", "mesh", "devices", "precision", "fwd_backend", "bwd_backend",
     "tokens", "tokens_per_device", "d_model", "d_hidden", "experts", "top_k", "shared_hidden",
-    "skew", "block_m", "recompute", "variant", "slab_elems", "n", "m", "dim", "out", "batch", "block_q",
-    "block_k", "block_o", "path", "kernel", "block_p", "block_l", "num_warps", "num_stages",
-    "repeat", "resolution", "model_dim", "params", "summary",
+    "skew", "block_m", "recompute", "variant", "slab_elems", "n", "m", "dim", "out", "batch",
+    "block_q", "block_k", "block_o", "path", "kernel", "block_p", "block_l", "num_warps",
+    "num_stages", "repeat", "resolution", "model_dim", "params", "summary",
 ]
 
 # Columns whose values are integers (possibly missing); seed files store some as floats.
