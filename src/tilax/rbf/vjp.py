@@ -40,6 +40,7 @@ reverse mode.
 from __future__ import annotations
 
 import functools
+import importlib
 import math
 import operator
 
@@ -48,7 +49,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from tilax import _pallas
-from tilax.rbf import numerics, triton
+from tilax.rbf import numerics
 from tilax.rbf.config import (
     Launch,
     PallasConfig,
@@ -59,11 +60,15 @@ from tilax.rbf.config import (
     fuses_dv,
     kde_coords,
 )
-from tilax.rbf.mosaic import exact as mosaic_exact
-from tilax.rbf.mosaic import exact_grad as mosaic_exact_grad
-from tilax.rbf.mosaic import forward as mosaic_forward
-from tilax.rbf.mosaic import grad as mosaic_grad
 from tilax.rbf.numerics import Expansion
+
+
+def _kernels(name: str):
+    """The backend module ``tilax.rbf.<name>`` (``"triton"``, ``"mosaic.forward"``, ...),
+    imported at a kernel's first use, so that ``import tilax`` and the XLA paths load no GPU
+    backend (Triton, Mosaic GPU) module."""
+    return importlib.import_module(f"tilax.rbf.{name}")
+
 
 LOG2E, LN2 = numerics.LOG2E, numerics.LN2
 
@@ -244,8 +249,8 @@ def _kernel_mv_fast_fwd(qs, ks, v, path: PathConfig):
     rows_q, rows_k = path.query_rows(n, backward=False), path.key_rows(m, backward=False)
     x, y = expansion_points(distance, qs, ks, rows_q, rows_k)
     values = value_operand(v, rows_k, path.cols, path.modes.values)
-    kernel = mosaic_forward.kernel_matmul if path.fwd.backend == "mosaic" else (
-        triton.kernel_matmul)
+    kernel = _kernels("mosaic.forward").kernel_matmul if path.fwd.backend == "mosaic" else (
+        _kernels("triton").kernel_matmul)
     out = _run(
         "rbf_kernel_mv", kernel, path, path.fwd, dict(x=x, y=y, v=values),
         distance=distance, valid_l=m, block_o=path.fwd.block_o, values=path.modes.values,
@@ -260,20 +265,20 @@ def _mv_grad_sweeps(path: PathConfig, distance, x, y, g_pad, v_pad, n, m, dim, s
     dots = dict(distance=distance, values=modes.values, coords=modes.coords)
 
     r = _run(
-        "rbf_kernel_mv", triton.kernel_matmul_grad, path, path.dq,
+        "rbf_kernel_mv", _kernels("triton").kernel_matmul_grad, path, path.dq,
         dict(x=x, y=y, u=g_pad, w=v_pad, scale=scale), valid_l=m, with_squares=scale is not None,
         block_o=path.dq.block_o, **dots,
     )  # fmt: skip
     fuse_dv = fuses_dv(modes, dim, path.cols)
     c = _run(
-        "rbf_kernel_mv", triton.kernel_matmul_grad, path, path.dk,
+        "rbf_kernel_mv", _kernels("triton").kernel_matmul_grad, path, path.dk,
         dict(x=y, y=x, u=v_pad, w=g_pad, scale=scale), valid_l=n, with_pw=fuse_dv,
         block_o=path.dk.block_o, **dots,
     )  # fmt: skip
     if fuse_dv:
         return r, c, c["pw"]
     dv = _run(
-        "rbf_kernel_mv", triton.kernel_matmul, path, path.dk,
+        "rbf_kernel_mv", _kernels("triton").kernel_matmul, path, path.dk,
         dict(x=y, y=x, v=g_pad, scale=scale), distance=distance, valid_l=n,
         block_o=path.dk.block_o, values=modes.values,
     )  # fmt: skip
@@ -286,13 +291,13 @@ def _mosaic_grad_sweep(path: PathConfig, qs, ks, g, v):
     queries' sums added up across programs): the distance from TF32 parts, the pair sums
     against the augmented points."""
     (_, n, _), m = qs.shape, ks.shape[1]
-    rows_q = _pallas.round_up(n, max(mosaic_grad.BLOCK_P, path.dk.block_l))
-    rows_k = _pallas.round_up(m, mosaic_grad.BLOCK_P)
+    rows_q = _pallas.round_up(n, max(_kernels("mosaic.grad").BLOCK_P, path.dk.block_l))
+    rows_k = _pallas.round_up(m, _kernels("mosaic.grad").BLOCK_P)
     x_parts, y_parts = expansion_points(Expansion("tf32_parts"), qs, ks, rows_q, rows_k)
     x, y = augment_queries(qs, rows_q), augment_keys(ks, rows_k)
     g_pad = value_operand(g, rows_q, path.cols, "bf16")
     v_pad = value_operand(v, rows_k, path.cols, "bf16")  # zero rows: padded keys add 0
-    sums = _run("rbf_kernel_mv", mosaic_grad.pair_sums, path, path.dk,
+    sums = _run("rbf_kernel_mv", _kernels("mosaic.grad").pair_sums, path, path.dk,
                 dict(x=y_parts, y=x_parts, coords=x, own=y, u=v_pad, w=g_pad), valid_l=n)
     return sums["loop_sums"], sums["sums"], sums["pw"]
 
@@ -340,8 +345,8 @@ def _kernel_mv_exact_fwd(q, k, v, lengthscale, path: PathConfig):
     xq, xk, scale, _ = _exact_operands(q, k, lengthscale, rows_q, rows_k,
                                        per_dimension=per_dimension)  # fmt: skip
     values = value_operand(v, rows_k, path.cols, path.modes.values)
-    kernel = mosaic_exact.kernel_matmul if path.fwd.backend == "mosaic" else (
-        triton.kernel_matmul)
+    kernel = _kernels("mosaic.exact").kernel_matmul if path.fwd.backend == "mosaic" else (
+        _kernels("triton").kernel_matmul)
     out = _run(
         "rbf_kernel_mv", kernel, path, path.fwd,
         dict(x=xq, y=xk, v=values, scale=scale), distance=distance, valid_l=m,
@@ -355,7 +360,7 @@ def _mosaic_exact_pair_sums(path: PathConfig, distance, xq, xk, g_pad, v_pad, n,
     (``tilax.rbf.mosaic.exact_grad``: programs over keys with the ``dk`` launch's tiles,
     the queries' sums added up across programs), as ``_mv_grad_sweeps`` returns them, with the
     lengthscale's squares among the key sums."""
-    c = _run("rbf_kernel_mv", mosaic_exact_grad.pair_sums, path, path.dk,
+    c = _run("rbf_kernel_mv", _kernels("mosaic.exact_grad").pair_sums, path, path.dk,
              dict(x=xk, y=xq, u=v_pad, w=g_pad, scale=scale), distance=distance, valid_l=n,
              with_squares=True)
     # Per warp, unscaled, keys minus queries: the query sweep's sums are minus their total.
@@ -407,7 +412,7 @@ def _kde_fast_fwd(xq, xd, w, path: PathConfig):
     rows_q, rows_d = path.query_rows(n, backward=False), path.key_rows(m, backward=False)
     x, y = expansion_points(distance, xq, xd, rows_q, rows_d)
     row_max, row_sum = _run(
-        "rbf_kde_density", triton.kernel_logsumexp, path, path.fwd,
+        "rbf_kde_density", _kernels("triton").kernel_logsumexp, path, path.fwd,
         dict(x=x, y=y, y_weight=pad_rows(w, rows_d)), distance=distance, valid_l=m,
     )  # fmt: skip
     row_max, row_sum = row_max[:, :n], _floored_sum(row_sum[:, :n], w)
@@ -438,12 +443,12 @@ def _kde_grad_sweeps(path: PathConfig, distance, x, y, w, row_max, row_sum, g, n
     coef = pad_rows(jnp.where(finite, g.astype(jnp.float32) / row_sum, 0.0), rows_q)
     dots = dict(distance=distance, coords=kde_coords(path.modes))
     by_query = _run(
-        "rbf_kde_density", triton.kernel_matmul_grad, path, path.dq,
+        "rbf_kde_density", _kernels("triton").kernel_matmul_grad, path, path.dq,
         dict(x=x, y=y, scale=scale, x_offset=shift, x_coef=coef, y_coef=pad_rows(w, rows_d)),
         valid_l=m, with_squares=scale is not None, **dots,
     )  # fmt: skip
     by_data = _run(
-        "rbf_kde_density", triton.kernel_matmul_grad, path, path.dk,
+        "rbf_kde_density", _kernels("triton").kernel_matmul_grad, path, path.dk,
         dict(x=y, y=x, scale=scale, y_offset=shift, y_coef=coef), valid_l=n,
         with_rowsum=scale is not None, **dots,
     )  # fmt: skip
@@ -485,7 +490,7 @@ def _kde_exact_fwd(query, data, w, bandwidth, path: PathConfig):
     rows_q, rows_d = path.query_rows(n, backward=False), path.key_rows(m, backward=False)
     xq, xd, scale, _ = _exact_operands(query, data, bandwidth, rows_q, rows_d, per_dimension=True)
     row_max, row_sum = _run(
-        "rbf_kde_density", triton.kernel_logsumexp, path, path.fwd,
+        "rbf_kde_density", _kernels("triton").kernel_logsumexp, path, path.fwd,
         dict(x=xq, y=xd, scale=scale, y_weight=pad_rows(w, rows_d)), distance=distance,
         valid_l=m,
     )  # fmt: skip
