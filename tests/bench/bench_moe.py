@@ -78,6 +78,7 @@ class MoECase:
     piece: str | None = None
     block_m: int | None = None
     recompute: bool = False  # MoEConfig.recompute, the memory-saving option
+    activation: str = "swiglu"  # MoEConfig.activation
     # options of tilax.moe.rules' variant rules, ``(rule, option)`` pairs taken with
     # ``rules.choose`` while the row's function is traced (the ``variants`` suite)
     variants: tuple[tuple[str, Any], ...] = ()
@@ -106,6 +107,8 @@ class MoECase:
             parts.append(f"bm{self.block_m}")
         if self.recompute:
             parts.append("recompute")
+        if self.activation != "swiglu":
+            parts.append(self.activation)
         parts += [f"{rule}={option}" for rule, option in self.variants]
         parts.append(self.op)
         return "-".join(parts)
@@ -134,6 +137,8 @@ class MoECase:
             info["block_m"] = self.block_m
         if self.recompute:
             info["recompute"] = True
+        if self.activation != "swiglu":  # missing: the default (every run before the option)
+            info["activation"] = self.activation
         if self.variants:
             info["variant"] = ",".join(f"{rule}={option}" for rule, option in self.variants)
         return info
@@ -190,8 +195,10 @@ class MoECase:
 
 def layer_flops(case: MoECase) -> int:
     t, d = case.tokens, case.d_model
-    forward = 2 * t * d * case.experts + 6 * t * case.top_k * d * case.d_hidden
-    forward += 6 * t * d * case.shared_hidden
+    # three products of d x hidden per expert (gate, up, down); two for the not-gated gelu
+    products = 2 if case.activation == "gelu" else 3
+    forward = 2 * t * d * case.experts + 2 * products * t * case.top_k * d * case.d_hidden
+    forward += 2 * products * t * d * case.shared_hidden
     return forward * (3 if case.op == "train_step" else 1)
 
 
@@ -229,7 +236,8 @@ def reference_chunk_tokens(case: MoECase) -> int:
 # ----------------------------------------------------------------------------- case lists
 
 
-def _layer_cases(suite, impls, tokens, dtypes, ops, shape, priority, skew=0.0):
+def _layer_cases(suite, impls, tokens, dtypes, ops, shape, priority, skew=0.0,
+                 activation="swiglu"):
     """Cases shape-major (tokens, dtype, impl, op) so inputs and references are reused."""
     cases = []
     for t in tokens:
@@ -240,7 +248,7 @@ def _layer_cases(suite, impls, tokens, dtypes, ops, shape, priority, skew=0.0):
                 for op in ops:
                     cases.append(MoECase(
                         suite=suite, impl=impl, dispatch=dispatch, routing=routing, dtype=dtype,
-                        op=op, tokens=t, skew=skew, priority=priority,
+                        op=op, tokens=t, skew=skew, priority=priority, activation=activation,
                         numerics=wants_numerics(routing),
                         **shape,
                     ))
@@ -301,7 +309,16 @@ def layer_cases(mode: str) -> list[MoECase]:
                        BOTH_DTYPES, BOTH_OPS, SEED_WIDE, 31)
         + _layer_cases("layer", (P_SORTED, P_FUSED, P_GSUM, CAPACITY, RAGGED, TOKAMAX), [32768],
                        ["bfloat16"], BOTH_OPS, SEED_LAYER, 32, skew=0.9)
+        # the other activations' cost, against the SwiGLU rows of the same process: the
+        # default impl (Mosaic GPU, sorted, on the H200) and Triton
+        + [case for activation in ACTIVATIONS_MEASURED for case in _layer_cases(
+            "layer", (MOSAIC[0], TRITON), [131072], ["bfloat16"], ["train_step"], SEED_LAYER,
+            12, activation=activation)]
     )
+
+
+# MoEConfig.activation values other than the default with layer-suite rows
+ACTIVATIONS_MEASURED = ("geglu", "gelu")
 
 
 DECODER_IMPLS = (TRITON, ("triton", "fused_gsum", "dropless"), P_SORTED, RAGGED, TOKAMAX, TORCH,
@@ -399,7 +416,7 @@ def moe_config(case: MoECase, *, dtype=None, routing=None, impl=None, dispatch=N
 
     kwargs: dict[str, Any] = dict(
         d_model=case.d_model, d_hidden=case.d_hidden, num_experts=case.experts,
-        top_k=case.top_k, shared_hidden=case.shared_hidden,
+        top_k=case.top_k, shared_hidden=case.shared_hidden, activation=case.activation,
         dtype=dtype if dtype is not None else _jnp_dtype(case.dtype),
     )
     routing = routing or ("dense" if case.impl == "dense" else case.routing)
@@ -453,7 +470,7 @@ def make_inputs(case: MoECase) -> MoEInputs:
 
 def _inputs_key(case: MoECase) -> tuple:
     return ("moe", case.tokens, case.d_model, case.d_hidden, case.experts, case.top_k,
-            case.shared_hidden, case.skew, case.dtype, case.seed)
+            case.shared_hidden, case.skew, case.dtype, case.seed, case.activation)
 
 
 def layer_apply_fn(case: MoECase):

@@ -64,7 +64,8 @@ def compare_forward(dims, tokens, dtype, skew=0.0, **config_kwargs):
     the oracle's output."""
     config = tilax.MoEConfig(**dims, dtype=dtype, **config_kwargs)
     math_only = tilax.MoEConfig(**dims, dtype=dtype, routing=config.routing,
-                                capacity_factor=config.capacity_factor)
+                                capacity_factor=config.capacity_factor,
+                                activation=config.activation)
     params, x, _ = inputs(math_only, tokens, skew)
     y = jax.jit(lambda p, x: tilax.moe_apply(p, x, config)[0])(params, x)
     y_ref, _ = oracle(math_only, tokens, skew)
@@ -75,7 +76,8 @@ def compare(dims, tokens, dtype, skew=0.0, **config_kwargs):
     config = tilax.MoEConfig(**dims, dtype=dtype, **config_kwargs)
     # the inputs and the oracle depend on the shape, dtype and routing, not on the kernels
     math_only = tilax.MoEConfig(**dims, dtype=dtype, routing=config.routing,
-                                capacity_factor=config.capacity_factor)
+                                capacity_factor=config.capacity_factor,
+                                activation=config.activation)
     params, x, cotangent = inputs(math_only, tokens, skew)
     (_, y), grads = loss_step(lambda p, x: tilax.moe_apply(p, x, config)[0], cotangent)(params, x)
     y_ref, grads_ref = oracle(math_only, tokens, skew)
