@@ -54,12 +54,6 @@ class MoEConfig:
         top_k: experts per token ``k`` (``1 <= k <= E``).
         shared_hidden: hidden width ``S`` of the shared expert (a dense expert of the same
             ``activation`` added to every token's output); ``0`` for none.
-        activation: the experts' activation (routed and shared alike), fused into the
-            kernels' epilogues forward and backward on every impl: ``"swiglu"``
-            (``silu(x @ w_gate) * (x @ w_up)``), ``"geglu"`` (``gelu(x @ w_gate) *
-            (x @ w_up)``) or ``"gelu"`` (``gelu(x @ w_up)``, not gated: its parameters have
-            no ``w_gate``, routed or shared). ``gelu`` is the tanh approximation
-            (``jax.nn.gelu(approximate=True)``). See ``tilax.moe.activations``.
         routing: ``"dropless"`` (every copy computed), ``"capacity"`` (at most
             ``C = ceil(capacity_factor * T * k / E)`` copies per expert, earliest tokens first,
             the rest dropped) or ``"dense"`` (every expert on every token, weighted).
@@ -103,6 +97,12 @@ class MoEConfig:
         exchange_chunks: with ``exchange="all_gather"`` (or ``"auto"``), split each device's
             tokens into this many chunks, each gathered, computed and reduce-scattered on its
             own, so that XLA can overlap one chunk's collectives with another's experts.
+        activation: the experts' activation (routed and shared alike), fused into the
+            kernels' epilogues forward and backward on every impl: ``"swiglu"``
+            (``silu(x @ w_gate) * (x @ w_up)``), ``"geglu"`` (``gelu(x @ w_gate) *
+            (x @ w_up)``) or ``"gelu"`` (``gelu(x @ w_up)``, not gated: its parameters have
+            no ``w_gate``, routed or shared). ``gelu`` is the tanh approximation
+            (``jax.nn.gelu(approximate=True)``). See ``tilax.moe.activations``.
 
     Raises:
         ValueError: a size is not a positive integer, ``top_k > num_experts``, an unknown
@@ -123,7 +123,6 @@ class MoEConfig:
     num_experts: int
     top_k: int
     shared_hidden: int = 0
-    activation: str = "swiglu"
     routing: str = "dropless"
     impl: str = "auto"
     dispatch: str = "sorted"
@@ -139,6 +138,7 @@ class MoEConfig:
     recompute_rows: int = 262144
     exchange: str = "auto"
     exchange_chunks: int = 1
+    activation: str = "swiglu"
 
     def __post_init__(self) -> None:
         for name in _INT_FIELDS:
