@@ -6,7 +6,10 @@ Suites (``extra_info["suite"]``) mirror the stored seed files:
   skewed routing (skew 0.9) at 32k; every impl x dispatch x routing; float32 and bfloat16;
   ``forward`` and ``train_step``. The peers (``tokamax``, ``torch_grouped_mm``,
   ``torch_grouped_mm_compile``: see ``bench_tokamax`` and ``bench_torch_moe``) run bfloat16
-  only, the one dtype their grouped matmuls take.
+  only, the one dtype their grouped matmuls take. The other expert activations
+  (``MoEConfig.activation``: ``geglu``, ``gelu``; rows carry ``activation`` and its name in
+  theirs) run the 131k bfloat16 train step on Mosaic GPU (sorted, the H200's default) and
+  Triton, beside the SwiGLU rows of the same process.
 - ``decoder``: the decoder layer of the H100 seed (E64 top-8, expert width 128, shared expert
   1024, d512) at 16k/131k/1M tokens, bfloat16.
 - ``pieces``: the train-step cost split of the sorted Pallas path (route, sort_permute,

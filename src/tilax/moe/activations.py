@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator
 import jax
 
 ACTIVATIONS = ("swiglu", "geglu", "gelu")
+"""The values of ``MoEConfig.activation``."""
 
 # z(x) = x * (GELU_LINEAR + GELU_CUBIC * x * x) = 2 sqrt(2 / pi) (x + 0.044715 x^3).
 GELU_LINEAR = 2.0 * math.sqrt(2.0 / math.pi)
