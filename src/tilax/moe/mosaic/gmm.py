@@ -229,8 +229,9 @@ def gmm_activation(
     in ``x.dtype`` (``gate`` ``None`` and ``w_gate`` ``None`` for the not-gated ``"gelu"``:
     one projection), ``a`` scaled by ``row_scale`` when given (its rows arrive by TMA while
     the contraction runs). Two accumulators when gated: ``block_n`` is capped to keep them in
-    registers. Rows read through ``index`` are gathered by the kernel itself where that pays
-    (``mosaic.gmm_gather``), by XLA first elsewhere."""
+    registers (and as much for the not-gated one's epilogue). Rows read through ``index`` are
+    gathered by the kernel itself where that pays (``mosaic.gmm_gather``), by XLA first
+    elsewhere."""
     del backend
     gated = activations.check_gate(activation, w_gate, "w_gate")
     weights_in = [w_gate, w_up] if gated else [w_up]
@@ -250,7 +251,9 @@ def gmm_activation(
     if gathering:
         rows_m, block_n, block_k, row_stages, stages = gathering
     else:
-        rows_m, block_n = block_m, common.capped_block_n(tiles, h_dim, len(weights_in))
+        # Two live tiles whether gated or not: the not-gated gelu's one accumulator leaves its
+        # epilogue (gelu's cubic and sigmoid) the registers of the gated kernel's second one.
+        rows_m, block_n = block_m, common.capped_block_n(tiles, h_dim, 2)
         block_k, stages = common.fit_pipeline(
             tiles, common.fit_block(tiles.block_k, d_dim),
             (block_m + len(weights_in) * block_n) * x.dtype.itemsize)
