@@ -27,21 +27,18 @@ path (``fp8.py``):
   kernels (and tilax's) hand each 128-deep partial to float32 registers, where the scales
   apply. Outputs are rounded once to bfloat16.
 
-Which operand is quantised along which axis (``R`` rows, sorted by expert, ``d`` model width,
-``h`` hidden width, ``E`` experts):
+Which operand is quantised along which axis (``d`` model width, ``h`` hidden width; ``a`` the
+SwiGLU activation, ``dy`` a row's output gradient times its combine weight, ``dg``/``du`` the
+gate/up pre-activations' gradients):
 
-============================  ====================================  ==========================
-product                        left operand (1 x 128 tiles along)    right operand
-============================  ====================================  ==========================
-forward ``x @ w_gate``         ``x`` rows: ``d``                     ``w_gate[e]``: 128 x 128
-forward ``a @ w_down``         ``a`` rows: ``h``                     ``w_down[e]``: 128 x 128
-input grad ``dy @ w_down.T``   ``dy`` rows: ``d``                    the forward's blocks,
-                                                                     transposed (exact)
-input grad ``dg @ w_gate.T``   ``dg`` rows: ``h``                    the forward's blocks,
-                                                                     transposed (exact)
-weight grad ``x.T @ dg``       ``x``: tokens (``grouped_matmul_t``)  ``dg``: tokens
-weight grad ``a.T @ dy``       ``a``: tokens                         ``dy``: tokens
-============================  ====================================  ==========================
+| product | left operand: 1 x 128 tiles along | right operand |
+| --- | --- | --- |
+| forward ``x @ w_gate`` (and ``w_up``) | ``x`` rows: ``d`` | ``w_gate[e]``: 128 x 128 blocks |
+| forward ``a @ w_down`` | ``a`` rows: ``h`` | ``w_down[e]``: 128 x 128 blocks |
+| input grad ``dy @ w_down.T`` | ``dy`` rows: ``d`` | the forward's blocks, transposed |
+| input grad ``dg @ w_gate.T`` (and ``du @ w_up.T``) | ``dg`` rows: ``h`` | the forward's blocks, transposed |
+| weight grad ``x.T @ dg`` (and ``x.T @ du``) | ``x``: tokens (128 x 1) | ``dg``: tokens (128 x 1) |
+| weight grad ``a.T @ dy`` | ``a``: tokens (128 x 1) | ``dy``: tokens (128 x 1) |
 
 A block scale covers the same 128 x 128 values after a transpose, so the input gradients reuse
 the forward's quantised weights. Row tiles do not transpose: the weight gradients contract over
@@ -331,8 +328,10 @@ def grouped_matmul_t(
     sum: the promotion of :func:`grouped_matmul`, along the tokens.
 
     Args:
-        lhs: ``[J, 128, K]`` e4m3 (:func:`quantize_token_tiles`); lhs_scales: ``[J, K]``.
-        rhs: ``[J, 128, N]`` e4m3; rhs_scales: ``[J, N]``.
+        lhs: ``[J, 128, K]`` e4m3 (:func:`quantize_token_tiles`).
+        lhs_scales: ``[J, K]`` float32.
+        rhs: ``[J, 128, N]`` e4m3.
+        rhs_scales: ``[J, N]`` float32.
         tiles: the :class:`TokenTiles` both were made with.
         num_experts: ``E``.
         out_dtype: the output dtype.
