@@ -116,7 +116,7 @@ ep               expert parallelism on n local GPUs (``bench_ep``): E8 top2   44
 guide_gp         the RBF guide's Gaussian-process lengthscale step, run as   1     ~1
                  the page runs it (``bench_guides``; by name only)
 fp8_convergence  a small MoE language model trained twice, bf16 and          2     ~3
-                 ``quantize="fp8"``, same seeds and data, 1500 steps; the
+                 ``quantize="fp8"``, same seeds and data, 1000 steps; the
                  loss curves in extra_info, then one step timed
                  (``bench_fp8_convergence``; by name only; estimated)
 ===============  =========================================================  ====  =======

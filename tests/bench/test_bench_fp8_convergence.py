@@ -7,6 +7,8 @@ import bench_fp8_convergence
 import pytest
 from bench_rows import check_extra_info
 
+from tilax.moe import api
+
 
 @pytest.mark.bench_suite("fp8_convergence")
 def test_fp8_convergence(bench, case):
@@ -38,7 +40,8 @@ def test_both_runs_share_seeds_and_data_learn_and_store_their_curves():
         info = case.extra_info() | {"compile_s": 1.0, "tflops": 1.0}
         info |= {key: run[key] for key in ("loss_curve", "final_loss", "final_floor")}
         assert check_extra_info(info) == []
-        assert info["quantize"] == case.quantize and info["impl"] == "blocked"  # CPU: auto
+        assert info["quantize"] == case.quantize
+        assert info["impl"] == api.resolve_impl(case.config())  # what impl="auto" runs
 
 
 @pytest.mark.bench_contract

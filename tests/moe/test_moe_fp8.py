@@ -414,8 +414,9 @@ def test_quantize_defaults_to_none_and_is_part_of_the_static_config():
 
 
 def test_auto_takes_the_quantize_rules_row():
-    assert api.resolve_impl(_fp8_config()) == "blocked"  # CPU
-    assert api.routed_experts(_fp8_config()) is fp8.routed_blocked
+    with _pallas.assume_device(platform="cpu"):
+        assert api.resolve_impl(_fp8_config()) == "blocked"
+        assert api.routed_experts(_fp8_config()) is fp8.routed_blocked
     assert api.routed_experts(_fp8_config(impl="ragged_dot")) is fp8.routed_ragged_dot
     with _pallas.assume_device(
         platform="gpu", device_kind="NVIDIA H200", compute_capability=(9, 0)
