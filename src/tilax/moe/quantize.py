@@ -35,8 +35,8 @@ gate/up pre-activations' gradients):
 | --- | --- | --- |
 | forward ``x @ w_gate`` (and ``w_up``) | ``x`` rows: ``d`` | ``w_gate[e]``: 128 x 128 blocks |
 | forward ``a @ w_down`` | ``a`` rows: ``h`` | ``w_down[e]``: 128 x 128 blocks |
-| input grad ``dy @ w_down.T`` | ``dy`` rows: ``d`` | the forward's blocks, transposed |
-| input grad ``dg @ w_gate.T`` (and ``du @ w_up.T``) | ``dg`` rows: ``h`` | the forward's blocks, transposed |
+| input grad ``dy @ w_down.T`` | ``dy`` rows: ``d`` | forward's blocks, transposed |
+| input grad ``dg @ w_gate.T`` (``du @ w_up.T``) | ``dg`` rows: ``h`` | the same, transposed |
 | weight grad ``x.T @ dg`` (and ``x.T @ du``) | ``x``: tokens (128 x 1) | ``dg``: tokens (128 x 1) |
 | weight grad ``a.T @ dy`` | ``a``: tokens (128 x 1) | ``dy``: tokens (128 x 1) |
 
