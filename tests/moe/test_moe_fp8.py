@@ -3,6 +3,9 @@
 forward and backward against a float64 NumPy emulation of the documented recipe, the FP8 layer
 tracking the bfloat16 layer, and the interface and its errors."""
 
+import re
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -423,8 +426,11 @@ def test_auto_takes_the_quantize_rules_row():
     ):
         assert api.resolve_impl(_fp8_config()) == "ragged_dot"
         assert api.resolve_impl(_fp8_config(impl="blocked")) == "blocked"
+    results = Path(__file__).resolve().parents[2] / "data" / "results"
     for rule in rules.QUANTIZE_RULES:
         assert rule.impl in api.FP8_IMPLS and rule.impl != "auto" and rule.unmeasured
+        for name in re.findall(r"[\w.-]+\.json", rule.unmeasured):  # the files it cites
+            assert (results / name).is_file(), name
     assert len({(r.quantize, r.platform) for r in rules.QUANTIZE_RULES}) == len(
         rules.QUANTIZE_RULES
     )
