@@ -61,6 +61,8 @@ def _impl_label(row) -> str:
     name = f"{impl}/{row.dispatch}" if isinstance(row.dispatch, str) else impl
     if pd.notna(row.recompute) and bool(row.recompute):  # memory-saving variant: its own line
         name += " +recompute"
+    if isinstance(row.quantize, str):  # quantised experts (MoEConfig.quantize): its own line
+        name += f" +{row.quantize}"
     if row.routing == "capacity":
         return f"capacity ({name})"
     return name or "?"

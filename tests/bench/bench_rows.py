@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 MOE_SUITES = {"layer", "decoder", "pieces", "blockm", "maxtok", "maxtok_summary", "ep",
-              "variants"}
+              "variants", "fp8_convergence"}
 RBF_SUITES = {
     "kernel_mv", "kde_density", "kernel_mv_tiles", "kernel_mv_launches", "kernel_mv_crossover",
     "kernel_mv_peak", "kernel_mv_max_n", "guide_gp",
@@ -176,6 +176,8 @@ def check_extra_info(info: dict) -> list[str]:
                 problems.append(f"tflops {info.get('tflops')!r}")
         if suite == "maxtok" and not failed:
             need("peak_mb")
+        if suite == "fp8_convergence" and not failed:
+            need("quantize", "steps", "loss_curve", "final_loss", "final_floor")
         if suite in ("layer", "decoder", "blockm") and not failed:
             need("max_expert_frac", "empty_experts")
     elif family == "rbf":

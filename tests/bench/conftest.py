@@ -115,6 +115,10 @@ ep               expert parallelism on n local GPUs (``bench_ep``): E8 top2   44
                  plain all-to-all and all-gather of the same bytes) first
 guide_gp         the RBF guide's Gaussian-process lengthscale step, run as   1     ~1
                  the page runs it (``bench_guides``; by name only)
+fp8_convergence  a small MoE language model trained twice, bf16 and          2     ~3
+                 ``quantize="fp8"``, same seeds and data, 1000 steps; the
+                 loss curves in extra_info, then one step timed
+                 (``bench_fp8_convergence``; by name only; estimated)
 ===============  =========================================================  ====  =======
 
 Measured on the H200 (commit 4cab2a4): the layer suite's 32k and 4k rows took 185 s, its 131k,
@@ -159,6 +163,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 from pathlib import Path  # noqa: E402
 
 import bench_ep  # noqa: E402
+import bench_fp8_convergence  # noqa: E402
 import bench_guides  # noqa: E402
 import bench_moe  # noqa: E402
 import bench_rbf  # noqa: E402
@@ -184,7 +189,9 @@ RBF_SUITES = ("kernel_mv", "kde_density", "kernel_mv_tiles", "kernel_mv_launches
 MULTI_DEVICE_SUITES = ("ep",)
 # Guide timings (``bench_guides``): asked for by name only, like the multi-device suites.
 GUIDE_SUITES = ("guide_gp",)
-BY_NAME = MOE_SUITES + RBF_SUITES + MULTI_DEVICE_SUITES + GUIDE_SUITES
+# Training runs (``bench_fp8_convergence``): asked for by name only.
+CONVERGENCE_SUITES = ("fp8_convergence",)
+BY_NAME = MOE_SUITES + RBF_SUITES + MULTI_DEVICE_SUITES + GUIDE_SUITES + CONVERGENCE_SUITES
 SUITE_GROUPS = {
     "all": MOE_SUITES + RBF_SUITES,
     "moe": MOE_SUITES,
@@ -355,6 +362,8 @@ def suite_params(suite: str, mode: str) -> list:
         return bench_ep.suite_cases(suite, mode)
     if suite in GUIDE_SUITES:
         return bench_guides.suite_cases(suite, mode)
+    if suite in CONVERGENCE_SUITES:
+        return bench_fp8_convergence.suite_cases(suite, mode)
     return bench_rbf.suite_cases(suite, mode)
 
 

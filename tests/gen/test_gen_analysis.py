@@ -226,3 +226,16 @@ def test_the_memory_saving_variant_is_its_own_implementation():
                         {"run": "a", "device": "GPU A", "impl": "pallas", "median_ms": 1.2,
                          "recompute": True}])
     assert list(table["label"]) == ["pallas/sorted", "pallas/sorted +recompute"]
+
+
+def test_quantised_experts_are_their_own_implementation():
+    table = tiny_table([{"run": "a", "device": "GPU A", "impl": "mosaic", "median_ms": 1.0},
+                        {"run": "a", "device": "GPU A", "impl": "mosaic", "median_ms": 0.7,
+                         "quantize": "fp8"}])
+    assert list(table["label"]) == ["mosaic/sorted", "mosaic/sorted +fp8"]
+    # the same case with and without quantisation: two cases, not repeats of one
+    base = {"source_file": "f.json", "family": "moe", "suite": "layer", "impl": "mosaic",
+            "dtype": "bfloat16", "op": "train_step", "tokens": 4096, "run": "a",
+            "device": "GPU A", "status": "measured", "median_ms": 1.0}
+    rows = schema.conform(pd.DataFrame([base, base | {"quantize": "fp8", "median_ms": 0.7}]))
+    assert len(repeats.collapse(rows)) == 2

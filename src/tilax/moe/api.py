@@ -28,13 +28,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from tilax import _pallas
-from tilax.moe import dispatch, expert_parallel, pallas, reference, router, rules
+from tilax.moe import dispatch, expert_parallel, fp8, pallas, reference, router, rules
 from tilax.moe.base import RoutedCopies
 
 IMPLS = ("auto", "pallas", "triton", "mosaic", "blocked", "ragged_dot")
 DISPATCHES = ("sorted", "gather", "fused", "fused_gsum")
 ROUTINGS = ("dropless", "capacity", "dense")
 DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+QUANTIZE = ("fp8",)
+FP8_IMPLS = ("auto", "blocked", "ragged_dot")  # the impls with an FP8 path (fp8.py)
 
 
 @jax.tree_util.register_static
@@ -97,10 +99,21 @@ class MoEConfig:
         exchange_chunks: with ``exchange="all_gather"`` (or ``"auto"``), split each device's
             tokens into this many chunks, each gathered, computed and reduce-scattered on its
             own, so that XLA can overlap one chunk's collectives with another's experts.
+        quantize: ``None`` (bfloat16/float16/float32 experts as ``dtype``) or ``"fp8"``:
+            every expert matmul of the forward, the input gradient and the weight gradient
+            on ``float8_e4m3fn`` operands with fine-grained scales from the data (1 x 128
+            tiles of activations and gradients, 128 x 128 blocks of weights, float32
+            accumulation promoted every 128 of the contraction, bfloat16 outputs; DeepSeek-V3's
+            recipe, ``tilax.moe.quantize``). Needs ``dtype=bfloat16``, routed (not dense)
+            routing, ``impl`` in ``"auto"``/``"blocked"``/``"ragged_dot"`` (today the XLA
+            path, ``tilax.moe.fp8``; no FP8 kernel yet) and, on a GPU, FP8 tensor cores
+            (compute capability 8.9+). Router, shared expert and master weights stay as they
+            are.
 
     Raises:
         ValueError: a size is not a positive integer, ``top_k > num_experts``, an unknown
-            ``routing``/``impl``/``dispatch`` name, ``capacity_factor <= 0``, or a bad tile.
+            ``routing``/``impl``/``dispatch`` name, ``capacity_factor <= 0``, a bad tile, or
+            ``quantize`` unknown or with a ``dtype``/``impl``/``routing`` it cannot run.
         TypeError: ``dtype`` is not one of the supported float types.
 
     Examples:
@@ -131,6 +144,7 @@ class MoEConfig:
     recompute_rows: int = 262144
     exchange: str = "auto"
     exchange_chunks: int = 1
+    quantize: str | None = None
 
     def __post_init__(self) -> None:
         for name in _INT_FIELDS:
@@ -171,6 +185,15 @@ class MoEConfig:
         if dtype not in DTYPES:
             raise TypeError(f"dtype must be one of {[str(d) for d in DTYPES]}, got {dtype}")
         object.__setattr__(self, "dtype", dtype)
+        if self.quantize is not None:
+            if self.quantize not in QUANTIZE:
+                raise ValueError(f"quantize must be None or one of {QUANTIZE}, "
+                                 f"got {self.quantize!r}")
+            if dtype != jnp.bfloat16 or self.impl not in FP8_IMPLS or self.routing == "dense":
+                raise ValueError(
+                    f"quantize={self.quantize!r} runs with dtype=bfloat16, routing "
+                    f"'dropless' or 'capacity' and impl in {FP8_IMPLS} (no FP8 kernels yet), "
+                    f"got dtype={dtype}, routing={self.routing!r}, impl={self.impl!r}")
         for name in ("block_m", "block_n", "block_k"):
             value = getattr(self, name)
             if value is not None:
@@ -306,13 +329,20 @@ def _check_leaf(name: str, value: Any, shape: tuple[int, ...]) -> None:
 # Implementation choice
 
 # resolve_impl's names -> routed experts (base.RoutedExperts). A Pallas backend is one entry
-# here and one kernel module in pallas.KERNELS.
+# here and one kernel module in pallas.KERNELS. With quantize="fp8": FP8_IMPLEMENTATIONS.
 IMPLEMENTATIONS = {
     "dense": reference.routed_dense,
     "blocked": reference.routed_blocked,
     "ragged_dot": reference.routed_ragged_dot,
     **{backend: pallas.PallasExperts(backend) for backend in pallas.KERNELS},
 }
+FP8_IMPLEMENTATIONS = {"blocked": fp8.routed_blocked, "ragged_dot": fp8.routed_ragged_dot}
+
+
+def routed_experts(config: MoEConfig):
+    """The routed experts (a ``base.RoutedExperts``) ``moe_apply`` runs for ``config``."""
+    registry = FP8_IMPLEMENTATIONS if config.quantize == "fp8" else IMPLEMENTATIONS
+    return registry[resolve_impl(config)]
 
 
 def resolve_impl(config: MoEConfig) -> str:
@@ -322,13 +352,20 @@ def resolve_impl(config: MoEConfig) -> str:
     baselines, ``"mosaic"`` for ``impl="mosaic"``, and for ``"pallas"``/``"triton"`` the
     backend: ``"triton"`` on GPUs, ``"interpret"`` on CPU. ``impl="auto"`` follows
     ``tilax.moe.rules``: on a CPU its platform rule (``"blocked"``), on GPUs ``"mosaic"``
-    where it holds a measured win for the config on this GPU, else ``"triton"``.
+    where it holds a measured win for the config on this GPU, else ``"triton"``. With
+    ``quantize="fp8"`` the XLA impl it names runs the FP8 experts (``fp8.py``); ``"auto"``
+    takes the rules' ``QUANTIZE_RULES`` row for the platform.
 
     Raises:
         ValueError: ``impl="mosaic"`` on a device that cannot run Mosaic GPU (with the reason),
             or with ``dtype=float32`` (the Mosaic GPU kernels take 16-bit operands; float32
-            experts run on Triton).
+            experts run on Triton); ``quantize="fp8"`` on a GPU without FP8 tensor cores.
     """
+    if config.quantize == "fp8":
+        capability = _pallas.gpu_compute_capability()
+        if _pallas.platform() == "gpu" and (capability is None or capability < (8, 9)):
+            raise ValueError(f"quantize='fp8' needs FP8 tensor cores (compute capability 8.9+: "
+                             f"Ada, Hopper or newer); this GPU has {capability}")
     if config.routing == "dense":  # every expert on every token: no grouped matmul, no impl
         return "dense"
     if config.impl == "mosaic":
@@ -415,8 +452,9 @@ def moe_apply(
     Raises:
         ValueError: ``x``'s last dimension is not ``d_model``, ``x`` holds no token, a
             parameter is missing or has the wrong shape, ``impl="mosaic"`` on a device that
-            cannot run it (with the reason) or with ``dtype=float32``, ``expert_axis`` is not
-            an axis of ``mesh``, or ``num_experts`` is not divisible by its size.
+            cannot run it (with the reason) or with ``dtype=float32``, ``quantize="fp8"`` on a
+            GPU without FP8 tensor cores (compute capability below 8.9), ``expert_axis`` is
+            not an axis of ``mesh``, or ``num_experts`` is not divisible by its size.
         TypeError: ``x`` or a parameter is not a float array, or ``mesh`` is not a ``Mesh``.
 
     Examples:
@@ -444,7 +482,7 @@ def moe_apply(
         raise ValueError(f"x must hold at least one token, got shape {tuple(jnp.shape(x))}")
     if mesh is not None:
         expert_parallel.check_mesh(mesh, expert_axis, config.num_experts)
-    experts = IMPLEMENTATIONS[resolve_impl(config)]
+    experts = routed_experts(config)
     if mesh is not None:
         y, aux = expert_parallel.moe_apply_sharded(
             params, x, config, experts, mesh=mesh, expert_axis=expert_axis

@@ -1,6 +1,6 @@
 """Every kernel choice of the MoE layer, as data, each row naming the stored run behind it.
 
-One table, ``RULES``, of three kinds of rows:
+One table, ``RULES``, of four kinds of rows:
 
 - ``PLATFORM_RULES``: what ``impl="auto"`` runs off GPUs (:class:`PlatformRule`): a plain-XLA
   impl, never the Pallas interpreter (which runs only when asked for, ``impl="pallas"``), each
@@ -12,6 +12,9 @@ One table, ``RULES``, of three kinds of rows:
   row runs Triton, the backend every configuration has been measured with. Rows apply to the
   measured settings only: dropless routing, the default tiles and no ``recompute`` (the Mosaic
   GPU kernels have their own tile constraints). ``docs/guides/moe.md`` lists the table.
+- ``QUANTIZE_RULES``: what ``impl="auto"`` runs with ``MoEConfig(quantize=...)``
+  (:class:`QuantizeRule`), per platform; a row with no measurement behind it says so
+  (``unmeasured``) and why it is taken anyway.
 - ``VARIANT_RULES``: inside the Mosaic GPU backend, which kernel each step takes (one row per
   choice: its options, the one the layer takes, the measured limits of where it takes it).
   A row's evidence is a before/after pair of stored runs (:class:`Comparison`: the same case
@@ -146,7 +149,9 @@ def matching_rule(config) -> AutoRule | None:
 def auto_backend(config) -> str:
     """What ``impl="auto"`` runs for ``config``: off GPUs the platform rule's plain-XLA impl
     (``"blocked"`` on a CPU); on GPUs a backend rule's Pallas backend where one matches and
-    can run here, else Triton."""
+    can run here, else Triton; with ``config.quantize`` its quantize rule's impl."""
+    if getattr(config, "quantize", None) is not None:
+        return quantize_rule(config.quantize, _pallas.platform()).impl
     platform = platform_rule(_pallas.platform())
     if platform is not None:
         return platform.impl
@@ -155,6 +160,49 @@ def auto_backend(config) -> str:
         if _pallas.mosaic_unavailable_reason() is None:
             return "mosaic"
     return _pallas.resolve_backend("auto")
+
+
+# ----------------------------------------------------------------------------------------------
+# The quantised layer
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizeRule:
+    """What ``impl="auto"`` runs with ``MoEConfig(quantize=quantize)`` on ``platform``: the
+    ``impl`` named, and ``unmeasured``: why a row with no stored run behind it is taken."""
+
+    quantize: str
+    platform: str
+    impl: str
+    unmeasured: str
+
+
+_QUANTIZE_ROWS = (
+    QuantizeRule(
+        "fp8", "cpu", "blocked",
+        unmeasured="the FP8 experts have only their XLA path (fp8.py) so far; 'blocked' "
+                   "because the platform rule measured it faster than 'ragged_dot' for the "
+                   "bfloat16 layer on a CPU, not measured with quantize='fp8'",
+    ),
+    QuantizeRule(
+        "fp8", "gpu", "ragged_dot",
+        unmeasured="no FP8 kernel yet (the Mosaic GPU FP8 grouped matmuls are planned, "
+                   "docs/performance/moe.md 'FP8: the plan'); the FP8 path runs its products "
+                   "as bfloat16 ones, and for the bfloat16 layer 'ragged_dot' was the faster "
+                   "XLA impl on the H200 (E8 top-2 train step 81.75 ms against 115.83 at "
+                   "131,072 tokens, h200-20261130-4cab2a4-layer-131k-e64-skew.json; 21.64 "
+                   "against 29.61 at 32,768, h200-20261130-4cab2a4-layer-32k-4k.json); not "
+                   "measured with quantize='fp8'",
+    ),
+)
+
+
+def quantize_rule(quantize: str, platform: str) -> QuantizeRule:
+    """The row for ``quantize`` on JAX ``platform`` (a GPU platform other than ``"cpu"``
+    takes the ``"gpu"`` row)."""
+    platform = platform if platform == "cpu" else "gpu"
+    return next(rule for rule in QUANTIZE_RULES
+                if (rule.quantize, rule.platform) == (quantize, platform))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -278,10 +326,11 @@ _VARIANT_ROWS = (
 )
 
 #: The one table: every kernel choice of the layer, backend rows first.
-RULES: tuple[PlatformRule | AutoRule | VariantRule, ...] = (
-    *_PLATFORM_ROWS, *_BACKEND_ROWS, *_VARIANT_ROWS)
+RULES: tuple[PlatformRule | AutoRule | QuantizeRule | VariantRule, ...] = (
+    *_PLATFORM_ROWS, *_BACKEND_ROWS, *_QUANTIZE_ROWS, *_VARIANT_ROWS)
 PLATFORM_RULES = tuple(rule for rule in RULES if isinstance(rule, PlatformRule))
 BACKEND_RULES = tuple(rule for rule in RULES if isinstance(rule, AutoRule))
+QUANTIZE_RULES = tuple(rule for rule in RULES if isinstance(rule, QuantizeRule))
 VARIANT_RULES = tuple(rule for rule in RULES if isinstance(rule, VariantRule))
 RULES_BY_NAME = {rule.name: rule for rule in VARIANT_RULES}
 
