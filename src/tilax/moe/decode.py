@@ -52,8 +52,9 @@ def schedule_items(num_rows: int, num_experts: int, block_m: int) -> int:
     return min(num_experts, num_rows) + num_rows // block_m
 
 
-def decode_schedule(group_sizes: jax.Array, group_offsets: jax.Array, num_rows: int,
-                    block_m: int) -> DecodeSchedule:
+def decode_schedule(
+    group_sizes: jax.Array, group_offsets: jax.Array, num_rows: int, block_m: int
+) -> DecodeSchedule:
     """The work items for experts holding ``group_sizes`` rows each, expert ``e`` at rows
     ``[group_offsets[e], group_offsets[e + 1])`` of a row space of ``num_rows`` rows: each
     touched expert's rows in chunks of ``block_m``, experts in order."""
@@ -62,18 +63,21 @@ def decode_schedule(group_sizes: jax.Array, group_offsets: jax.Array, num_rows: 
     chunks = -(-group_sizes // block_m)
     item_end = jnp.cumsum(chunks)
     items = jnp.arange(num_items, dtype=jnp.int32)
-    expert = jnp.minimum(jnp.searchsorted(item_end, items, side="right", method="compare_all"),
-                         num_experts - 1).astype(jnp.int32)
+    expert = jnp.minimum(
+        jnp.searchsorted(item_end, items, side="right", method="compare_all"), num_experts - 1
+    ).astype(jnp.int32)
     chunk = items - (item_end - chunks)[expert]
     used = items < item_end[-1]
     rows = jnp.clip(group_sizes[expert] - chunk * block_m, 0, block_m)
     start = group_offsets[expert] + chunk * block_m
-    return DecodeSchedule(expert=expert, start=jnp.where(used, start, 0).astype(jnp.int32),
-                          rows=jnp.where(used, rows, 0).astype(jnp.int32))
+    return DecodeSchedule(
+        expert=expert,
+        start=jnp.where(used, start, 0).astype(jnp.int32),
+        rows=jnp.where(used, rows, 0).astype(jnp.int32),
+    )
 
 
-def decode_tiles(num_rows: int, num_experts: int, d_model: int, d_hidden: int,
-                 dtype) -> Any:
+def decode_tiles(num_rows: int, num_experts: int, d_model: int, d_hidden: int, dtype) -> Any:
     """The decode kernels' tiles (``triton_decode.DecodeTiles``) for ``num_rows`` token copies.
 
     - ``block_m``: 1.5 times the mean rows of a touched expert, as a power of two in
@@ -110,8 +114,13 @@ def decode_tiles(num_rows: int, num_experts: int, d_model: int, d_hidden: int,
     from tilax.moe import triton_decode
 
     return triton_decode.DecodeTiles(
-        block_m=block_m, block_n_gate_up=block_n_gate_up, block_n_down=block_n_down,
-        block_k=block_k, num_warps=8 if block_m >= 128 else 4, num_stages=stages)
+        block_m=block_m,
+        block_n_gate_up=block_n_gate_up,
+        block_n_down=block_n_down,
+        block_k=block_k,
+        num_warps=8 if block_m >= 128 else 4,
+        num_stages=stages,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,8 +144,7 @@ def _forward(plan: DecodePlan, x, w_gate, w_up, w_down, weights, expert_ids, kep
     tiles, num_experts = plan.tiles, w_gate.shape[0]
     layout = dispatch.sort_by_expert(expert_ids, num_experts, capacity=plan.capacity, kept=kept)
     num_rows = layout.row_token.shape[0]
-    schedule = decode_schedule(layout.group_sizes, layout.group_offsets, num_rows,
-                               tiles.block_m)
+    schedule = decode_schedule(layout.group_sizes, layout.group_offsets, num_rows, tiles.block_m)
     # one tile of padding: a chunk starting at any row reads and writes in bounds
     row_token = jnp.pad(layout.row_token, (0, tiles.block_m))
     row_scale = jnp.pad(dispatch.row_weights(weights, layout), (0, tiles.block_m))
@@ -149,8 +157,7 @@ def _forward(plan: DecodePlan, x, w_gate, w_up, w_down, weights, expert_ids, kep
 
 def _training(plan: DecodePlan, x, w_gate, w_up, w_down, weights, expert_ids, kept):
     copies = RoutedCopies(expert_ids, weights, plan.capacity, kept, plan.sparse_rows)
-    return pallas.PallasExperts(plan.train_backend)(plan.config, x, w_gate, w_up, w_down,
-                                                    copies)[0]
+    return pallas.PallasExperts(plan.train_backend)(plan.config, x, w_gate, w_up, w_down, copies)[0]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -164,7 +171,8 @@ def _decode_experts_fwd(plan, x, w_gate, w_up, w_down, weights, expert_ids, kept
     # The training path's own forward and VJP: its residuals (jax.vjp's Partial, a pytree of
     # arrays) are this rule's.
     y, vjp = jax.vjp(
-        lambda *diff: _training(plan, *diff, expert_ids, kept), x, w_gate, w_up, w_down, weights)
+        lambda *diff: _training(plan, *diff, expert_ids, kept), x, w_gate, w_up, w_down, weights
+    )
     return y, vjp
 
 
@@ -192,8 +200,9 @@ class DecodeExperts:
             capacity=copies.capacity,
             sparse_rows=copies.sparse_rows,
         )
-        y = decode_experts(plan, x, w_gate, w_up, w_down, copies.weights, copies.expert_ids,
-                           copies.kept)
+        y = decode_experts(
+            plan, x, w_gate, w_up, w_down, copies.weights, copies.expert_ids, copies.kept
+        )
         kept = None
         if copies.capacity is not None or copies.kept is not None:
             kept = _forward_kept(copies, num_experts)
@@ -202,6 +211,7 @@ class DecodeExperts:
 
 def _forward_kept(copies: RoutedCopies, num_experts: int) -> jax.Array:
     """The number of kept copies (the layout's, recomputed outside the custom VJP: an int)."""
-    layout = dispatch.sort_by_expert(copies.expert_ids, num_experts, capacity=copies.capacity,
-                                     kept=copies.kept)
+    layout = dispatch.sort_by_expert(
+        copies.expert_ids, num_experts, capacity=copies.capacity, kept=copies.kept
+    )
     return layout.group_offsets[-1]

@@ -68,8 +68,22 @@ def _dot(a, b) -> jax.Array:
     return lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
 
 
-def _gate_up_kernel(expert_ref, start_ref, rows_ref, token_ref, scale_ref, x_ref, wg_ref, wu_ref,
-                    a_ref, *, block_m, block_n, block_k, num_k):
+def _gate_up_kernel(
+    expert_ref,
+    start_ref,
+    rows_ref,
+    token_ref,
+    scale_ref,
+    x_ref,
+    wg_ref,
+    wu_ref,
+    a_ref,
+    *,
+    block_m,
+    block_n,
+    block_k,
+    num_k,
+):
     n_tile, item = pl.program_id(0), pl.program_id(1)
     rows = rows_ref[item]
 
@@ -91,12 +105,16 @@ def _gate_up_kernel(expert_ref, start_ref, rows_ref, token_ref, scale_ref, x_ref
         zeros = jnp.zeros((block_m, block_n), jnp.float32)
         gate, up = lax.fori_loop(0, num_k, body, (zeros, zeros))
         act = gate * jax.nn.sigmoid(gate) * up * scale_ref[pl.ds(start, block_m)][:, None]
-        plt.store(a_ref.at[pl.ds(start, block_m), pl.ds(n_start, block_n)],
-                  act.astype(a_ref.dtype), mask=_item_rows_mask(rows, block_m))
+        plt.store(
+            a_ref.at[pl.ds(start, block_m), pl.ds(n_start, block_n)],
+            act.astype(a_ref.dtype),
+            mask=_item_rows_mask(rows, block_m),
+        )
 
 
-def gate_up_swiglu(x, w_gate, w_up, schedule, row_token, row_scale, *, tiles: DecodeTiles,
-                   backend: str) -> jax.Array:
+def gate_up_swiglu(
+    x, w_gate, w_up, schedule, row_token, row_scale, *, tiles: DecodeTiles, backend: str
+) -> jax.Array:
     """The scaled SwiGLU activations of the row space, ``[R + block_m, h]`` in ``x.dtype``.
 
     Args:
@@ -112,18 +130,27 @@ def gate_up_swiglu(x, w_gate, w_up, schedule, row_token, row_scale, *, tiles: De
     d_dim, h_dim = w_gate.shape[1], w_gate.shape[2]
     block_n = _pallas.fit_block(tiles.block_n_gate_up, h_dim)
     block_k = _pallas.fit_block(tiles.block_k, d_dim)
-    kernel = functools.partial(_gate_up_kernel, block_m=tiles.block_m, block_n=block_n,
-                               block_k=block_k, num_k=d_dim // block_k)
+    kernel = functools.partial(
+        _gate_up_kernel,
+        block_m=tiles.block_m,
+        block_n=block_n,
+        block_k=block_k,
+        num_k=d_dim // block_k,
+    )
     return _pallas.pallas_call(
-        kernel, backend=backend, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        kernel,
+        backend=backend,
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
         grid=(h_dim // block_n, schedule.expert.shape[0]),
         out_shape=jax.ShapeDtypeStruct((row_token.shape[0], h_dim), x.dtype),
         name="moe_decode_gate_up",
     )(*schedule, row_token, row_scale, x, w_gate, w_up)
 
 
-def _down_kernel(expert_ref, start_ref, rows_ref, a_ref, w_ref, out_ref, *, block_m, block_n,
-                 block_k, num_k):
+def _down_kernel(
+    expert_ref, start_ref, rows_ref, a_ref, w_ref, out_ref, *, block_m, block_n, block_k, num_k
+):
     n_tile, item = pl.program_id(0), pl.program_id(1)
     rows = rows_ref[item]
 
@@ -139,8 +166,11 @@ def _down_kernel(expert_ref, start_ref, rows_ref, a_ref, w_ref, out_ref, *, bloc
             return acc + _dot(a, w)
 
         acc = lax.fori_loop(0, num_k, body, jnp.zeros((block_m, block_n), jnp.float32))
-        plt.store(out_ref.at[pl.ds(start, block_m), pl.ds(n_start, block_n)],
-                  acc.astype(out_ref.dtype), mask=_item_rows_mask(rows, block_m))
+        plt.store(
+            out_ref.at[pl.ds(start, block_m), pl.ds(n_start, block_n)],
+            acc.astype(out_ref.dtype),
+            mask=_item_rows_mask(rows, block_m),
+        )
 
 
 def down(act, w_down, schedule, *, tiles: DecodeTiles, backend: str) -> jax.Array:
@@ -155,10 +185,18 @@ def down(act, w_down, schedule, *, tiles: DecodeTiles, backend: str) -> jax.Arra
     h_dim, d_dim = w_down.shape[1], w_down.shape[2]
     block_n = _pallas.fit_block(tiles.block_n_down, d_dim)
     block_k = _pallas.fit_block(tiles.block_k, h_dim)
-    kernel = functools.partial(_down_kernel, block_m=tiles.block_m, block_n=block_n,
-                               block_k=block_k, num_k=h_dim // block_k)
+    kernel = functools.partial(
+        _down_kernel,
+        block_m=tiles.block_m,
+        block_n=block_n,
+        block_k=block_k,
+        num_k=h_dim // block_k,
+    )
     return _pallas.pallas_call(
-        kernel, backend=backend, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        kernel,
+        backend=backend,
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
         grid=(d_dim // block_n, schedule.expert.shape[0]),
         out_shape=jax.ShapeDtypeStruct((act.shape[0], d_dim), act.dtype),
         name="moe_decode_down",
