@@ -240,3 +240,6 @@ def test_decode_tiles_fill_the_h200_at_the_bench_shapes():
             ):
                 programs = touched * columns // block_n
                 assert programs >= 2 * 132 or block_n == 32, (rows, shape, tiles)
+            stage = (tiles.block_m + 2 * tiles.block_n_gate_up) * tiles.block_k * 2
+            assert 2 <= tiles.num_stages <= 4 and tiles.num_stages * stage <= 0.7 * 227 * 1024
+        assert decode.decode_tiles(512 * 2, **mixtral).num_stages == 3  # 48 KiB stages

@@ -85,8 +85,9 @@ def decode_tiles(num_rows: int, num_experts: int, d_model: int, d_hidden: int, d
     - column tiles: the widest of 128, 64, 32 columns whose programs over the touched experts
       (at most ``min(E, R)``) fill every SM twice; 32 where none does. A narrower strip puts
       more SMs on the weights; its rows stay 64 bytes or more of 16-bit weights.
-    - ``block_k`` 128 (64 with 128-column strips), 4 stages, 4 warps (8 for 128 rows): about
-      three 32-64 KiB weight tiles in flight per program.
+    - ``block_k`` 128 (64 with 128-column strips), 4 warps (8 for 128 rows), and up to 4
+      pipeline stages, as many as fit 70% of a block's shared memory (the rest for Triton's
+      epilogue): about three 16-48 KiB stages of weights in flight per program.
     - float32: 64-column strips, ``block_k`` 32, 2 stages (no tensor-core path, less shared
       memory per element).
 
@@ -104,7 +105,10 @@ def decode_tiles(num_rows: int, num_experts: int, d_model: int, d_hidden: int, d
         return 32
 
     block_n_gate_up, block_n_down = strip(d_hidden), strip(d_model)
-    block_k, stages = (64 if max(block_n_gate_up, block_n_down) == 128 else 128), 4
+    block_k = 64 if max(block_n_gate_up, block_n_down) == 128 else 128
+    # one stage of the gate/up kernel (the larger): a row tile and two weight tiles
+    stage_bytes = (block_m + 2 * block_n_gate_up) * block_k * jnp.dtype(dtype).itemsize
+    stages = max(2, min(4, int(0.7 * _pallas.shared_memory_per_block()) // stage_bytes))
     if jnp.dtype(dtype) == jnp.float32:
         block_n_gate_up, block_n_down, block_k, stages = 64, 64, 32, 2
     if _pallas.platform() != "gpu":
