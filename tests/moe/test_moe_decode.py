@@ -132,6 +132,25 @@ def test_an_expert_of_several_chunks_and_bfloat16():
 
 
 @pytest.mark.kernels
+def test_config_tiles_override_the_decode_tiles():
+    """The MoEConfig tile fields reach the decode kernels (A/B runs): 32-row items and 16-column
+    strips give the same result."""
+    num_tokens, num_experts, top_k, d, h = 3, 4, 2, 32, 32
+    x, w_gate, w_up, w_down = _inputs(num_tokens, d, h, num_experts)
+    ids, weights = _random_choices(num_tokens, num_experts, top_k, seed=9)
+    config = _config(d, h, num_experts, top_k, block_m=32, block_n=16, block_k=16)
+    tiles = decode.config_tiles(config, decode.decode_tiles(6, num_experts, d, h, jnp.float32))
+    assert (tiles.block_m, tiles.block_n_gate_up, tiles.block_n_down, tiles.block_k) == (
+        32,
+        16,
+        16,
+        16,
+    )
+    y, _ = decode.DecodeExperts()(config, x, w_gate, w_up, w_down, RoutedCopies(ids, weights))
+    assert rel_err(y, experts_oracle(x, w_gate, w_up, w_down, ids, weights)) < 1e-5
+
+
+@pytest.mark.kernels
 def test_capacity_drops_copies_like_the_oracle():
     num_tokens, num_experts, top_k, d, h = 12, 4, 2, 16, 32
     x, w_gate, w_up, w_down = _inputs(num_tokens, d, h, num_experts)

@@ -127,6 +127,20 @@ def decode_tiles(num_rows: int, num_experts: int, d_model: int, d_hidden: int, d
     )
 
 
+def config_tiles(config, tiles):
+    """``tiles`` with the ``MoEConfig`` tile fields that are set: ``block_m``, ``block_n`` (both
+    kernels' column strips), ``block_k``, ``num_warps`` and ``num_stages`` (for A/B runs; a
+    config with tiles set is outside the decode rule of ``impl="auto"``)."""
+    overrides = {
+        name: getattr(config, name)
+        for name in ("block_m", "block_k", "num_warps", "num_stages")
+        if getattr(config, name) is not None
+    }
+    if config.block_n is not None:
+        overrides.update(block_n_gate_up=config.block_n, block_n_down=config.block_n)
+    return dataclasses.replace(tiles, **overrides)
+
+
 @dataclasses.dataclass(frozen=True)
 class DecodePlan:
     """Static choices of one decode call: the layer's config, the decode kernels' backend and
@@ -199,7 +213,9 @@ class DecodeExperts:
         plan = DecodePlan(
             config=config,
             backend=_pallas.resolve_backend("triton"),
-            tiles=decode_tiles(rows, num_experts, config.d_model, config.d_hidden, x.dtype),
+            tiles=config_tiles(
+                config, decode_tiles(rows, num_experts, config.d_model, config.d_hidden, x.dtype)
+            ),
             train_backend=rules.kernel_backend(config),
             capacity=copies.capacity,
             sparse_rows=copies.sparse_rows,
