@@ -59,10 +59,9 @@ COLUMNS: dict[str, tuple[str, str]] = {
     # What was measured.
     "family": ("str", "moe, rbf or nn"),
     "suite": ("str", "benchmark suite (MoE: layer, decoder, pieces, blockm, maxtok, "
-                     "maxtok_summary, ep; RBF: kernel_mv, kde_density, kernel_mv_tiles, "
-                     "kernel_mv_launches, kernel_mv_crossover, kernel_mv_peak, kernel_mv_max_n; "
-                     "NN: transformer, "
-                     "diffusion, moe, ssm, unet)"),
+                     "maxtok_summary, ep, variants, decode; RBF: kernel_mv, kde_density, "
+                     "kernel_mv_tiles, kernel_mv_launches, kernel_mv_crossover, kernel_mv_peak, "
+                     "kernel_mv_max_n; NN: transformer, diffusion, moe, ssm, unet)"),
     "impl": ("str", "implementation (NN suites: attention variant or SSM cell)"),
     "dispatch": ("str", "MoE token dispatch: sorted, gather, fused, fused_gsum"),
     "routing": ("str", "MoE routing: dropless, capacity, dense"),
@@ -168,8 +167,17 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "pairs_per_s": ("float64", "RBF kernel pairs per second: n · m · batch / median"),
     "tokens_per_s": ("float64", "tokens per second: tokens / median (suite ep)"),
     "bytes": ("Int64", "bytes that leave each GPU in one trip of the token copies (suite ep "
-                       "link and exchange rows)"),
-    "gbps": ("float64", "link bandwidth: bytes / median / 1e9, GB/s (suite ep link rows)"),
+                       "link and exchange rows); bytes read and written by one copy (suite "
+                       "decode, impl copy_bandwidth)"),
+    "gbps": ("float64", "bandwidth: bytes / median / 1e9, GB/s (suite ep link rows: the link; "
+                        "suite decode copy_bandwidth rows: the GPU's device-to-device copy)"),
+    "touched_experts": ("Int64", "experts the batch routes at least one token copy to (suite "
+                                 "decode)"),
+    "touched_weight_bytes": ("Int64", "bytes of the touched experts' w_gate, w_up and w_down, "
+                                      "the router and any shared expert: what a forward must "
+                                      "read at least (suite decode)"),
+    "touched_weight_gbps": ("float64", "touched_weight_bytes / median / 1e9, GB/s (suite "
+                                       "decode)"),
     # Memory.
     "peak_mb": ("float64", "device peak_bytes_in_use, MiB"),
     "xla_temp_mb": ("float64", "XLA temp buffer size of the compiled call, MiB"),

@@ -687,6 +687,157 @@ def variants_cases(mode: str) -> list[MoECase]:
     return cases
 
 
+# ----------------------------------------------------------------------------- decode suite
+
+# The decode suite: bfloat16 forwards of small batches, bound by reading the touched experts'
+# weights. Two layers: a Qwen3-30B-A3B-like one (E128 top-8, d2048, h768) and a Mixtral-like
+# one (E8 top-2, d4096, h14336), each at 1 to 512 tokens, every tilax path (``auto``, the
+# decode kernels, the training kernels on Triton and Mosaic GPU) beside the peers, and the
+# GPU's copy bandwidth measured in the same process (first and last row). Routing is the
+# layer's own on the inputs of ``make_inputs``: ``moe_init`` weights and standard normal
+# tokens from the fixed key ``jax.random.key(seed)``, seed 0 (about uniform over the experts);
+# each row records the bytes of the experts its batch touches (``touched_weight_bytes``), from
+# which the report derives the touched-weight bytes per second (``touched_weight_gbps``).
+DECODE_SHAPES = {
+    "qwen3": dict(d_model=2048, d_hidden=768, experts=128, top_k=8),
+    "mixtral": dict(d_model=4096, d_hidden=14336, experts=8, top_k=2),
+}
+DECODE_TOKENS = (1, 4, 16, 64, 256, 512)
+DECODE_IMPLS = (("auto", None, "dropless"), ("decode", None, "dropless"), TRITON, MOSAIC[0],
+                RAGGED, TOKAMAX, TORCH, TORCH_COMPILE)
+# Bytes of the copy_bandwidth row's buffer: far past the H200's 50 MB L2.
+COPY_BYTES = {"smoke": 2**20, "quick": 2**30, "full": 2**30}
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeCase(MoECase):
+    """A row of the decode suite: a layer forward whose ``extra_info`` also carries the bytes of
+    the expert weights its batch touches (``touched_weight_bytes``, ``touched_experts``)."""
+
+    def build(self, state):
+        inputs = state.inputs.get(_inputs_key(self), lambda: make_inputs(self))
+        touched = touched_weights(self, inputs)
+        if self.impl == "decode":
+            import jax
+
+            import tilax
+
+            config = dataclasses.replace(moe_config(self), impl="decode")
+            workload = JaxWorkload(
+                jax.jit(lambda params, x: tilax.moe_apply(params, x, config)),
+                (inputs.params, inputs.x),
+                lambda out: numerics_info(self, state, inputs, out[0]))
+        else:
+            workload = build_layer(self, state)
+        return WithInfo(workload, touched)
+
+
+def touched_weights(case: MoECase, inputs: MoEInputs) -> dict:
+    """The experts the case's batch routes to (the layer's routing of its actual inputs) and
+    the bytes a forward must read at least: ``w_gate``, ``w_up`` and ``w_down`` of each touched
+    expert in the case's dtype, the float32 router and the shared expert's three matrices."""
+    import jax.numpy as jnp
+
+    from tilax.moe.router import route
+
+    routed = route(inputs.x, inputs.params["router"], case.top_k, True)
+    counts = jnp.sum(routed.expert_ids.reshape(-1, 1) == jnp.arange(case.experts), axis=0)
+    touched = int(jnp.sum(counts > 0))
+    itemsize = 4 if case.dtype == "float32" else 2
+    expert_bytes = 3 * case.d_model * case.d_hidden * itemsize
+    shared_bytes = 3 * case.d_model * case.shared_hidden * itemsize
+    router_bytes = case.d_model * case.experts * 4
+    return {"touched_experts": touched,
+            "touched_weight_bytes": touched * expert_bytes + shared_bytes + router_bytes}
+
+
+class WithInfo:
+    """A workload whose ``inspect`` adds fixed fields to the row's ``extra_info``."""
+
+    def __init__(self, workload, info: dict):
+        self.workload, self.info = workload, info
+
+    def start(self):
+        return self.workload.start()
+
+    def finish(self, pending):
+        return self.workload.finish(pending)
+
+    def call(self):
+        return self.workload.call()
+
+    def inspect(self, out) -> dict:
+        return {**self.workload.inspect(out), **self.info}
+
+    def memory(self):
+        return self.workload.memory()
+
+    def close(self) -> None:
+        self.workload.close()
+
+
+@dataclasses.dataclass(frozen=True)
+class CopyBandwidthCase:
+    """The GPU's device-to-device copy bandwidth in the bench process: XLA copies a buffer of
+    ``nbytes`` (far past L2) into a new one; ``bytes`` counts the read and the write, ``gbps``
+    is ``bytes / median / 1e9``. The decode rows' touched-weight bytes per second are read
+    against it."""
+
+    suite: str
+    nbytes: int
+    label: str  # "first" or "last": the run's first and last row
+    priority: int
+    dtype: str = "bfloat16"
+
+    family = "moe"
+    impl = "copy_bandwidth"
+
+    @property
+    def id(self) -> str:
+        return f"{self.suite}-copy_bandwidth-{self.nbytes // 2**20}MiB-{self.label}"
+
+    def extra_info(self) -> dict:
+        return {"family": "moe", "suite": self.suite, "impl": self.impl, "dtype": self.dtype,
+                "op": "copy", "bytes": 2 * self.nbytes, "copy_label": self.label}
+
+    def scale_key(self) -> tuple:
+        return ("moe", "copy_bandwidth", self.label)
+
+    def size_label(self) -> str:
+        return f"bytes={self.nbytes}"
+
+    def work(self) -> float:
+        return float(2 * self.nbytes)
+
+    def rates(self, median_s: float) -> dict[str, float]:
+        return {"gbps": 2 * self.nbytes / median_s / 1e9}
+
+    def precheck(self, state) -> str | None:
+        return None
+
+    def build(self, state):
+        import jax
+        import jax.numpy as jnp
+
+        buffer = jnp.zeros((self.nbytes // 4,), jnp.uint32)
+        return JaxWorkload(jax.jit(jnp.copy), (buffer,))
+
+
+def decode_cases(mode: str) -> list:
+    shapes, tokens, impls = DECODE_SHAPES, DECODE_TOKENS, DECODE_IMPLS
+    if mode == "smoke":
+        shapes, tokens = {"smoke": SMOKE_DECODER}, (1, 16)
+        impls = (("auto", None, "dropless"), ("decode", None, "dropless"), RAGGED)
+    elif mode == "quick":
+        tokens = (1, 64, 512)
+    cases = [CopyBandwidthCase("decode", COPY_BYTES[mode], "first", 4)]
+    for shape in shapes.values():
+        cases += [DecodeCase(**dataclasses.asdict(case)) for case in _layer_cases(
+            "decode", impls, tokens, ["bfloat16"], ["forward"], shape, 5)]
+    cases.append(CopyBandwidthCase("decode", COPY_BYTES[mode], "last", 6))
+    return cases
+
+
 def suite_cases(suite: str, mode: str) -> list[MoECase]:
     return {
         "layer": layer_cases,
@@ -694,5 +845,6 @@ def suite_cases(suite: str, mode: str) -> list[MoECase]:
         "pieces": pieces_cases,
         "blockm": blockm_cases,
         "variants": variants_cases,
+        "decode": decode_cases,
     }[suite](mode)
 

@@ -74,6 +74,35 @@ def test_each_variant_rule_is_held_by_its_stored_runs(rule):
         assert stats["picked"]["q3"] < stats["other"]["q1"], (rule.name, comparison, stats)
 
 
+# the tilax impls a decode row must beat at each size of its evidence (the peers are the
+# report's business: tests/gen and the decode page compare against them)
+DECODE_OTHERS = ("triton", "mosaic", "pallas")
+
+
+@pytest.mark.parametrize("rule", rules.DECODE_RULES, ids=lambda r: f"T{r.max_tokens}")
+def test_each_decode_rule_is_a_win_in_its_evidence_or_says_why_not(rule):
+    """A decode row names the decode suite's stored files where, at every token count up to
+    its ``max_tokens`` and in each of its dtypes, the ``decode`` forward beats every training
+    kernel's beyond the spread of both; or, until such a run is stored, why it stands."""
+    assert rule.evidence or rule.unmeasured, f"{rule}: neither stored evidence nor a reason"
+    for name in rule.evidence:
+        data = json.loads((RESULTS / name).read_text())
+        rows = {}
+        for bench in data["benchmarks"]:
+            info = bench["extra_info"]
+            if (info.get("suite") == "decode" and info.get("op") == "forward"
+                    and not info.get("error") and info.get("dtype") in rule.dtypes):
+                case = (info["dtype"], info["experts"], info["top_k"], info["tokens"])
+                rows.setdefault(case, {})[info["impl"]] = bench["stats"]
+        covered = [case for case in rows if case[3] <= rule.max_tokens and "decode" in rows[case]]
+        assert covered, f"{name} has no decode row up to {rule.max_tokens} tokens"
+        for case in covered:
+            others = [rows[case][impl] for impl in DECODE_OTHERS if impl in rows[case]]
+            assert others, f"{name} has no training-kernel row beside decode at {case}"
+            best = min(others, key=lambda stats: stats["median"])
+            assert rows[case]["decode"]["q3"] < best["q1"], (name, case)
+
+
 def test_variant_limits_are_read_from_the_table():
     assert rules.limit("gmm_ws", "max_contraction") == 256
     assert rules.limit("gather_rows", "max_column_tiles") == 2

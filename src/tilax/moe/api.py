@@ -28,10 +28,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from tilax import _pallas
-from tilax.moe import dispatch, expert_parallel, fp8, pallas, reference, router, rules
+from tilax.moe import decode, dispatch, expert_parallel, fp8, pallas, reference, router, rules
 from tilax.moe.base import RoutedCopies
 
-IMPLS = ("auto", "pallas", "triton", "mosaic", "blocked", "ragged_dot")
+IMPLS = ("auto", "pallas", "triton", "mosaic", "decode", "blocked", "ragged_dot")
 DISPATCHES = ("sorted", "gather", "fused", "fused_gsum")
 ROUTINGS = ("dropless", "capacity", "dense")
 DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -61,12 +61,16 @@ class MoEConfig:
             the rest dropped) or ``"dense"`` (every expert on every token, weighted).
         impl: routed-expert implementation: ``"auto"`` (on GPUs the Pallas kernels on the
             backend measured faster for this config and GPU, ``tilax.moe.rules``: Mosaic GPU
-            where a stored run shows it winning, else Triton; on a CPU the plain-XLA
-            ``"blocked"``, measured faster there than ``"ragged_dot"``; the Pallas
-            interpreter runs only when asked for),
+            where a stored run shows it winning, else Triton; the decode kernels for small
+            16-bit batches once the decode suite's stored run holds their rule; on a CPU the plain-XLA ``"blocked"``, measured
+            faster there than ``"ragged_dot"``; the Pallas interpreter runs only when asked
+            for),
             ``"pallas"``/``"triton"`` (Triton on GPUs, interpret mode on CPU), ``"mosaic"``
-            (Mosaic GPU kernels, Hopper and newer, bfloat16/float16 only), ``"blocked"``
-            (padded expert blocks in XLA) or ``"ragged_dot"`` (``jax.lax.ragged_dot``).
+            (Mosaic GPU kernels, Hopper and newer, bfloat16/float16 only), ``"decode"`` (the
+            small-batch forward kernels, ``tilax.moe.decode``: each touched expert's weights
+            streamed once; Triton on GPUs, interpret mode on CPU; under differentiation the
+            training kernels run), ``"blocked"`` (padded expert blocks in XLA) or
+            ``"ragged_dot"`` (``jax.lax.ragged_dot``).
             Ignored by ``routing="dense"``.
         dispatch: data movement of the Pallas path: ``"sorted"``, ``"gather"``, ``"fused"`` or
             ``"fused_gsum"`` (see the module docstring). All are exact up to float rounding.
@@ -335,24 +339,28 @@ IMPLEMENTATIONS = {
     "blocked": reference.routed_blocked,
     "ragged_dot": reference.routed_ragged_dot,
     **{backend: pallas.PallasExperts(backend) for backend in pallas.KERNELS},
+    "decode": decode.DecodeExperts(),
 }
 FP8_IMPLEMENTATIONS = {"blocked": fp8.routed_blocked, "ragged_dot": fp8.routed_ragged_dot}
 
 
-def routed_experts(config: MoEConfig):
-    """The routed experts (a ``base.RoutedExperts``) ``moe_apply`` runs for ``config``."""
+def routed_experts(config: MoEConfig, num_tokens: int | None = None):
+    """The routed experts (a ``base.RoutedExperts``) ``moe_apply`` runs for ``config`` on
+    ``num_tokens`` tokens (``None``: unknown, as under expert parallelism)."""
     registry = FP8_IMPLEMENTATIONS if config.quantize == "fp8" else IMPLEMENTATIONS
-    return registry[resolve_impl(config)]
+    return registry[resolve_impl(config, num_tokens)]
 
 
-def resolve_impl(config: MoEConfig) -> str:
-    """The implementation ``moe_apply`` runs for ``config`` on this device.
+def resolve_impl(config: MoEConfig, num_tokens: int | None = None) -> str:
+    """The implementation ``moe_apply`` runs for ``config`` on ``num_tokens`` tokens on this
+    device (``None``: a batch of unknown size, as under expert parallelism).
 
     Returns ``"dense"`` for dense routing, ``"blocked"``/``"ragged_dot"`` for the XLA
-    baselines, ``"mosaic"`` for ``impl="mosaic"``, and for ``"pallas"``/``"triton"`` the
-    backend: ``"triton"`` on GPUs, ``"interpret"`` on CPU. ``impl="auto"`` follows
-    ``tilax.moe.rules``: on a CPU its platform rule (``"blocked"``), on GPUs ``"mosaic"``
-    where it holds a measured win for the config on this GPU, else ``"triton"``. With
+    baselines, ``"mosaic"`` for ``impl="mosaic"``, ``"decode"`` for ``impl="decode"``, and for
+    ``"pallas"``/``"triton"`` the backend: ``"triton"`` on GPUs, ``"interpret"`` on CPU.
+    ``impl="auto"`` follows ``tilax.moe.rules``: on a CPU its platform rule (``"blocked"``),
+    on GPUs ``"decode"`` where a decode rule covers the batch, ``"mosaic"`` where a backend
+    rule holds a measured win for the config on this GPU, else ``"triton"``. With
     ``quantize="fp8"`` the XLA impl it names runs the FP8 experts (``fp8.py``); ``"auto"``
     takes the rules' ``QUANTIZE_RULES`` row for the platform.
 
@@ -378,10 +386,10 @@ def resolve_impl(config: MoEConfig) -> str:
                 "use impl='triton' (or 'pallas'/'auto')"
             )
         return "mosaic"
-    if config.impl in ("blocked", "ragged_dot"):
+    if config.impl in ("blocked", "ragged_dot", "decode"):
         return config.impl
     if config.impl == "auto":
-        return rules.auto_backend(config)
+        return rules.auto_backend(config, num_tokens)
     return _pallas.resolve_backend(config.impl)
 
 
@@ -390,6 +398,8 @@ def kernel_tiles(config: MoEConfig) -> Any:
     backend ``config.impl`` runs (the default Pallas backend for the XLA impls), overridden by
     the config's tile fields. Raises as :func:`resolve_impl` does."""
     backend = resolve_impl(config)
+    if backend == "decode":  # the decode path trains on the training-sized kernels
+        backend = rules.kernel_backend(config)
     return pallas.kernel_tiles(config, backend if backend in pallas.KERNELS else None)
 
 
@@ -482,7 +492,7 @@ def moe_apply(
         raise ValueError(f"x must hold at least one token, got shape {tuple(jnp.shape(x))}")
     if mesh is not None:
         expert_parallel.check_mesh(mesh, expert_axis, config.num_experts)
-    experts = routed_experts(config)
+    experts = routed_experts(config, None if mesh is not None else num_tokens)
     if mesh is not None:
         y, aux = expert_parallel.moe_apply_sharded(
             params, x, config, experts, mesh=mesh, expert_axis=expert_axis

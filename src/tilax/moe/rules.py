@@ -15,6 +15,9 @@ One table, ``RULES``, of four kinds of rows:
 - ``QUANTIZE_RULES``: what ``impl="auto"`` runs with ``MoEConfig(quantize=...)``
   (:class:`QuantizeRule`), per platform; a row with no measurement behind it says so
   (``unmeasured``) and why it is taken anyway.
+- ``DECODE_RULES``: where ``impl="auto"`` runs the decode kernels (``decode.py``) for small
+  batches on GPUs (:class:`DecodeRule`), each row naming the ``decode`` suite's stored runs
+  or, until one exists, why it stands unmeasured;
 - ``VARIANT_RULES``: inside the Mosaic GPU backend, which kernel each step takes (one row per
   choice: its options, the one the layer takes, the measured limits of where it takes it).
   A row's evidence is a before/after pair of stored runs (:class:`Comparison`: the same case
@@ -146,15 +149,26 @@ def matching_rule(config) -> AutoRule | None:
                     config.num_experts, config.top_k)
 
 
-def auto_backend(config) -> str:
-    """What ``impl="auto"`` runs for ``config``: off GPUs the platform rule's plain-XLA impl
-    (``"blocked"`` on a CPU); on GPUs a backend rule's Pallas backend where one matches and
-    can run here, else Triton; with ``config.quantize`` its quantize rule's impl."""
+def auto_backend(config, num_tokens: int | None = None) -> str:
+    """What ``impl="auto"`` runs for ``config`` on ``num_tokens`` tokens: with
+    ``config.quantize`` its quantize rule's impl; off GPUs the platform rule's plain-XLA impl
+    (``"blocked"`` on a CPU); on GPUs the decode kernels (``"decode"``) where a decode rule
+    holds for the batch (:func:`decode_rule_for`; ``num_tokens=None``, as under expert
+    parallelism, matches none), else :func:`kernel_backend`."""
     if getattr(config, "quantize", None) is not None:
         return quantize_rule(config.quantize, _pallas.platform()).impl
     platform = platform_rule(_pallas.platform())
     if platform is not None:
         return platform.impl
+    if decode_rule_for(config, num_tokens) is not None:
+        return "decode"
+    return kernel_backend(config)
+
+
+def kernel_backend(config) -> str:
+    """The Pallas backend of the training-sized kernels for ``config``: a backend rule's where
+    one matches and can run here, else the default Pallas backend (Triton on GPUs, the
+    interpreter on a CPU). The decode path trains on it."""
     rule = matching_rule(config)
     if rule is not None and rule.backend == "mosaic":
         if _pallas.mosaic_unavailable_reason() is None:
@@ -197,12 +211,74 @@ _QUANTIZE_ROWS = (
 )
 
 
+# ----------------------------------------------------------------------------------------------
+# The decode rule
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeRule:
+    """Where ``impl="auto"`` runs the decode kernels (``decode.py``) on GPUs, once the row has
+    stored evidence (:func:`decode_rule_for`): a call of at most
+    ``max_tokens`` tokens, ``dtype`` among ``dtypes``, dropless routing, the default tiles and
+    no ``recompute``, on one device (no mesh). Forward only: under differentiation the decode
+    path runs the training kernels (:func:`kernel_backend`), so a train step is unchanged.
+
+    Attributes:
+        max_tokens: the largest batch the rule covers.
+        dtypes: the dtypes it covers (names).
+        evidence: stored result files (``data/results/``) of the ``decode`` suite: at every
+            token count up to ``max_tokens``, the ``decode`` rows' forward is faster than every
+            other tilax impl's of the same case, beyond the spread (tests hold each).
+        unmeasured: why the row stands without evidence (such rows need an H200 run of the
+            ``decode`` suite).
+    """
+
+    max_tokens: int
+    dtypes: tuple[str, ...]
+    evidence: tuple[str, ...] = ()
+    unmeasured: str = ""
+
+
+_DECODE_ROWS = (
+    DecodeRule(
+        512, ("bfloat16", "float16"),
+        unmeasured="not yet run on a GPU: the decode kernels stream each touched expert's "
+                   "weights once (one row tile per expert at these sizes), where the training "
+                   "kernels' 128-row tiles are mostly padding and launch fewer weight-streaming "
+                   "programs; the decode suite (tests/bench, --bench-suite decode) measures "
+                   "both against the copy bandwidth in one process",
+    ),
+)
+
+
 def quantize_rule(quantize: str, platform: str) -> QuantizeRule:
     """The row for ``quantize`` on JAX ``platform`` (a GPU platform other than ``"cpu"``
     takes the ``"gpu"`` row)."""
     platform = platform if platform == "cpu" else "gpu"
     return next(rule for rule in QUANTIZE_RULES
                 if (rule.quantize, rule.platform) == (quantize, platform))
+
+
+def decode_rule_for(config, num_tokens: int | None,
+                    rows: tuple[DecodeRule, ...] | None = None) -> DecodeRule | None:
+    """The decode rule in force for ``config`` on ``num_tokens`` tokens, or ``None``.
+
+    Only a row with stored evidence is in force: a row still ``unmeasured`` documents the
+    planned rule, and ``impl="auto"`` keeps the training kernels until the ``decode`` suite's
+    run holds it (``impl="decode"`` runs the decode kernels on request). ``rows``: the rows to
+    consult (default :data:`DECODE_RULES`).
+    """
+    if num_tokens is None:
+        return None
+    tiles_set = any(getattr(config, name) is not None for name in
+                    ("block_m", "block_n", "block_k", "num_warps", "num_stages"))
+    if config.routing != "dropless" or config.recompute or tiles_set:
+        return None
+    for rule in DECODE_RULES if rows is None else rows:
+        if (rule.evidence and num_tokens <= rule.max_tokens
+                and any(jnp.dtype(name) == jnp.dtype(config.dtype) for name in rule.dtypes)):
+            return rule
+    return None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -326,11 +402,12 @@ _VARIANT_ROWS = (
 )
 
 #: The one table: every kernel choice of the layer, backend rows first.
-RULES: tuple[PlatformRule | AutoRule | QuantizeRule | VariantRule, ...] = (
-    *_PLATFORM_ROWS, *_BACKEND_ROWS, *_QUANTIZE_ROWS, *_VARIANT_ROWS)
+RULES: tuple[PlatformRule | AutoRule | QuantizeRule | DecodeRule | VariantRule, ...] = (
+    *_PLATFORM_ROWS, *_BACKEND_ROWS, *_QUANTIZE_ROWS, *_DECODE_ROWS, *_VARIANT_ROWS)
 PLATFORM_RULES = tuple(rule for rule in RULES if isinstance(rule, PlatformRule))
 BACKEND_RULES = tuple(rule for rule in RULES if isinstance(rule, AutoRule))
 QUANTIZE_RULES = tuple(rule for rule in RULES if isinstance(rule, QuantizeRule))
+DECODE_RULES = tuple(rule for rule in RULES if isinstance(rule, DecodeRule))
 VARIANT_RULES = tuple(rule for rule in RULES if isinstance(rule, VariantRule))
 RULES_BY_NAME = {rule.name: rule for rule in VARIANT_RULES}
 
