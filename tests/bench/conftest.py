@@ -61,8 +61,8 @@ unseen; about a minute on 2 cores), ``quick`` (every suite at one or two realist
 Budget and order: each selected suite is given a share of ``--bench-budget`` in proportion to
 ``SUITE_WEIGHTS`` (the minutes column below: maxtok 3, layer 10, decoder 6, pieces 0.5, blockm
 0.5, variants 3, decode 4, kernel_mv_max_n 1.5, kernel_mv_peak 1.5, kernel_mv 4, kde_density
-0.7, kernel_mv_tiles 0.5, kernel_mv_launches 5, ep 3). A suite's share is reserved for it until its last row
-has run; a row may use its own suite's share plus whatever no other suite is still owed
+0.7, kernel_mv_tiles 0.5, kernel_mv_launches 5, ep 3). A suite's share is reserved for it until
+its last row has run; a row may use its own suite's share plus whatever no other suite is still owed
 (shares of finished suites, time they left unused), so the run stays within the budget and no
 suite starves another. Rows run by priority: the ladders first (priority 0, while the
 parent's memory pool is small; each ladder searches within an even part of its suite's share,

@@ -62,9 +62,9 @@ class MoEConfig:
         impl: routed-expert implementation: ``"auto"`` (on GPUs the Pallas kernels on the
             backend measured faster for this config and GPU, ``tilax.moe.rules``: Mosaic GPU
             where a stored run shows it winning, else Triton; the decode kernels for small
-            16-bit batches once the decode suite's stored run holds their rule; on a CPU the plain-XLA ``"blocked"``, measured
-            faster there than ``"ragged_dot"``; the Pallas interpreter runs only when asked
-            for),
+            16-bit batches once the decode suite's stored run holds their rule; on a CPU the
+            plain-XLA ``"blocked"``, measured faster there than ``"ragged_dot"``; the Pallas
+            interpreter runs only when asked for),
             ``"pallas"``/``"triton"`` (Triton on GPUs, interpret mode on CPU), ``"mosaic"``
             (Mosaic GPU kernels, Hopper and newer, bfloat16/float16 only), ``"decode"`` (the
             small-batch forward kernels, ``tilax.moe.decode``: each touched expert's weights
