@@ -61,6 +61,8 @@ def _impl_label(row) -> str:
     name = f"{impl}/{row.dispatch}" if isinstance(row.dispatch, str) else impl
     if pd.notna(row.recompute) and bool(row.recompute):  # memory-saving variant: its own line
         name += " +recompute"
+    if pd.notna(row.deterministic) and bool(row.deterministic):  # repeatable: its own line
+        name += " +deterministic"
     if row.routing == "capacity":
         return f"capacity ({name})"
     return name or "?"

@@ -226,3 +226,10 @@ def test_the_memory_saving_variant_is_its_own_implementation():
                         {"run": "a", "device": "GPU A", "impl": "pallas", "median_ms": 1.2,
                          "recompute": True}])
     assert list(table["label"]) == ["pallas/sorted", "pallas/sorted +recompute"]
+
+
+def test_the_deterministic_mode_is_its_own_implementation():
+    table = tiny_table([{"run": "a", "device": "GPU A", "impl": "mosaic", "median_ms": 1.0},
+                        {"run": "a", "device": "GPU A", "impl": "mosaic", "median_ms": 1.1,
+                         "deterministic": True}])
+    assert list(table["label"]) == ["mosaic/sorted", "mosaic/sorted +deterministic"]

@@ -251,3 +251,16 @@ def check_always_fails():
 def test_a_failing_check_fails_its_test():
     with pytest.raises((AssertionError, pytest.fail.Exception), match="must fail its test"):
         on_cpu_devices(check_always_fails)
+
+
+@pytest.mark.parametrize("exchange", ["all_gather", "all_to_all"])
+@pytest.mark.parametrize("impl,dispatch,routing", [
+    ("pallas", "fused_gsum", "dropless"), ("blocked", "sorted", "capacity"),
+    ("ragged_dot", "sorted", "dropless"),
+])  # fmt: skip
+def test_deterministic_on_a_mesh(impl, dispatch, routing, exchange):
+    # MoEConfig.deterministic under expert parallelism: its gathering combine and gradients on
+    # every device's share of the copies, against the single-device deterministic call
+    on_cpu_devices(check_matches_one_device, (4,), ("expert",),
+                   dict(LAYER, impl=impl, dispatch=dispatch, routing=routing,
+                        exchange=exchange, deterministic=True))

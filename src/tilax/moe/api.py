@@ -97,6 +97,18 @@ class MoEConfig:
         exchange_chunks: with ``exchange="all_gather"`` (or ``"auto"``), split each device's
             tokens into this many chunks, each gathered, computed and reduce-scattered on its
             own, so that XLA can overlap one chunk's collectives with another's experts.
+        deterministic: bitwise repeatable results: repeated calls of one compiled train step
+            on the same inputs give bitwise identical ``y`` and gradients on the GPU, for
+            every impl. Every sum runs in a fixed order: no float atomics and no scatter-add
+            with repeated indices. ``dispatch="fused_gsum"`` then combines as ``"fused"``
+            does (gathering each token's rows and adding them in slot order instead of the
+            atomic adds of its epilogue), the gradients of the layer's gathers (the router's
+            top-k, the combine, the ``"blocked"`` impl's blocks) are gathers summing in a
+            fixed order, and the Mosaic GPU backward adds its per-item partial sums by a
+            gather instead of a scatter-add. Results equal the default up to float rounding;
+            the cost (a few gathers in place of scatter-adds, and ``fused_gsum``'s combine)
+            is measured in the layer suite. With a ``mesh`` the collectives' sums are NCCL's,
+            whose order is fixed for a given algorithm (see the MoE guide).
 
     Raises:
         ValueError: a size is not a positive integer, ``top_k > num_experts``, an unknown
@@ -131,6 +143,7 @@ class MoEConfig:
     recompute_rows: int = 262144
     exchange: str = "auto"
     exchange_chunks: int = 1
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         for name in _INT_FIELDS:
@@ -159,7 +172,7 @@ class MoEConfig:
         object.__setattr__(self, "capacity_factor", float(factor))
         if not (math.isfinite(factor) and factor > 0):
             raise ValueError(f"capacity_factor must be a finite number > 0, got {factor!r}")
-        for name in ("renormalize", "recompute"):
+        for name in ("renormalize", "recompute", "deterministic"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         _check_int("recompute_rows", self.recompute_rows, minimum=1)
@@ -453,7 +466,7 @@ def moe_apply(
 
     x2 = jnp.reshape(x, (num_tokens, config.d_model))
     routed = router.route(x2, params["router"], config.top_k, config.renormalize,
-                          backend=_router_backend(experts))
+                          backend=_router_backend(experts), deterministic=config.deterministic)
     dtype = config.dtype
     xc = x2.astype(dtype)
     w_gate, w_up, w_down = (params[n].astype(dtype) for n in ("w_gate", "w_up", "w_down"))
