@@ -13,6 +13,10 @@ On the H200 (commit 2452d44) this file and tests/moe/test_moe_recompute.py (whic
 GPU too) passed together in 172 s (45 passed; skipped: the check of the error where Mosaic GPU
 cannot run); without the flag this file alone took 264 s (commit cf11ba3).
 
+``MoEConfig.deterministic``'s repeatability (Triton and Mosaic GPU, E8 top-2 at 16k tokens)
+runs alone with ``-k deterministic_train_step -s`` (it prints whether the default's repeats
+differ).
+
 Moderate sizes; token counts are not multiples of any tile. float32 operands use the GPU's
 default (TF32) matmul precision in the kernels, hence the looser float32 tolerance.
 """
