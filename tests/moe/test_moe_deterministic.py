@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import peak_rel_err
-from moe_testing import interpreted_marked
+from moe_testing import interpreted_marked, order_dependent_ops
 from mosaic_interpret import available, gpu_interpreter
 
 import tilax
@@ -138,41 +138,6 @@ def test_select_experts_is_the_gather():
 # No order-dependent sum in the train step
 
 
-def _order_dependent_ops(jaxpr) -> list[str]:
-    """Scatter-adds and atomic read-modify-writes anywhere in ``jaxpr``, Pallas kernels'
-    bodies included."""
-    found = []
-    for eqn in jaxpr.eqns:
-        name = eqn.primitive.name
-        if name in ("scatter-add", "scatter_add", "scatter-mul", "atomic_rmw"):
-            found.append(name)
-        elif (
-            name == "scatter"
-            and not eqn.params.get("unique_indices")
-            and not _row_layout_permutation(eqn)
-        ):
-            # an assignment is deterministic where its indices are distinct, as in the row
-            # layout's inverse permutations
-            found.append(name)
-        for param in eqn.params.values():
-            for sub in param if isinstance(param, (list, tuple)) else [param]:
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    found += _order_dependent_ops(inner)
-    return found
-
-
-def _row_layout_permutation(eqn) -> bool:
-    """Whether a scatter assignment is one of the row layout's inverse permutations
-    (``dispatch.sort_by_expert``, ``copy_ranks``), by its traceback."""
-    frames = eqn.source_info.traceback.frames if eqn.source_info.traceback else []
-    return any(
-        f.file_name.endswith("moe/dispatch.py")
-        and f.function_name in ("sort_by_expert", "copy_ranks")
-        for f in frames
-    )
-
-
 def _scatter_combiners(hlo_text: str) -> list[str]:
     """The body of every ``stablehlo.scatter`` region of a lowered module's text."""
     bodies = []
@@ -205,10 +170,10 @@ def test_train_step_has_no_order_dependent_sum(impl, dispatch, routing):
     default = _trace_step(tilax.MoEConfig(**common))
     deterministic = _trace_step(tilax.MoEConfig(**common, deterministic=True))
     # the check finds what the default has: the router's gather gradient at least
-    assert "scatter-add" in _order_dependent_ops(default.jaxpr.jaxpr)
+    assert "scatter-add" in order_dependent_ops(default.jaxpr.jaxpr)
     if dispatch == "fused_gsum":
-        assert "atomic_rmw" in _order_dependent_ops(default.jaxpr.jaxpr)
-    assert _order_dependent_ops(deterministic.jaxpr.jaxpr) == []
+        assert "atomic_rmw" in order_dependent_ops(default.jaxpr.jaxpr)
+    assert order_dependent_ops(deterministic.jaxpr.jaxpr) == []
     # and in the lowered module: no scatter region adds
     default_bodies = _scatter_combiners(default.lower().as_text())
     assert any("stablehlo.add" in body for body in default_bodies)
@@ -241,7 +206,7 @@ def test_auto_picks_the_deterministic_kernels():
     # on a CPU auto is the platform rule's XLA impl, deterministic with the flag too
     config = tilax.MoEConfig(**DIMS, deterministic=True)
     assert tilax.moe.resolve_impl(config) == "blocked"
-    assert _order_dependent_ops(_trace_step(config).jaxpr.jaxpr) == []
+    assert order_dependent_ops(_trace_step(config).jaxpr.jaxpr) == []
 
 
 @pytest.mark.parametrize("value", ["yes", 1, None])
@@ -286,8 +251,8 @@ def test_mosaic_matches_default_without_scatter_add(dispatch, routing):
         traced = [_train_step(c).trace(params, x) for c in (default, deterministic)]
         (_, y), grads = traced[0].lower().compile()(params, x)
         (_, y_det), grads_det = traced[1].lower().compile()(params, x)
-    assert "scatter-add" in _order_dependent_ops(traced[0].jaxpr.jaxpr)
-    assert _order_dependent_ops(traced[1].jaxpr.jaxpr) == []
+    assert "scatter-add" in order_dependent_ops(traced[0].jaxpr.jaxpr)
+    assert order_dependent_ops(traced[1].jaxpr.jaxpr) == []
     # the same kernels in the same order: the values agree bitwise but for the sums that the
     # deterministic mode orders (the combine, the router's gather gradient)
     assert peak_rel_err(y_det, y) < 1e-2, "output"
