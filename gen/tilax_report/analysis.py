@@ -63,6 +63,8 @@ def _impl_label(row) -> str:
         name += " +recompute"
     if isinstance(row.quantize, str):  # quantised experts (MoEConfig.quantize): its own line
         name += f" +{row.quantize}"
+    if pd.notna(row.deterministic) and bool(row.deterministic):  # repeatable: its own line
+        name += " +deterministic"
     if row.routing == "capacity":
         return f"capacity ({name})"
     return name or "?"

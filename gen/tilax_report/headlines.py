@@ -159,7 +159,8 @@ def _setting_rows(table: pd.DataFrame) -> pd.DataFrame:
     rows = rows[(rows["device"] == PEER_GPU) & rows["suite"].isin(["layer", "decoder"])]
     for field, value in PEER_CASE.items():
         rows = rows[rows[field] == value]
-    rows = rows[rows["recompute"].isna() | ~rows["recompute"].fillna(False).astype(bool)]
+    for option in ("recompute", "deterministic"):  # the options' rows are not the default's
+        rows = rows[rows[option].isna() | ~rows[option].fillna(False).astype(bool)]
     keep = pd.Series(False, index=rows.index)
     for config, tokens in PEER_SETTINGS:
         keep |= (rows["config"] == config) & (rows["tokens"] == tokens)

@@ -98,6 +98,8 @@ COLUMNS: dict[str, tuple[str, str]] = {
                              "saved (MoEConfig.recompute)"),
     "quantize": ("str", "MoE: the experts' quantisation (MoEConfig.quantize: fp8; missing: "
                         "none, the experts in dtype)"),
+    "deterministic": ("boolean", "MoE: bitwise repeatable train step, no order-dependent sums "
+                                 "(MoEConfig.deterministic)"),
     "variant": ("str", "MoE: the options of tilax.moe.rules' variant rules the row was traced "
                        "with, 'rule=option' joined by commas (suite variants; missing: the "
                        "rules' picks)"),
@@ -225,9 +227,10 @@ CASE_COLUMNS = [
     "code", "family", "suite", "impl", "dispatch", "routing", "dtype", "op", "piece", "part",
     "exchange", "exchange_chunks", "mesh", "devices", "precision", "fwd_backend", "bwd_backend",
     "tokens", "tokens_per_device", "d_model", "d_hidden", "experts", "top_k", "shared_hidden",
-    "skew", "block_m", "recompute", "quantize", "variant", "slab_elems", "n", "m", "dim", "out",
-    "batch", "block_q", "block_k", "block_o", "path", "kernel", "block_p", "block_l", "num_warps",
-    "num_stages", "repeat", "resolution", "model_dim", "params", "summary",
+    "skew", "block_m", "recompute", "quantize", "deterministic", "variant", "slab_elems", "n",
+    "m", "dim", "out", "batch", "block_q", "block_k", "block_o", "path", "kernel", "block_p",
+    "block_l", "num_warps", "num_stages", "repeat", "resolution", "model_dim", "params",
+    "summary",
 ]
 
 # Columns whose values are integers (possibly missing); seed files store some as floats.

@@ -78,6 +78,7 @@ class MoECase:
     piece: str | None = None
     block_m: int | None = None
     recompute: bool = False  # MoEConfig.recompute, the memory-saving option
+    deterministic: bool = False  # MoEConfig.deterministic, bitwise repeatable results
     # options of tilax.moe.rules' variant rules, ``(rule, option)`` pairs taken with
     # ``rules.choose`` while the row's function is traced (the ``variants`` suite)
     variants: tuple[tuple[str, Any], ...] = ()
@@ -106,6 +107,8 @@ class MoECase:
             parts.append(f"bm{self.block_m}")
         if self.recompute:
             parts.append("recompute")
+        if self.deterministic:
+            parts.append("deterministic")
         parts += [f"{rule}={option}" for rule, option in self.variants]
         parts.append(self.op)
         return "-".join(parts)
@@ -134,6 +137,8 @@ class MoECase:
             info["block_m"] = self.block_m
         if self.recompute:
             info["recompute"] = True
+        if self.deterministic:
+            info["deterministic"] = True
         if self.variants:
             info["variant"] = ",".join(f"{rule}={option}" for rule, option in self.variants)
         return info
@@ -301,7 +306,26 @@ def layer_cases(mode: str) -> list[MoECase]:
                        BOTH_DTYPES, BOTH_OPS, SEED_WIDE, 31)
         + _layer_cases("layer", (P_SORTED, P_FUSED, P_GSUM, CAPACITY, RAGGED, TOKAMAX), [32768],
                        ["bfloat16"], BOTH_OPS, SEED_LAYER, 32, skew=0.9)
+        + deterministic_cases()
     )
+
+
+# MoEConfig.deterministic's train step beside the default, in the same file: the backends
+# impl="auto" takes on the H200 (Mosaic GPU; fused_gsum's combine becomes fused's) and Triton.
+DETERMINISTIC_IMPLS = (MOSAIC[0], MOSAIC[3], P_SORTED)
+
+
+def deterministic_cases() -> list[MoECase]:
+    """The deterministic train step at 131k tokens: the E8 layer (its default rows are the
+    headline rows above) and the E64 decoder with its shared expert, default and deterministic
+    (the decoder suite's rows run in another file)."""
+    layer = _layer_cases("layer", DETERMINISTIC_IMPLS, [131072], ["bfloat16"], ["train_step"],
+                         SEED_LAYER, 11)
+    decoder = _layer_cases("layer", DETERMINISTIC_IMPLS, [131072], ["bfloat16"],
+                           ["train_step"], SEED_DECODER, 12)
+    return ([dataclasses.replace(case, deterministic=True) for case in layer]
+            + [c for case in decoder for c in (case, dataclasses.replace(case,
+                                                                          deterministic=True))])
 
 
 DECODER_IMPLS = (TRITON, ("triton", "fused_gsum", "dropless"), P_SORTED, RAGGED, TOKAMAX, TORCH,
@@ -415,6 +439,8 @@ def moe_config(case: MoECase, *, dtype=None, routing=None, impl=None, dispatch=N
         kwargs["block_m"] = case.block_m
     if case.recompute:
         kwargs["recompute"] = True
+    if case.deterministic:
+        kwargs["deterministic"] = True
     return tilax.MoEConfig(**kwargs)
 
 

@@ -239,3 +239,10 @@ def test_quantised_experts_are_their_own_implementation():
             "device": "GPU A", "status": "measured", "median_ms": 1.0}
     rows = schema.conform(pd.DataFrame([base, base | {"quantize": "fp8", "median_ms": 0.7}]))
     assert len(repeats.collapse(rows)) == 2
+
+
+def test_the_deterministic_mode_is_its_own_implementation():
+    table = tiny_table([{"run": "a", "device": "GPU A", "impl": "mosaic", "median_ms": 1.0},
+                        {"run": "a", "device": "GPU A", "impl": "mosaic", "median_ms": 1.1,
+                         "deterministic": True}])
+    assert list(table["label"]) == ["mosaic/sorted", "mosaic/sorted +deterministic"]

@@ -113,6 +113,18 @@ class MoEConfig:
             path, ``tilax.moe.fp8``; no FP8 kernel yet) and, on a GPU, FP8 tensor cores
             (compute capability 8.9+). Router, shared expert and master weights stay as they
             are.
+        deterministic: bitwise repeatable results: repeated calls of one compiled train step
+            on the same inputs give bitwise identical ``y`` and gradients on the GPU, for
+            every impl. Every sum runs in a fixed order: no float atomics and no scatter-add
+            with repeated indices. ``dispatch="fused_gsum"`` then combines as ``"fused"``
+            does (gathering each token's rows and adding them in slot order instead of the
+            atomic adds of its epilogue), the gradients of the layer's gathers (the router's
+            top-k, the combine, the ``"blocked"`` impl's blocks) are gathers summing in a
+            fixed order, and the Mosaic GPU backward adds its per-item partial sums by a
+            gather instead of a scatter-add. Results equal the default up to float rounding;
+            the cost (a few gathers in place of scatter-adds, and ``fused_gsum``'s combine)
+            is measured in the layer suite. With a ``mesh`` the collectives' sums are NCCL's,
+            whose order is fixed for a given algorithm (see the MoE guide).
 
     Raises:
         ValueError: a size is not a positive integer, ``top_k > num_experts``, an unknown
@@ -149,6 +161,7 @@ class MoEConfig:
     exchange: str = "auto"
     exchange_chunks: int = 1
     quantize: str | None = None
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         for name in _INT_FIELDS:
@@ -177,7 +190,7 @@ class MoEConfig:
         object.__setattr__(self, "capacity_factor", float(factor))
         if not (math.isfinite(factor) and factor > 0):
             raise ValueError(f"capacity_factor must be a finite number > 0, got {factor!r}")
-        for name in ("renormalize", "recompute"):
+        for name in ("renormalize", "recompute", "deterministic"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         _check_int("recompute_rows", self.recompute_rows, minimum=1)
@@ -501,7 +514,7 @@ def moe_apply(
 
     x2 = jnp.reshape(x, (num_tokens, config.d_model))
     routed = router.route(x2, params["router"], config.top_k, config.renormalize,
-                          backend=_router_backend(experts))
+                          backend=_router_backend(experts), deterministic=config.deterministic)
     dtype = config.dtype
     xc = x2.astype(dtype)
     w_gate, w_up, w_down = (params[n].astype(dtype) for n in ("w_gate", "w_up", "w_down"))

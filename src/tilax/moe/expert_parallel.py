@@ -198,7 +198,8 @@ def _local_layer(params, x, *, config, experts, plan: MeshPlan):
     local_tokens = x.shape[0]
     first = plan.token_shard() * local_tokens
     token_valid = first + jnp.arange(local_tokens, dtype=jnp.int32) < plan.num_tokens
-    routed = router.route(x, params["router"], config.top_k, config.renormalize)
+    routed = router.route(x, params["router"], config.top_k, config.renormalize,
+                          deterministic=config.deterministic)
     copy_valid = jnp.broadcast_to(token_valid[:, None], routed.expert_ids.shape)
     kept = _kept_copies(routed.expert_ids, copy_valid, config.num_experts, plan)
     aux = _global_aux(routed, copy_valid, kept, config, plan)

@@ -8,7 +8,8 @@ of Hopper). Per ``dispatch``:
 - forward: ``sorted`` (permuted copy of ``x``, three grouped matmuls, SwiGLU and combine in
   XLA), ``gather`` (the grouped matmuls read rows of ``x`` through the sort index),
   ``fused`` (gather, plus gate/up/SwiGLU in one kernel), ``fused_gsum`` (fused, plus the
-  combine in the down projection's epilogue, float32 atomics). Every dispatch scales the
+  combine in the down projection's epilogue, float32 atomics; with ``deterministic`` it
+  combines as ``fused``). Every dispatch scales the
   SwiGLU activation by its row's combine weight before the down projection (the combine then
   only adds a token's copies) and keeps it for the backward, where it is the left operand of
   the ``w_down`` gradient: the SwiGLU backward kernel then writes two ``[rows, d_hidden]``
@@ -75,6 +76,9 @@ class Plan:
         cover_tail: compute the rows past the kept copies too (``dispatch.gmm_schedule``).
         copies_have_rows: every token copy has a row (no capacity drops): the row space is a
             permutation of the copies, which the backend's ``copy_rows`` can fill.
+        deterministic: ``MoEConfig.deterministic``: no float atomics and no scatter-add with
+            repeated indices (``fused_gsum`` combines as ``fused``; the backend's SwiGLU
+            backward adds its partial sums in a fixed order).
     """
 
     dispatch: str
@@ -84,6 +88,7 @@ class Plan:
     slice_rows: int | None = None
     cover_tail: bool = True
     copies_have_rows: bool = False
+    deterministic: bool = False
 
     @property
     def kernels(self):
@@ -138,7 +143,7 @@ def _forward(plan, x, w_gate, w_up, w_down, weights, layout, schedule, save):
             save_preactivations=save, **kw,
         )
     pre = (lhs if index is None else None, *pre)
-    if plan.dispatch == "fused_gsum":
+    if plan.dispatch == "fused_gsum" and not plan.deterministic:  # float32 atomics
         y = kernels.gmm_combine(
             act, w_down, None, layout.row_target, schedule, num_tokens=plan.num_tokens, **kw
         ).astype(x.dtype)
@@ -171,7 +176,8 @@ def _pallas_experts_bwd(plan, residuals, dy):
         dy_src, x_src, index = dy, x, layout.row_token
     w_rows = dispatch.row_weights(weights, layout)
     d_gate, d_up, dw_partial = kernels.gmm_swiglu_bwd(
-        dy_src, w_down, gate, up, w_rows, schedule, index=index, **kw
+        dy_src, w_down, gate, up, w_rows, schedule, index=index,
+        deterministic=plan.deterministic, **kw
     )
     joined = None
     if xs is not None and plan.cover_tail:  # every row of d_gate and d_up written
@@ -240,7 +246,8 @@ class PallasExperts:
         )
         plan = Plan(config.dispatch, self.backend, tiles, num_tokens, slices,
                     cover_tail=not copies.sparse_rows,
-                    copies_have_rows=rows == num_tokens * top_k)
+                    copies_have_rows=rows == num_tokens * top_k,
+                    deterministic=config.deterministic)
         schedule = plan.schedule(layout.group_offsets, layout.row_token.shape[0])
         padded = pad_features(config, tiles, x, w_gate, w_up, w_down)
         y = pallas_experts(plan, *padded, copies.weights, layout, schedule)

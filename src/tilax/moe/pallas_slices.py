@@ -95,7 +95,8 @@ def backward(plan, inputs, dy):
         act_scaled, gate, up = _hidden(plan, x_src, src_index, w_gate, w_up, w_slice,
                                        schedule, preactivations=True)
         d_gate, d_up, dw_partial = kernels.gmm_swiglu_bwd(
-            dy_src, w_down, gate, up, w_slice, schedule, index=src_index, **kw
+            dy_src, w_down, gate, up, w_slice, schedule, index=src_index,
+            deterministic=plan.deterministic, **kw
         )
         dx_slice = kernels.gmm(
             d_gate, w_gate, schedule, transpose_rhs=True, lhs2=d_up, rhs2=w_up,

@@ -24,6 +24,7 @@ activations are rounded to the operand dtype, as the kernels do.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -122,13 +123,16 @@ def experts_blocked(
     weights: jax.Array,
     layout: RowLayout,
     block_rows: int,
+    deterministic: bool = False,
 ) -> jax.Array:
     """Padded expert blocks in plain XLA.
 
     Expert ``e``'s rows are copied into slot block ``[e, :group_sizes[e]]`` of an
     ``[E, block_rows, d]`` buffer (the rest zero), the experts run as batched matmuls and each
     copy reads its output back from its slot. ``block_rows`` must bound every group size
-    (``T`` for dropless routing, ``min(T, C)`` with capacity ``C``).
+    (``T`` for dropless routing, ``min(T, C)`` with capacity ``C``). ``deterministic``: the
+    gathers' gradients are gathers summing in a fixed order (``dispatch.take_fixed_order``)
+    instead of scatter-adds (a token's ``k`` copies would be added by GPU atomics).
     """
     num_experts = w_gate.shape[0]
     slots = jnp.arange(block_rows, dtype=jnp.int32)
@@ -136,14 +140,27 @@ def experts_blocked(
     slot_used = slots[None, :] < layout.group_sizes[:, None]
     slot_rows = jnp.where(slot_used, slot_rows, 0)
     tokens = jnp.take(layout.row_token, slot_rows)
-    x_blocks = jnp.where(slot_used[..., None], jnp.take(x, tokens, axis=0), 0).astype(x.dtype)
-    out_blocks = _expert_swiglu_batched(x_blocks, w_gate, w_up, w_down)
     num_rows = layout.row_token.shape[0]
     row_expert = _row_experts(layout, num_rows)
     row_slot = jnp.arange(num_rows, dtype=jnp.int32) - layout.group_offsets[row_expert]
     row_slot = jnp.clip(row_slot, 0, block_rows - 1)
-    rows = out_blocks.reshape(num_experts * block_rows, -1)[row_expert * block_rows + row_slot]
-    return dispatch.combine(rows, weights, layout)
+    row_block_slot = row_expert * block_rows + row_slot
+    if deterministic:
+        # Each token is read by its kept copies' slots (a kept copy's slot is its row's), and
+        # each used slot by its row.
+        copy_slot = jnp.take(row_block_slot, layout.copy_row)
+        x_slots = dispatch.take_fixed_order(x, tokens, copy_slot, layout.copy_kept)
+    else:
+        x_slots = jnp.take(x, tokens, axis=0)
+    x_blocks = jnp.where(slot_used[..., None], x_slots, 0).astype(x.dtype)
+    out_blocks = _expert_swiglu_batched(x_blocks, w_gate, w_up, w_down)
+    out_slots = out_blocks.reshape(num_experts * block_rows, -1)
+    if deterministic:
+        rows = dispatch.take_fixed_order(out_slots, row_block_slot, slot_rows.reshape(-1, 1),
+                                         slot_used.reshape(-1, 1))
+    else:
+        rows = out_slots[row_block_slot]
+    return dispatch.combine(rows, weights, layout, deterministic)
 
 
 def experts_ragged_dot(
@@ -153,11 +170,14 @@ def experts_ragged_dot(
     w_down: jax.Array,
     weights: jax.Array,
     layout: RowLayout,
+    deterministic: bool = False,
 ) -> jax.Array:
     """Sorted rows through ``jax.lax.ragged_dot`` for the three projections.
 
     Rows past ``sum(group_sizes)`` (dropped copies) belong to no group: ``ragged_dot`` leaves
-    them zero, and the combine skips them.
+    them zero, and the combine skips them. ``deterministic``: the combine's gradient is a
+    gather (``dispatch.combine``); the permutation's is one already, and XLA's GPU backend
+    runs ``ragged_dot`` and its gradients as dense products of masked operands.
     """
     xs = dispatch.permute(x, layout)
     sizes = layout.group_sizes
@@ -166,7 +186,7 @@ def experts_ragged_dot(
         return ragged_matmul(lhs, rhs, sizes).astype(x.dtype)
 
     act = swiglu_activation(ragged(xs, w_gate), ragged(xs, w_up))
-    return dispatch.combine(ragged(act, w_down), weights, layout)
+    return dispatch.combine(ragged(act, w_down), weights, layout, deterministic)
 
 
 def _one_at_a_time(fn: Callable) -> Callable:
@@ -242,7 +262,8 @@ def routed_blocked(config, x, w_gate, w_up, w_down, copies: RoutedCopies):
     rows = num_tokens if copies.capacity is None else min(num_tokens, copies.capacity)
 
     def run(x, w_gate, w_up, w_down, weights, layout):
-        return experts_blocked(x, w_gate, w_up, w_down, weights, layout, rows)
+        return experts_blocked(x, w_gate, w_up, w_down, weights, layout, rows,
+                               config.deterministic)
 
     y = _checkpointed(config, run)(x, w_gate, w_up, w_down, copies.weights, layout)
     return y, _kept_count(copies, layout)
@@ -251,7 +272,8 @@ def routed_blocked(config, x, w_gate, w_up, w_down, copies: RoutedCopies):
 def routed_ragged_dot(config, x, w_gate, w_up, w_down, copies: RoutedCopies):
     """:func:`experts_ragged_dot` as a registry entry."""
     layout = _layout(copies, w_gate.shape[0])
-    y = _checkpointed(config, experts_ragged_dot)(x, w_gate, w_up, w_down, copies.weights, layout)
+    run = functools.partial(experts_ragged_dot, deterministic=config.deterministic)
+    y = _checkpointed(config, run)(x, w_gate, w_up, w_down, copies.weights, layout)
     return y, _kept_count(copies, layout)
 
 

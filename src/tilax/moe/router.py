@@ -46,7 +46,12 @@ class RouterOutput(NamedTuple):
 
 
 def route(
-    x: jax.Array, router: jax.Array, top_k: int, renormalize: bool, backend: str | None = None
+    x: jax.Array,
+    router: jax.Array,
+    top_k: int,
+    renormalize: bool,
+    backend: str | None = None,
+    deterministic: bool = False,
 ) -> RouterOutput:
     """Route tokens ``x: [T, d_model]`` with ``router: [d_model, E]`` to their top-k experts.
 
@@ -55,7 +60,9 @@ def route(
     and the weights. ``backend`` ``"mosaic"`` takes the Mosaic GPU kernels of
     ``mosaic.router`` for bfloat16 ``x`` where they apply (the same math; the softmax's
     ``exp`` and division are the GPU's approximate ones, so the probabilities may differ from
-    XLA's in their last bits); otherwise XLA routes.
+    XLA's in their last bits); otherwise XLA routes. ``deterministic`` picks the top
+    probabilities so that their gradient has no scatter-add (:func:`top_k_experts`); the
+    Mosaic GPU kernels' gradient has none either way.
     """
     ranked = None
     if (backend == "mosaic" and x.dtype == jnp.bfloat16
@@ -67,7 +74,7 @@ def route(
     if ranked is None:
         logits = router_logits(x, router)
         probs = jax.nn.softmax(logits, axis=-1)
-        top_probs, expert_ids = top_k_experts(probs, top_k)
+        top_probs, expert_ids = top_k_experts(probs, top_k, deterministic)
     else:
         logits, probs, expert_ids, top_probs = ranked
     if renormalize:
@@ -205,16 +212,23 @@ _ranked_on_mosaic.defvjp(_ranked_on_mosaic_fwd_symbolic, _ranked_on_mosaic_bwd,
 ARGMAX_TOP_K_MAX = 8
 
 
-def top_k_experts(probs: jax.Array, top_k: int) -> tuple[jax.Array, jax.Array]:
+def top_k_experts(
+    probs: jax.Array, top_k: int, deterministic: bool = False
+) -> tuple[jax.Array, jax.Array]:
     """``jax.lax.top_k(probs, top_k)`` with int32 ids, for router probabilities (>= 0).
 
     The same result, ties to the lower expert index: for ``top_k <= ARGMAX_TOP_K_MAX`` each
     pass takes the first maximum and masks it out (cheap elementwise work where the sort of
-    a ``[T, E]`` array is not).
+    a ``[T, E]`` array is not). With ``deterministic`` the top probabilities are picked by
+    :func:`select_experts` (a select and a sum), whose gradient is a select: the gather's
+    gradient is a scatter-add, which XLA's GPU backend runs with atomics.
     """
     if top_k > ARGMAX_TOP_K_MAX:
         top_probs, expert_ids = jax.lax.top_k(probs, top_k)
-        return top_probs, expert_ids.astype(jnp.int32)
+        expert_ids = expert_ids.astype(jnp.int32)
+        if deterministic:
+            top_probs = select_experts(probs, expert_ids)
+        return top_probs, expert_ids
     experts = jnp.arange(probs.shape[-1], dtype=jnp.int32)
     remaining, chosen = probs, []
     for _ in range(top_k):
@@ -223,7 +237,18 @@ def top_k_experts(probs: jax.Array, top_k: int) -> tuple[jax.Array, jax.Array]:
         # Probabilities are >= 0: -1 ranks a chosen expert below every other one.
         remaining = jnp.where(experts == best[..., None], -1.0, remaining)
     expert_ids = jnp.stack(chosen, axis=-1)
+    if deterministic:
+        return select_experts(probs, expert_ids), expert_ids
     return jnp.take_along_axis(probs, expert_ids, axis=-1), expert_ids
+
+
+def select_experts(values: jax.Array, expert_ids: jax.Array) -> jax.Array:
+    """``take_along_axis(values, expert_ids, -1)`` for ``values: [T, E]``, ``expert_ids:
+    [T, k]``, as a select of each chosen expert's value and a sum over the experts: exact
+    (one term is nonzero), and its gradient is a select, with no scatter."""
+    experts = jnp.arange(values.shape[-1], dtype=expert_ids.dtype)
+    chosen = expert_ids[..., None] == experts
+    return jnp.sum(jnp.where(chosen, values[..., None, :], 0.0), axis=-1)
 
 
 def router_aux(

@@ -145,7 +145,10 @@ def matching_rule(config) -> AutoRule | None:
                     ("block_m", "block_n", "block_k", "num_warps", "num_stages"))
     if config.routing != "dropless" or config.recompute or tiles_set:
         return None
-    return rule_for(_pallas.gpu_device_kind(), config.dtype, config.dispatch,
+    dispatch = config.dispatch
+    if config.deterministic and dispatch == "fused_gsum":
+        dispatch = "fused"  # its kernels: the deterministic combine is fused's (pallas.py)
+    return rule_for(_pallas.gpu_device_kind(), config.dtype, dispatch,
                     config.num_experts, config.top_k)
 
 

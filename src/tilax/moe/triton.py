@@ -450,6 +450,7 @@ def gmm_swiglu_bwd(
     tiles: Tiles,
     backend: str,
     index: jax.Array | None = None,
+    deterministic: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Backward of ``y_r = w_r * (silu(gate_r) * up_r) @ w_down[e]`` for every row.
 
@@ -464,11 +465,14 @@ def gmm_swiglu_bwd(
         gate, up: ``[R_pad, h]`` pre-activations saved by the forward.
         row_scale: ``[R_pad]`` float32 combine weights ``w_r`` (0 on padding/dropped rows).
         schedule, tiles, backend, index: as for :func:`gmm`.
+        deterministic: accepted for the kernel contract: every partial sum here is stored
+            by the one program that owns its row, so the result is deterministic anyway.
 
     Returns:
         ``d_gate, d_up`` (``[R_pad, h]``, ``gate.dtype``) and ``dw_partial``
         (``[h / block_n, R_pad]`` float32).
     """
+    del deterministic
     num_rows, h_dim = gate.shape
     d_dim = w_down.shape[2]
     block_n = fit_block(_capped_block_n(tiles, 32), h_dim)
