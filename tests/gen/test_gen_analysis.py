@@ -221,6 +221,15 @@ def test_an_rbf_precision_other_than_the_default_is_its_own_implementation():
     assert list(table["label"]) == ["pallas", "pallas (highest)"]
 
 
+def test_another_router_is_its_own_config():
+    decoder = {"run": "a", "device": "GPU A", "impl": "mosaic", "experts": 64, "top_k": 8,
+               "d_model": 512, "d_hidden": 128, "shared_hidden": 1024, "median_ms": 1.0}
+    table = tiny_table([decoder, decoder | {"router": "sigmoid bias groups 8/4 scale 2.5"}])
+    assert list(table["config"]) == [
+        "E64 top-8 d512 h128 shared 1024",
+        "E64 top-8 d512 h128 shared 1024 sigmoid bias groups 8/4 scale 2.5"]
+
+
 def test_the_memory_saving_variant_is_its_own_implementation():
     table = tiny_table([{"run": "a", "device": "GPU A", "impl": "pallas", "median_ms": 1.0},
                         {"run": "a", "device": "GPU A", "impl": "pallas", "median_ms": 1.2,
