@@ -10,8 +10,8 @@ Suites (``extra_info["suite"]``) mirror the stored seed files:
   decoder's shape (:data:`DEEPSEEK_ROUTER`: sigmoid scores, the balance bias, 8 groups of 8
   experts with 4 kept, top-8, ``routed_scale`` 2.5, the shared expert) beside the same shape's
   softmax router, bfloat16 train steps at 16k and 131k tokens in one process: tilax's default
-  (Mosaic GPU, sorted) and fused_gsum, PyTorch compiled in the same math; tokamax's glue
-  routes softmax top-k only (a recorded ``unsupported:`` row).
+  (Mosaic GPU, sorted) and fused, PyTorch compiled in the same math; tokamax's glue routes
+  softmax top-k only (a recorded ``unsupported:`` row).
 - ``decoder``: the decoder layer of the H100 seed (E64 top-8, expert width 128, shared expert
   1024, d512) at 16k/131k/1M tokens, bfloat16.
 - ``pieces``: the train-step cost split of the sorted Pallas path (route, sort_permute,
@@ -309,17 +309,17 @@ LAYER_ALL = (P_SORTED, P_GATHER, P_FUSED, P_GSUM, BLOCKED, RAGGED, TOKAMAX, TORC
              DENSE, CAPACITY)
 LAYER_CORE = (P_SORTED, P_GSUM, RAGGED, TOKAMAX, DENSE)
 # The DeepSeek-style rows and their softmax baseline: tilax's default on the H200 (Mosaic GPU,
-# sorted), its fused_gsum dispatch, and the peers in the same math.
-ROUTER_IMPLS = (MOSAIC[0], MOSAIC[3], TORCH_COMPILE, TOKAMAX)
+# sorted), its fastest dispatch at the E64 decoder's shape (fused), and the peers in the same
+# math.
+ROUTER_IMPLS = (MOSAIC[0], MOSAIC[2], TORCH_COMPILE, TOKAMAX)
 
 
 def router_cases(tokens, router: dict, shape: dict, impls, priority: int) -> list[MoECase]:
-    """bfloat16 train steps of ``shape`` with the router fields ``router``, and the same cases
-    with the softmax router (the baseline the DeepSeek-style step is compared with, in one
-    process)."""
+    """bfloat16 train steps of ``shape`` with the softmax router, each followed by the same
+    case with the router fields ``router``: the pair a ratio is formed from runs back to back
+    in one process, so a run cut short by its budget keeps whole pairs."""
     cases = _layer_cases("layer", impls, tokens, ["bfloat16"], ["train_step"], shape, priority)
-    return ([dataclasses.replace(case, **router) for case in cases]
-            + [dataclasses.replace(case, priority=priority + 1) for case in cases])
+    return [pair for case in cases for pair in (case, dataclasses.replace(case, **router))]
 
 
 def layer_cases(mode: str) -> list[MoECase]:
