@@ -159,11 +159,11 @@ def keep_best_groups(selection: jax.Array, expert_groups: int, group_top_k: int)
     if size == 1:
         group_scores = grouped[..., 0]
     else:
+        # the best, then the best of the rest (one copy of a tied best stays in the rest)
         members = jnp.arange(size, dtype=jnp.int32)
         first = jnp.argmax(grouped, axis=-1).astype(jnp.int32)
-        best = jnp.take_along_axis(grouped, first[..., None], axis=-1)[..., 0]
         second = jnp.max(jnp.where(members == first[..., None], -jnp.inf, grouped), axis=-1)
-        group_scores = best + second
+        group_scores = jnp.max(grouped, axis=-1) + second
     best_groups = top_k_experts(group_scores, group_top_k)[1]  # [T, group_top_k]
     groups = jnp.arange(expert_groups, dtype=jnp.int32)
     kept = jnp.any(best_groups[..., None] == groups, axis=-2)  # [T, G]
