@@ -309,6 +309,22 @@ def test_bfloat16_layer_matches_the_oracle():
     assert peak_rel_err(y, y_ref) < 3e-2
 
 
+def test_vmap_routes_each_element_on_its_own():
+    config = _config(**ROUTINGS["deepseek"])
+    params, x, _ = _layer_inputs(config, tokens=24)
+    batch = x.reshape(2, 12, -1)
+    y, aux = jax.jit(jax.vmap(tilax.moe_apply, in_axes=(None, 0, None)))(params, batch, config)
+    for i in range(2):
+        y_i, aux_i = _apply(params, batch[i], config)
+        np.testing.assert_allclose(y[i], y_i, rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(aux["expert_counts"][i], aux_i["expert_counts"])
+    # the bias update sums a vmapped call's counts over its elements
+    updated = tilax.moe_update_bias(params, aux, 0.1)["router_bias"]
+    counts = np.asarray(aux["expert_counts"]).sum(0)
+    np.testing.assert_allclose(updated - params["router_bias"],
+                               0.1 * np.sign(counts.mean() - counts), atol=1e-6)
+
+
 def test_routed_scale_scales_the_routed_output_only():
     base = _config(shared_hidden=16, score_func="sigmoid")
     params, x, _ = _layer_inputs(base)
