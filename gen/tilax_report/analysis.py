@@ -83,6 +83,9 @@ def _config_label(row) -> str:
         # not record skew; its decoder cases count as balanced).
         if not pd.isna(row.skew) and row.skew:
             parts.append(f"skew {row.skew:g}")
+        # Another router (sigmoid scores, bias, groups) is another layer: its own config.
+        if isinstance(row.router, str) and row.router:
+            parts.append(row.router)
         return " ".join(parts)
     if row.family == "rbf":
         parts = []

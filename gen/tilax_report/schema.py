@@ -103,6 +103,9 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "variant": ("str", "MoE: the options of tilax.moe.rules' variant rules the row was traced "
                        "with, 'rule=option' joined by commas (suite variants; missing: the "
                        "rules' picks)"),
+    "router": ("str", "MoE: the router when it is not the softmax top-k (MoEConfig's "
+                      "score_func, balance_bias, expert_groups/group_top_k, routed_scale), "
+                      "e.g. 'sigmoid bias groups 8/4 scale 2.5' (missing: softmax top-k)"),
     "slab_elems": ("Int64", "scatter slab size in elements (slab sweep runs; 0: one slab)"),
     "n": ("Int64", "RBF query points"),
     "m": ("Int64", "RBF data points"),
@@ -227,10 +230,10 @@ CASE_COLUMNS = [
     "code", "family", "suite", "impl", "dispatch", "routing", "dtype", "op", "piece", "part",
     "exchange", "exchange_chunks", "mesh", "devices", "precision", "fwd_backend", "bwd_backend",
     "tokens", "tokens_per_device", "d_model", "d_hidden", "experts", "top_k", "shared_hidden",
-    "skew", "block_m", "recompute", "quantize", "deterministic", "variant", "slab_elems", "n",
-    "m", "dim", "out", "batch", "block_q", "block_k", "block_o", "path", "kernel", "block_p",
-    "block_l", "num_warps", "num_stages", "repeat", "resolution", "model_dim", "params",
-    "summary",
+    "skew", "block_m", "recompute", "quantize", "deterministic", "variant", "router",
+    "slab_elems", "n", "m", "dim", "out", "batch", "block_q", "block_k", "block_o", "path",
+    "kernel", "block_p", "block_l", "num_warps", "num_stages", "repeat", "resolution",
+    "model_dim", "params", "summary",
 ]
 
 # Columns whose values are integers (possibly missing); seed files store some as floats.

@@ -6,7 +6,12 @@ Suites (``extra_info["suite"]``) mirror the stored seed files:
   skewed routing (skew 0.9) at 32k; every impl x dispatch x routing; float32 and bfloat16;
   ``forward`` and ``train_step``. The peers (``tokamax``, ``torch_grouped_mm``,
   ``torch_grouped_mm_compile``: see ``bench_tokamax`` and ``bench_torch_moe``) run bfloat16
-  only, the one dtype their grouped matmuls take.
+  only, the one dtype their grouped matmuls take. And the DeepSeek-style router on the E64
+  decoder's shape (:data:`DEEPSEEK_ROUTER`: sigmoid scores, the balance bias, 8 groups of 8
+  experts with 4 kept, top-8, ``routed_scale`` 2.5, the shared expert) beside the same shape's
+  softmax router, bfloat16 train steps at 16k and 131k tokens in one process: tilax's default
+  (Mosaic GPU, sorted) and fused, PyTorch compiled in the same math; tokamax's glue routes
+  softmax top-k only (a recorded ``unsupported:`` row).
 - ``decoder``: the decoder layer of the H100 seed (E64 top-8, expert width 128, shared expert
   1024, d512) at 16k/131k/1M tokens, bfloat16.
 - ``pieces``: the train-step cost split of the sorted Pallas path (route, sort_permute,
@@ -82,6 +87,12 @@ class MoECase:
     # options of tilax.moe.rules' variant rules, ``(rule, option)`` pairs taken with
     # ``rules.choose`` while the row's function is traced (the ``variants`` suite)
     variants: tuple[tuple[str, Any], ...] = ()
+    # the router: MoEConfig's routing fields (the defaults: softmax top-k)
+    score_func: str = "softmax"
+    balance_bias: bool = False
+    expert_groups: int = 1
+    group_top_k: int = 1
+    routed_scale: float = 1.0
     numerics: bool = True
     priority: int = 50
     seed: int = 0
@@ -110,8 +121,25 @@ class MoECase:
         if self.deterministic:
             parts.append("deterministic")
         parts += [f"{rule}={option}" for rule, option in self.variants]
+        if self.router_label():  # e.g. sigmoid-bias-groups8of4-scale2.5
+            parts.append(self.router_label().replace("groups ", "groups").replace(
+                "scale ", "scale").replace("/", "of").replace(" ", "-"))
         parts.append(self.op)
         return "-".join(parts)
+
+    def router_label(self) -> str:
+        """The router when it is not the softmax top-k, e.g. ``"sigmoid bias groups 8/4 scale
+        2.5"`` (``extra_info["router"]``); ``""`` for the softmax top-k."""
+        parts = []
+        if self.score_func != "softmax":
+            parts.append(self.score_func)
+        if self.balance_bias:
+            parts.append("bias")
+        if self.expert_groups > 1:
+            parts.append(f"groups {self.expert_groups}/{self.group_top_k}")
+        if self.routed_scale != 1.0:
+            parts.append(f"scale {self.routed_scale:g}")
+        return " ".join(parts)
 
     def extra_info(self) -> dict[str, Any]:
         info = {
@@ -141,6 +169,8 @@ class MoECase:
             info["deterministic"] = True
         if self.variants:
             info["variant"] = ",".join(f"{rule}={option}" for rule, option in self.variants)
+        if self.router_label():
+            info["router"] = self.router_label()
         return info
 
     def scale_key(self) -> tuple:
@@ -259,6 +289,11 @@ SEED_WIDE = dict(d_model=512, d_hidden=256, experts=64, top_k=4)
 SEED_DECODER = dict(d_model=512, d_hidden=128, experts=64, top_k=8, shared_hidden=1024)
 SMOKE_LAYER = dict(d_model=32, d_hidden=64, experts=4, top_k=2)
 SMOKE_DECODER = dict(d_model=32, d_hidden=16, experts=8, top_k=4, shared_hidden=32)
+# DeepSeek-V3's router (sigmoid scores, the auxiliary-loss-free balance bias, 8 groups of which
+# each token keeps 4, the routed output scaled by 2.5) on the E64 top-8 decoder's shape.
+DEEPSEEK_ROUTER = dict(score_func="sigmoid", balance_bias=True, expert_groups=8, group_top_k=4,
+                       routed_scale=2.5)
+SMOKE_DEEPSEEK_ROUTER = dict(DEEPSEEK_ROUTER, expert_groups=4, group_top_k=2)
 
 P_SORTED = ("pallas", "sorted", "dropless")
 P_GATHER = ("pallas", "gather", "dropless")
@@ -278,6 +313,18 @@ CAPACITY = ("pallas", "sorted", "capacity")
 LAYER_ALL = (P_SORTED, P_GATHER, P_FUSED, P_GSUM, BLOCKED, RAGGED, TOKAMAX, TORCH, TORCH_COMPILE,
              DENSE, CAPACITY)
 LAYER_CORE = (P_SORTED, P_GSUM, RAGGED, TOKAMAX, DENSE)
+# The DeepSeek-style rows and their softmax baseline: tilax's default on the H200 (Mosaic GPU,
+# sorted), its fastest dispatch at the E64 decoder's shape (fused), and the peers in the same
+# math.
+ROUTER_IMPLS = (MOSAIC[0], MOSAIC[2], TORCH_COMPILE, TOKAMAX)
+
+
+def router_cases(tokens, router: dict, shape: dict, impls, priority: int) -> list[MoECase]:
+    """bfloat16 train steps of ``shape`` with the softmax router, each followed by the same
+    case with the router fields ``router``: the pair a ratio is formed from runs back to back
+    in one process, so a run cut short by its budget keeps whole pairs."""
+    cases = _layer_cases("layer", impls, tokens, ["bfloat16"], ["train_step"], shape, priority)
+    return [pair for case in cases for pair in (case, dataclasses.replace(case, **router))]
 
 
 def layer_cases(mode: str) -> list[MoECase]:
@@ -292,11 +339,17 @@ def layer_cases(mode: str) -> list[MoECase]:
             + _layer_cases("layer", (P_SORTED,), [64], ["bfloat16"], ["forward"], shape, 10)
             + _layer_cases("layer", (P_SORTED,), [64], ["bfloat16"], ["forward"], shape, 10,
                            skew=0.9)
+            + router_cases([64], SMOKE_DEEPSEEK_ROUTER, SMOKE_DECODER,
+                           (P_SORTED, TORCH_COMPILE, TOKAMAX), 10)
         )
     if mode == "quick":
-        return _layer_cases("layer", LAYER_CORE[:1] + LAYER_CORE[2:], [32768], BOTH_DTYPES,
-                            BOTH_OPS, SEED_LAYER, 10)
+        return (_layer_cases("layer", LAYER_CORE[:1] + LAYER_CORE[2:], [32768], BOTH_DTYPES,
+                             BOTH_OPS, SEED_LAYER, 10)
+                + router_cases([16384], DEEPSEEK_ROUTER, SEED_DECODER, ROUTER_IMPLS, 12))
     return (
+        # the DeepSeek-style router against the same shape's softmax router, then the rest
+        router_cases([16384, 131072], DEEPSEEK_ROUTER, SEED_DECODER, ROUTER_IMPLS, 8)
+        +
         # the headline comparison first: every impl at 32k and 131k, both dtypes and ops
         _layer_cases("layer", LAYER_ALL, [32768, 131072], BOTH_DTYPES, BOTH_OPS, SEED_LAYER, 10)
         + _layer_cases("layer", (TRITON, *MOSAIC), [32768, 131072], ["bfloat16"], BOTH_OPS,
@@ -426,6 +479,10 @@ def moe_config(case: MoECase, *, dtype=None, routing=None, impl=None, dispatch=N
         top_k=case.top_k, shared_hidden=case.shared_hidden,
         dtype=dtype if dtype is not None else _jnp_dtype(case.dtype),
     )
+    if case.router_label():
+        kwargs.update(score_func=case.score_func, balance_bias=case.balance_bias,
+                      expert_groups=case.expert_groups, group_top_k=case.group_top_k,
+                      routed_scale=case.routed_scale)
     routing = routing or ("dense" if case.impl == "dense" else case.routing)
     kwargs["routing"] = routing
     impl = impl or case.impl
@@ -453,22 +510,28 @@ class MoEInputs:
 
 
 def make_inputs(case: MoECase) -> MoEInputs:
-    """Parameters, tokens (skewed when asked) and the cotangent of one shape and dtype."""
+    """Parameters, tokens (skewed when asked) and the cotangent of one shape and dtype. With
+    the balance bias, a small random ``router_bias`` (as after some balancing steps: it moves
+    some choices)."""
     import jax
     import jax.numpy as jnp
 
     import tilax
-    from tilax.moe.router import route, skew_tokens
+    from tilax.moe.router import route_layer, skew_tokens
 
     dtype = _jnp_dtype(case.dtype)
     key_params, key_x, key_dy = jax.random.split(jax.random.key(case.seed), 3)
-    params = tilax.moe_init(key_params, moe_config(case, routing="dropless", impl="pallas"))
+    config = moe_config(case, routing="dropless", impl="pallas")
+    params = tilax.moe_init(key_params, config)
+    if case.balance_bias:
+        bias_key = jax.random.fold_in(key_params, 1)
+        params["router_bias"] = 0.01 * jax.random.normal(bias_key, (case.experts,), jnp.float32)
     x = jax.random.normal(key_x, (case.tokens, case.d_model), jnp.float32)
     if case.skew:
         x = skew_tokens(x, params["router"], case.skew)
     x = x.astype(dtype)
     dy = jax.random.normal(key_dy, (case.tokens, case.d_model), jnp.float32)
-    routed = route(x, params["router"], case.top_k, True)
+    routed = route_layer(x, params, config)
     counts = jnp.sum(routed.expert_ids.reshape(-1, 1) == jnp.arange(case.experts), axis=0)
     stats = {
         "max_expert_frac": float(jnp.max(counts)) / (case.tokens * case.top_k),
@@ -479,12 +542,15 @@ def make_inputs(case: MoECase) -> MoEInputs:
 
 def _inputs_key(case: MoECase) -> tuple:
     return ("moe", case.tokens, case.d_model, case.d_hidden, case.experts, case.top_k,
-            case.shared_hidden, case.skew, case.dtype, case.seed)
+            case.shared_hidden, case.skew, case.dtype, case.seed, case.router_label())
 
 
 def layer_apply_fn(case: MoECase):
     """``apply(params, x) -> (y, aux)`` of the case's implementation."""
     if case.impl in TOKAMAX_IMPLS:
+        if case.router_label():
+            raise Unavailable(f"unsupported: the tokamax peer's glue routes softmax top-k only, "
+                              f"not this router ({case.router_label()})")
         try:
             import bench_tokamax
         except ModuleNotFoundError as exc:  # not installed: not attempted; any other error fails

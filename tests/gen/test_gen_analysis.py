@@ -91,6 +91,21 @@ def test_headline_32k_bf16_train_step_on_the_rtx3090(table, seed_doc):
         in sentence
 
 
+def test_the_peer_headline_reads_each_setting_from_its_suite():
+    # The layer suite's E64 top-8 rows (the router comparison's softmax twins) are no
+    # decoder-suite peer rows: the headline's E64 settings read the decoder suite only.
+    base = {"run": "a", "device": "NVIDIA H200", "impl": "mosaic", "median_ms": 1.0}
+    e8 = {**base, "suite": "layer", "tokens": 131072}
+    e64 = {**base, "experts": 64, "top_k": 8, "d_hidden": 128, "shared_hidden": 1024,
+           "tokens": 131072}
+    table = tiny_table([e8, e64 | {"suite": "layer"}, e64 | {"suite": "decoder"},
+                        e64 | {"suite": "layer", "router": "sigmoid bias groups 8/4"}])
+    rows = headlines.peer_setting_rows(table)
+    assert sorted(zip(rows["suite"], rows["experts"], strict=True)) == [
+        ("decoder", 64), ("layer", 8)]
+    assert set(headlines.PEER_SUITES) == {config for config, _ in headlines.PEER_SETTINGS}
+
+
 def test_rbf_memory_growth(table):
     _, growth = headlines.rbf_memory(analysis.with_labels(table))
     peak = growth[growth["suite"] == "kernel_mv_peak"].set_index(["op", "label"])
@@ -219,6 +234,15 @@ def test_an_rbf_precision_other_than_the_default_is_its_own_implementation():
            "run": "a", "device": "GPU A", "median_ms": 1.0}
     table = tiny_table([rbf | {"impl": "pallas"}, rbf | {"impl": "pallas", "precision": "highest"}])
     assert list(table["label"]) == ["pallas", "pallas (highest)"]
+
+
+def test_another_router_is_its_own_config():
+    decoder = {"run": "a", "device": "GPU A", "impl": "mosaic", "experts": 64, "top_k": 8,
+               "d_model": 512, "d_hidden": 128, "shared_hidden": 1024, "median_ms": 1.0}
+    table = tiny_table([decoder, decoder | {"router": "sigmoid bias groups 8/4 scale 2.5"}])
+    assert list(table["config"]) == [
+        "E64 top-8 d512 h128 shared 1024",
+        "E64 top-8 d512 h128 shared 1024 sigmoid bias groups 8/4 scale 2.5"]
 
 
 def test_the_memory_saving_variant_is_its_own_implementation():

@@ -86,6 +86,8 @@ def ep_inputs(config, tokens, skew_to=None):
     import tilax
 
     params = tilax.moe_init(jax.random.key(0), config)
+    if config.balance_bias:  # a bias that moves the choice of experts
+        params["router_bias"] = jax.random.normal(jax.random.key(2), (config.num_experts,)) * 0.3
     lead = (tokens,) if isinstance(tokens, int) else tuple(tokens)
     x = jax.random.normal(jax.random.key(1), lead + (config.d_model,))
     if skew_to is not None:

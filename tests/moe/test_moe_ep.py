@@ -95,6 +95,21 @@ def test_expert_mesh_matches_one_device(impl, dispatch, routing):
                    dict(LAYER, impl=impl, dispatch=dispatch, routing=routing))
 
 
+# DeepSeek-style routing: every device routes its tokens with the replicated bias and groups.
+DEEPSEEK = dict(score_func="sigmoid", balance_bias=True, expert_groups=4, group_top_k=2,
+                routed_scale=2.5)
+
+
+@pytest.mark.parametrize("impl,dispatch,exchange", [
+    ("blocked", "sorted", "all_gather"),
+    ("blocked", "sorted", "all_to_all"),
+    ("pallas", "fused_gsum", "all_gather"),
+])  # fmt: skip
+def test_deepseek_routing_on_a_mesh(impl, dispatch, exchange):
+    on_cpu_devices(check_matches_one_device, (2, 2), ("data", "expert"),
+                   dict(LAYER, impl=impl, dispatch=dispatch, exchange=exchange, **DEEPSEEK))
+
+
 def test_dense_routing_on_a_mesh():
     on_cpu_devices(check_matches_one_device, (2, 2), ("data", "expert"),
                    dict(LAYER, routing="dense"))

@@ -61,6 +61,14 @@ def test_fine_grained_decoder(dispatch):
     _compare(DECODER, 1500, "bfloat16", impl="pallas", dispatch=dispatch)
 
 
+@pytest.mark.parametrize("impl", ["triton", "ragged_dot"])
+def test_deepseek_routing(impl):
+    # DeepSeek-V3's router on the decoder's 64 experts: sigmoid scores, a balance bias that
+    # moves the choice, 8 groups of which 4 are kept, the routed output scaled
+    _compare(DECODER, 1500, "bfloat16", impl=impl, dispatch="fused_gsum", score_func="sigmoid",
+             balance_bias=True, expert_groups=8, group_top_k=4, routed_scale=2.5)
+
+
 @pytest.mark.parametrize("impl", ["blocked", "ragged_dot"])
 def test_xla_baselines(impl):
     _compare(LAYER, 1001, "bfloat16", impl=impl)

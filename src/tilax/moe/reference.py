@@ -286,7 +286,8 @@ def routed_dense(config, x, w_gate, w_up, w_down, copies: RoutedCopies):
 def moe_oracle(params: dict, x: jax.Array, config) -> jax.Array:
     """float32 reference of ``moe_apply``'s output, straight from the math.
 
-    Every expert runs on every token at ``Precision.HIGHEST``; capacity routing keeps copy
+    Every expert runs on every token at ``Precision.HIGHEST``; the router's scores, balance
+    bias, expert groups and scale as ``MoEConfig`` defines them; capacity routing keeps copy
     ``(t, j)`` when fewer than ``C`` earlier tokens chose the same expert. Returns float32 with
     the shape of ``x``.
     """
@@ -299,10 +300,26 @@ def moe_oracle(params: dict, x: jax.Array, config) -> jax.Array:
         return jnp.einsum(spec, a.astype(F32), b.astype(F32), precision=highest)
 
     logits = mm("td,de->te", x32, params["router"])
-    probs = jax.nn.softmax(logits, axis=-1)
-    top_probs, expert_ids = jax.lax.top_k(probs, top_k)
+    if config.score_func == "sigmoid":
+        scores = jax.nn.sigmoid(logits)
+    else:
+        scores = jax.nn.softmax(logits, axis=-1)
+    selection = scores
+    if config.balance_bias:
+        selection = scores + jax.lax.stop_gradient(params["router_bias"].astype(F32))
+    groups = config.expert_groups
+    if groups > 1:
+        # keep each token's group_top_k groups by the sum of their two best selection scores
+        grouped = selection.reshape(num_tokens, groups, num_experts // groups)
+        group_scores = jnp.sum(jax.lax.top_k(grouped, min(2, grouped.shape[-1]))[0], -1)
+        best_groups = jax.lax.top_k(group_scores, config.group_top_k)[1]
+        kept = jnp.sum(jax.nn.one_hot(best_groups, groups), axis=1) > 0
+        selection = jnp.where(kept[:, :, None], grouped, -jnp.inf).reshape(selection.shape)
+    _, expert_ids = jax.lax.top_k(selection, top_k)
+    top_probs = jnp.take_along_axis(scores, expert_ids, axis=1)
     if config.renormalize:
         top_probs = top_probs / jnp.sum(top_probs, axis=-1, keepdims=True)
+    top_probs = top_probs * config.routed_scale
     gate = mm("td,edh->teh", x32, params["w_gate"])
     up = mm("td,edh->teh", x32, params["w_up"])
     every_expert = mm("teh,ehd->ted", jax.nn.silu(gate) * up, params["w_down"])

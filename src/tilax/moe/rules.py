@@ -371,9 +371,10 @@ _VARIANT_ROWS = (
     ),
     VariantRule(
         "router", ("kernels", "xla"), "kernels",
-        "bfloat16 routing runs the softmax, top-k and their gradient as two kernels "
-        "(mosaic/router.py) where blocks of 64 tokens divide the tokens and the expert count "
-        "is a multiple of 8",
+        "bfloat16 routing runs the softmax (or sigmoid) scores, top-k and their gradient as "
+        "two kernels (mosaic/router.py) where blocks of 64 tokens divide the tokens, the expert "
+        "count is a multiple of 8 and experts are chosen by their scores alone (a balance bias "
+        "or expert groups route in XLA)",
         unstored="about 0.23 ms of XLA's small kernels against 0.09 ms of these two in the "
                  "E64 decoder's train step at 131 072 tokens (H200, mosaic/router.py); the "
                  "stored runs around the change (37bb3bf, 414ab32, 01e664a decoder-peers) "
