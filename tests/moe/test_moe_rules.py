@@ -63,11 +63,11 @@ def test_each_variant_rule_is_held_by_its_stored_runs(rule):
     assert rule.pick in rule.options and len(set(rule.options)) == len(rule.options)
     assert rule.evidence or rule.unstored, f"{rule.name}: neither stored evidence nor a figure"
     for comparison in rule.evidence:
-        case = dict(comparison.case)
         stats = {}
         for side in ("picked", "other"):
             name = getattr(comparison, side)
-            machine, found = _measured_rows(RESULTS / name, comparison.op, case)
+            machine, found = _measured_rows(RESULTS / name, comparison.op,
+                                            comparison.side_case(side))
             assert machine["gpu"] == "NVIDIA H200", name
             assert len(found) == 1, f"{name}: {len(found)} {comparison.op} rows of {case}"
             stats[side] = found[0][1]
@@ -101,6 +101,14 @@ def test_each_decode_rule_is_a_win_in_its_evidence_or_says_why_not(rule):
             assert others, f"{name} has no training-kernel row beside decode at {case}"
             best = min(others, key=lambda stats: stats["median"])
             assert rows[case]["decode"]["q3"] < best["q1"], (name, case)
+
+
+def test_a_comparison_names_each_side_of_a_variants_run():
+    comparison = rules.Comparison("train_step", (("experts", 64),), "run.json", "run.json",
+                                  other_options=(("joined_dx", "on"), ("gmm_ws", "off")))
+    assert comparison.side_case("picked") == {"experts": 64, "variant": None}
+    assert comparison.side_case("other") == {"experts": 64,
+                                             "variant": "joined_dx=on,gmm_ws=off"}
 
 
 def test_variant_limits_are_read_from_the_table():

@@ -291,14 +291,24 @@ def decode_rule_for(config, num_tokens: int | None,
 @dataclasses.dataclass(frozen=True)
 class Comparison:
     """Evidence of a variant: the same case's stored row with the variant (``picked``, a file
-    under ``data/results/``) and without it (``other``), the runs of the commits before and
-    after the change. ``case`` filters the rows' ``extra_info`` (besides dropless routing,
-    bfloat16, no skew and the default tiles)."""
+    under ``data/results/``) and without it (``other``): the runs of the commits before and
+    after the change, or one file of the ``variants`` suite holding both sides. ``case``
+    filters the rows' ``extra_info`` (besides dropless routing, bfloat16, no skew and the
+    default tiles); ``picked_options`` and ``other_options`` are the sides' :func:`choose`
+    options in a ``variants`` run (its rows' ``variant``; none: the layer's picks)."""
 
     op: str
     case: tuple[tuple[str, Any], ...]
     picked: str
     other: str
+    picked_options: tuple[tuple[str, Any], ...] = ()
+    other_options: tuple[tuple[str, Any], ...] = ()
+
+    def side_case(self, side: str) -> dict[str, Any]:
+        """The ``extra_info`` filter of one side (``"picked"`` or ``"other"``)."""
+        options = getattr(self, f"{side}_options")
+        label = ",".join(f"{name}={option}" for name, option in options) or None
+        return {**dict(self.case), "variant": label}
 
 
 @dataclasses.dataclass(frozen=True)
