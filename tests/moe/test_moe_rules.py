@@ -66,10 +66,10 @@ def test_each_variant_rule_is_held_by_its_stored_runs(rule):
         stats = {}
         for side in ("picked", "other"):
             name = getattr(comparison, side)
-            machine, found = _measured_rows(RESULTS / name, comparison.op,
-                                            comparison.side_case(side))
+            case = comparison.side_case(side)
+            machine, found = _measured_rows(RESULTS / name, comparison.op, case)
             assert machine["gpu"] == "NVIDIA H200", name
-            assert len(found) == 1, f"{name}: {len(found)} {comparison.op} rows of {comparison.side_case(side)}"
+            assert len(found) == 1, f"{name}: {len(found)} {comparison.op} rows of {case}"
             stats[side] = found[0][1]
         assert stats["picked"]["q3"] < stats["other"]["q1"], (rule.name, comparison, stats)
 
