@@ -61,6 +61,10 @@ def _impl_label(row) -> str:
     name = f"{impl}/{row.dispatch}" if isinstance(row.dispatch, str) else impl
     if pd.notna(row.recompute) and bool(row.recompute):  # memory-saving variant: its own line
         name += " +recompute"
+    if isinstance(row.quantize, str):  # quantised experts (MoEConfig.quantize): its own line
+        name += f" +{row.quantize}"
+    if pd.notna(row.deterministic) and bool(row.deterministic):  # repeatable: its own line
+        name += " +deterministic"
     if row.routing == "capacity":
         return f"capacity ({name})"
     return name or "?"
@@ -84,6 +88,9 @@ def _config_label(row) -> str:
         activation = getattr(row, "activation", None)
         if isinstance(activation, str) and activation != "swiglu":
             parts.append(activation)
+        # Another router (sigmoid scores, bias, groups) is another layer: its own config.
+        if isinstance(row.router, str) and row.router:
+            parts.append(row.router)
         return " ".join(parts)
     if row.family == "rbf":
         parts = []

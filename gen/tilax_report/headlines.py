@@ -126,6 +126,10 @@ PEER_SETTINGS = [
     ("E64 top-8 d512 h128 shared 1024", 16384),
     ("E64 top-8 d512 h128 shared 1024", 131072),
 ]
+# The suite each setting's peer rows come from: the layer suite also holds E64 top-8 rows (the
+# softmax twins of its DeepSeek-style router rows, without the decoder suite's peers), which
+# must not stand in for the decoder's comparison.
+PEER_SUITES = {"E8 top-2 d512 h1024": "layer", "E64 top-8 d512 h128 shared 1024": "decoder"}
 DEFAULT_COLUMN = "tilax default"
 FASTEST_COLUMN = "tilax fastest"
 # The peers' columns: column -> label (analysis.with_labels).
@@ -154,15 +158,17 @@ class PeerHeadline:
     rows: pd.DataFrame  # every tidy row of the chosen files at the settings (source lines)
 
 
-def _setting_rows(table: pd.DataFrame) -> pd.DataFrame:
+def peer_setting_rows(table: pd.DataFrame) -> pd.DataFrame:
     rows = table[table["family"] == "moe"]
     rows = rows[(rows["device"] == PEER_GPU) & rows["suite"].isin(["layer", "decoder"])]
     for field, value in PEER_CASE.items():
         rows = rows[rows[field] == value]
-    rows = rows[rows["recompute"].isna() | ~rows["recompute"].fillna(False).astype(bool)]
+    for option in ("recompute", "deterministic"):  # the options' rows are not the default's
+        rows = rows[rows[option].isna() | ~rows[option].fillna(False).astype(bool)]
     keep = pd.Series(False, index=rows.index)
     for config, tokens in PEER_SETTINGS:
-        keep |= (rows["config"] == config) & (rows["tokens"] == tokens)
+        keep |= ((rows["config"] == config) & (rows["tokens"] == tokens)
+                 & (rows["suite"] == PEER_SUITES[config]))
     return rows[keep]
 
 
@@ -201,7 +207,7 @@ def _setting_cells(rows: pd.DataFrame, device: str) -> dict[str, pd.Series] | No
 
 def peer_headline(table: pd.DataFrame, run_order: pd.Series) -> PeerHeadline | None:
     """The newest run on `PEER_GPU` that holds every column at every setting."""
-    rows = _setting_rows(table)
+    rows = peer_setting_rows(table)
     candidates = sorted(rows["run"].unique(), key=lambda r: -run_order.get(r, -1))
     for run in candidates:
         in_run = rows[rows["run"] == run]

@@ -30,7 +30,7 @@ MEDIAN_OF_REPEATS = [
     "rel_err_grad_x", "rel_err_grad_params", "rel_err_out_vs_one_device",
 ]
 # Per unit of time: scaled by (the nearest repeat's median / the collapsed median).
-THROUGHPUT = ["tflops", "pairs_per_s", "tokens_per_s", "gbps"]
+THROUGHPUT = ["tflops", "pairs_per_s", "tokens_per_s", "gbps", "touched_weight_gbps"]
 
 
 def single_rows(rows: pd.DataFrame) -> pd.DataFrame:

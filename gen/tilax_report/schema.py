@@ -59,10 +59,9 @@ COLUMNS: dict[str, tuple[str, str]] = {
     # What was measured.
     "family": ("str", "moe, rbf or nn"),
     "suite": ("str", "benchmark suite (MoE: layer, decoder, pieces, blockm, maxtok, "
-                     "maxtok_summary, ep; RBF: kernel_mv, kde_density, kernel_mv_tiles, "
-                     "kernel_mv_launches, kernel_mv_crossover, kernel_mv_peak, kernel_mv_max_n; "
-                     "NN: transformer, "
-                     "diffusion, moe, ssm, unet)"),
+                     "maxtok_summary, ep, variants, decode; RBF: kernel_mv, kde_density, "
+                     "kernel_mv_tiles, kernel_mv_launches, kernel_mv_crossover, kernel_mv_peak, "
+                     "kernel_mv_max_n; NN: transformer, diffusion, moe, ssm, unet)"),
     "impl": ("str", "implementation (NN suites: attention variant or SSM cell)"),
     "dispatch": ("str", "MoE token dispatch: sorted, gather, fused, fused_gsum"),
     "routing": ("str", "MoE routing: dropless, capacity, dense"),
@@ -97,11 +96,18 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "block_m": ("Int64", "grouped-matmul row tile (suite blockm, pieces)"),
     "recompute": ("boolean", "MoE: expert activations recomputed in the backward instead of "
                              "saved (MoEConfig.recompute)"),
+    "quantize": ("str", "MoE: the experts' quantisation (MoEConfig.quantize: fp8; missing: "
+                        "none, the experts in dtype)"),
+    "deterministic": ("boolean", "MoE: bitwise repeatable train step, no order-dependent sums "
+                                 "(MoEConfig.deterministic)"),
     "activation": ("str", "MoE: the experts' activation (MoEConfig.activation; missing: swiglu, "
                           "the default)"),
     "variant": ("str", "MoE: the options of tilax.moe.rules' variant rules the row was traced "
                        "with, 'rule=option' joined by commas (suite variants; missing: the "
                        "rules' picks)"),
+    "router": ("str", "MoE: the router when it is not the softmax top-k (MoEConfig's "
+                      "score_func, balance_bias, expert_groups/group_top_k, routed_scale), "
+                      "e.g. 'sigmoid bias groups 8/4 scale 2.5' (missing: softmax top-k)"),
     "slab_elems": ("Int64", "scatter slab size in elements (slab sweep runs; 0: one slab)"),
     "n": ("Int64", "RBF query points"),
     "m": ("Int64", "RBF data points"),
@@ -168,8 +174,17 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "pairs_per_s": ("float64", "RBF kernel pairs per second: n · m · batch / median"),
     "tokens_per_s": ("float64", "tokens per second: tokens / median (suite ep)"),
     "bytes": ("Int64", "bytes that leave each GPU in one trip of the token copies (suite ep "
-                       "link and exchange rows)"),
-    "gbps": ("float64", "link bandwidth: bytes / median / 1e9, GB/s (suite ep link rows)"),
+                       "link and exchange rows); bytes read and written by one copy (suite "
+                       "decode, impl copy_bandwidth)"),
+    "gbps": ("float64", "bandwidth: bytes / median / 1e9, GB/s (suite ep link rows: the link; "
+                        "suite decode copy_bandwidth rows: the GPU's device-to-device copy)"),
+    "touched_experts": ("Int64", "experts the batch routes at least one token copy to (suite "
+                                 "decode)"),
+    "touched_weight_bytes": ("Int64", "bytes of the touched experts' w_gate, w_up and w_down, "
+                                      "the router and any shared expert: what a forward must "
+                                      "read at least (suite decode)"),
+    "touched_weight_gbps": ("float64", "touched_weight_bytes / median / 1e9, GB/s (suite "
+                                       "decode)"),
     # Memory.
     "peak_mb": ("float64", "device peak_bytes_in_use, MiB"),
     "xla_temp_mb": ("float64", "XLA temp buffer size of the compiled call, MiB"),
@@ -217,9 +232,10 @@ CASE_COLUMNS = [
     "code", "family", "suite", "impl", "dispatch", "routing", "dtype", "op", "piece", "part",
     "exchange", "exchange_chunks", "mesh", "devices", "precision", "fwd_backend", "bwd_backend",
     "tokens", "tokens_per_device", "d_model", "d_hidden", "experts", "top_k", "shared_hidden",
-    "skew", "block_m", "recompute", "activation", "variant", "slab_elems", "n", "m", "dim",
-    "out", "batch", "block_q", "block_k", "block_o", "path", "kernel", "block_p", "block_l",
-    "num_warps", "num_stages", "repeat", "resolution", "model_dim", "params", "summary",
+    "skew", "block_m", "recompute", "quantize", "deterministic", "activation", "variant",
+    "router", "slab_elems", "n", "m", "dim", "out", "batch", "block_q", "block_k", "block_o",
+    "path", "kernel", "block_p", "block_l", "num_warps", "num_stages", "repeat", "resolution",
+    "model_dim", "params", "summary",
 ]
 
 # Columns whose values are integers (possibly missing); seed files store some as floats.

@@ -1,7 +1,7 @@
 """tilax: Pallas GPU kernels for Mixture-of-Experts layers and RBF kernel sums."""
 
 from tilax import gp as gp  # tilax.gp.mll, tilax.gp.posterior
-from tilax.moe.api import MoEConfig, moe_apply, moe_init
+from tilax.moe.api import MoEConfig, moe_apply, moe_init, moe_update_bias
 from tilax.rbf import rbf_kde_density, rbf_kernel_mv
 
 __version__ = "0.1.0"
@@ -11,6 +11,7 @@ __all__ = [
     "__version__",
     "moe_apply",
     "moe_init",
+    "moe_update_bias",
     "rbf_kde_density",
     "rbf_kernel_mv",
 ]

@@ -9,7 +9,12 @@ Suites (``extra_info["suite"]``) mirror the stored seed files:
   only, the one dtype their grouped matmuls take. The other expert activations
   (``MoEConfig.activation``: ``geglu``, ``gelu``; rows carry ``activation`` and its name in
   theirs) run the 131k bfloat16 train step on Mosaic GPU (sorted, the H200's default) and
-  Triton, beside the SwiGLU rows of the same process.
+  Triton, beside the SwiGLU rows of the same process. And the DeepSeek-style router on the E64
+  decoder's shape (:data:`DEEPSEEK_ROUTER`: sigmoid scores, the balance bias, 8 groups of 8
+  experts with 4 kept, top-8, ``routed_scale`` 2.5, the shared expert) beside the same shape's
+  softmax router, bfloat16 train steps at 16k and 131k tokens in one process: tilax's default
+  (Mosaic GPU, sorted) and fused, PyTorch compiled in the same math; tokamax's glue routes
+  softmax top-k only (a recorded ``unsupported:`` row).
 - ``decoder``: the decoder layer of the H100 seed (E64 top-8, expert width 128, shared expert
   1024, d512) at 16k/131k/1M tokens, bfloat16.
 - ``pieces``: the train-step cost split of the sorted Pallas path (route, sort_permute,
@@ -81,10 +86,17 @@ class MoECase:
     piece: str | None = None
     block_m: int | None = None
     recompute: bool = False  # MoEConfig.recompute, the memory-saving option
+    deterministic: bool = False  # MoEConfig.deterministic, bitwise repeatable results
     activation: str = "swiglu"  # MoEConfig.activation
     # options of tilax.moe.rules' variant rules, ``(rule, option)`` pairs taken with
     # ``rules.choose`` while the row's function is traced (the ``variants`` suite)
     variants: tuple[tuple[str, Any], ...] = ()
+    # the router: MoEConfig's routing fields (the defaults: softmax top-k)
+    score_func: str = "softmax"
+    balance_bias: bool = False
+    expert_groups: int = 1
+    group_top_k: int = 1
+    routed_scale: float = 1.0
     numerics: bool = True
     priority: int = 50
     seed: int = 0
@@ -110,11 +122,30 @@ class MoECase:
             parts.append(f"bm{self.block_m}")
         if self.recompute:
             parts.append("recompute")
+        if self.deterministic:
+            parts.append("deterministic")
         if self.activation != "swiglu":
             parts.append(self.activation)
         parts += [f"{rule}={option}" for rule, option in self.variants]
+        if self.router_label():  # e.g. sigmoid-bias-groups8of4-scale2.5
+            parts.append(self.router_label().replace("groups ", "groups").replace(
+                "scale ", "scale").replace("/", "of").replace(" ", "-"))
         parts.append(self.op)
         return "-".join(parts)
+
+    def router_label(self) -> str:
+        """The router when it is not the softmax top-k, e.g. ``"sigmoid bias groups 8/4 scale
+        2.5"`` (``extra_info["router"]``); ``""`` for the softmax top-k."""
+        parts = []
+        if self.score_func != "softmax":
+            parts.append(self.score_func)
+        if self.balance_bias:
+            parts.append("bias")
+        if self.expert_groups > 1:
+            parts.append(f"groups {self.expert_groups}/{self.group_top_k}")
+        if self.routed_scale != 1.0:
+            parts.append(f"scale {self.routed_scale:g}")
+        return " ".join(parts)
 
     def extra_info(self) -> dict[str, Any]:
         info = {
@@ -140,10 +171,14 @@ class MoECase:
             info["block_m"] = self.block_m
         if self.recompute:
             info["recompute"] = True
+        if self.deterministic:
+            info["deterministic"] = True
         if self.activation != "swiglu":  # missing: the default (every run before the option)
             info["activation"] = self.activation
         if self.variants:
             info["variant"] = ",".join(f"{rule}={option}" for rule, option in self.variants)
+        if self.router_label():
+            info["router"] = self.router_label()
         return info
 
     def scale_key(self) -> tuple:
@@ -265,6 +300,11 @@ SEED_WIDE = dict(d_model=512, d_hidden=256, experts=64, top_k=4)
 SEED_DECODER = dict(d_model=512, d_hidden=128, experts=64, top_k=8, shared_hidden=1024)
 SMOKE_LAYER = dict(d_model=32, d_hidden=64, experts=4, top_k=2)
 SMOKE_DECODER = dict(d_model=32, d_hidden=16, experts=8, top_k=4, shared_hidden=32)
+# DeepSeek-V3's router (sigmoid scores, the auxiliary-loss-free balance bias, 8 groups of which
+# each token keeps 4, the routed output scaled by 2.5) on the E64 top-8 decoder's shape.
+DEEPSEEK_ROUTER = dict(score_func="sigmoid", balance_bias=True, expert_groups=8, group_top_k=4,
+                       routed_scale=2.5)
+SMOKE_DEEPSEEK_ROUTER = dict(DEEPSEEK_ROUTER, expert_groups=4, group_top_k=2)
 
 P_SORTED = ("pallas", "sorted", "dropless")
 P_GATHER = ("pallas", "gather", "dropless")
@@ -284,6 +324,18 @@ CAPACITY = ("pallas", "sorted", "capacity")
 LAYER_ALL = (P_SORTED, P_GATHER, P_FUSED, P_GSUM, BLOCKED, RAGGED, TOKAMAX, TORCH, TORCH_COMPILE,
              DENSE, CAPACITY)
 LAYER_CORE = (P_SORTED, P_GSUM, RAGGED, TOKAMAX, DENSE)
+# The DeepSeek-style rows and their softmax baseline: tilax's default on the H200 (Mosaic GPU,
+# sorted), its fastest dispatch at the E64 decoder's shape (fused), and the peers in the same
+# math.
+ROUTER_IMPLS = (MOSAIC[0], MOSAIC[2], TORCH_COMPILE, TOKAMAX)
+
+
+def router_cases(tokens, router: dict, shape: dict, impls, priority: int) -> list[MoECase]:
+    """bfloat16 train steps of ``shape`` with the softmax router, each followed by the same
+    case with the router fields ``router``: the pair a ratio is formed from runs back to back
+    in one process, so a run cut short by its budget keeps whole pairs."""
+    cases = _layer_cases("layer", impls, tokens, ["bfloat16"], ["train_step"], shape, priority)
+    return [pair for case in cases for pair in (case, dataclasses.replace(case, **router))]
 
 
 def layer_cases(mode: str) -> list[MoECase]:
@@ -298,11 +350,17 @@ def layer_cases(mode: str) -> list[MoECase]:
             + _layer_cases("layer", (P_SORTED,), [64], ["bfloat16"], ["forward"], shape, 10)
             + _layer_cases("layer", (P_SORTED,), [64], ["bfloat16"], ["forward"], shape, 10,
                            skew=0.9)
+            + router_cases([64], SMOKE_DEEPSEEK_ROUTER, SMOKE_DECODER,
+                           (P_SORTED, TORCH_COMPILE, TOKAMAX), 10)
         )
     if mode == "quick":
-        return _layer_cases("layer", LAYER_CORE[:1] + LAYER_CORE[2:], [32768], BOTH_DTYPES,
-                            BOTH_OPS, SEED_LAYER, 10)
+        return (_layer_cases("layer", LAYER_CORE[:1] + LAYER_CORE[2:], [32768], BOTH_DTYPES,
+                             BOTH_OPS, SEED_LAYER, 10)
+                + router_cases([16384], DEEPSEEK_ROUTER, SEED_DECODER, ROUTER_IMPLS, 12))
     return (
+        # the DeepSeek-style router against the same shape's softmax router, then the rest
+        router_cases([16384, 131072], DEEPSEEK_ROUTER, SEED_DECODER, ROUTER_IMPLS, 8)
+        +
         # the headline comparison first: every impl at 32k and 131k, both dtypes and ops
         _layer_cases("layer", LAYER_ALL, [32768, 131072], BOTH_DTYPES, BOTH_OPS, SEED_LAYER, 10)
         + _layer_cases("layer", (TRITON, *MOSAIC), [32768, 131072], ["bfloat16"], BOTH_OPS,
@@ -317,11 +375,30 @@ def layer_cases(mode: str) -> list[MoECase]:
         + [case for activation in ACTIVATIONS_MEASURED for case in _layer_cases(
             "layer", (MOSAIC[0], TRITON), [131072], ["bfloat16"], ["train_step"], SEED_LAYER,
             12, activation=activation)]
+        + deterministic_cases()
     )
 
 
 # MoEConfig.activation values other than the default with layer-suite rows
 ACTIVATIONS_MEASURED = ("geglu", "gelu")
+
+
+# MoEConfig.deterministic's train step beside the default, in the same file: the backends
+# impl="auto" takes on the H200 (Mosaic GPU; fused_gsum's combine becomes fused's) and Triton.
+DETERMINISTIC_IMPLS = (MOSAIC[0], MOSAIC[3], P_SORTED)
+
+
+def deterministic_cases() -> list[MoECase]:
+    """The deterministic train step at 131k tokens: the E8 layer (its default rows are the
+    headline rows above) and the E64 decoder with its shared expert, default and deterministic
+    (the decoder suite's rows run in another file)."""
+    layer = _layer_cases("layer", DETERMINISTIC_IMPLS, [131072], ["bfloat16"], ["train_step"],
+                         SEED_LAYER, 11)
+    decoder = _layer_cases("layer", DETERMINISTIC_IMPLS, [131072], ["bfloat16"],
+                           ["train_step"], SEED_DECODER, 12)
+    return ([dataclasses.replace(case, deterministic=True) for case in layer]
+            + [c for case in decoder for c in (case, dataclasses.replace(case,
+                                                                          deterministic=True))])
 
 
 DECODER_IMPLS = (TRITON, ("triton", "fused_gsum", "dropless"), P_SORTED, RAGGED, TOKAMAX, TORCH,
@@ -422,6 +499,10 @@ def moe_config(case: MoECase, *, dtype=None, routing=None, impl=None, dispatch=N
         top_k=case.top_k, shared_hidden=case.shared_hidden, activation=case.activation,
         dtype=dtype if dtype is not None else _jnp_dtype(case.dtype),
     )
+    if case.router_label():
+        kwargs.update(score_func=case.score_func, balance_bias=case.balance_bias,
+                      expert_groups=case.expert_groups, group_top_k=case.group_top_k,
+                      routed_scale=case.routed_scale)
     routing = routing or ("dense" if case.impl == "dense" else case.routing)
     kwargs["routing"] = routing
     impl = impl or case.impl
@@ -435,6 +516,8 @@ def moe_config(case: MoECase, *, dtype=None, routing=None, impl=None, dispatch=N
         kwargs["block_m"] = case.block_m
     if case.recompute:
         kwargs["recompute"] = True
+    if case.deterministic:
+        kwargs["deterministic"] = True
     return tilax.MoEConfig(**kwargs)
 
 
@@ -447,22 +530,28 @@ class MoEInputs:
 
 
 def make_inputs(case: MoECase) -> MoEInputs:
-    """Parameters, tokens (skewed when asked) and the cotangent of one shape and dtype."""
+    """Parameters, tokens (skewed when asked) and the cotangent of one shape and dtype. With
+    the balance bias, a small random ``router_bias`` (as after some balancing steps: it moves
+    some choices)."""
     import jax
     import jax.numpy as jnp
 
     import tilax
-    from tilax.moe.router import route, skew_tokens
+    from tilax.moe.router import route_layer, skew_tokens
 
     dtype = _jnp_dtype(case.dtype)
     key_params, key_x, key_dy = jax.random.split(jax.random.key(case.seed), 3)
-    params = tilax.moe_init(key_params, moe_config(case, routing="dropless", impl="pallas"))
+    config = moe_config(case, routing="dropless", impl="pallas")
+    params = tilax.moe_init(key_params, config)
+    if case.balance_bias:
+        bias_key = jax.random.fold_in(key_params, 1)
+        params["router_bias"] = 0.01 * jax.random.normal(bias_key, (case.experts,), jnp.float32)
     x = jax.random.normal(key_x, (case.tokens, case.d_model), jnp.float32)
     if case.skew:
         x = skew_tokens(x, params["router"], case.skew)
     x = x.astype(dtype)
     dy = jax.random.normal(key_dy, (case.tokens, case.d_model), jnp.float32)
-    routed = route(x, params["router"], case.top_k, True)
+    routed = route_layer(x, params, config)
     counts = jnp.sum(routed.expert_ids.reshape(-1, 1) == jnp.arange(case.experts), axis=0)
     stats = {
         "max_expert_frac": float(jnp.max(counts)) / (case.tokens * case.top_k),
@@ -473,12 +562,16 @@ def make_inputs(case: MoECase) -> MoEInputs:
 
 def _inputs_key(case: MoECase) -> tuple:
     return ("moe", case.tokens, case.d_model, case.d_hidden, case.experts, case.top_k,
-            case.shared_hidden, case.skew, case.dtype, case.seed, case.activation)
+            case.shared_hidden, case.skew, case.dtype, case.seed, case.router_label(),
+            case.activation)
 
 
 def layer_apply_fn(case: MoECase):
     """``apply(params, x) -> (y, aux)`` of the case's implementation."""
     if case.impl in TOKAMAX_IMPLS:
+        if case.router_label():
+            raise Unavailable(f"unsupported: the tokamax peer's glue routes softmax top-k only, "
+                              f"not this router ({case.router_label()})")
         try:
             import bench_tokamax
         except ModuleNotFoundError as exc:  # not installed: not attempted; any other error fails
@@ -707,6 +800,157 @@ def variants_cases(mode: str) -> list[MoECase]:
     return cases
 
 
+# ----------------------------------------------------------------------------- decode suite
+
+# The decode suite: bfloat16 forwards of small batches, bound by reading the touched experts'
+# weights. Two layers: a Qwen3-30B-A3B-like one (E128 top-8, d2048, h768) and a Mixtral-like
+# one (E8 top-2, d4096, h14336), each at 1 to 512 tokens, every tilax path (``auto``, the
+# decode kernels, the training kernels on Triton and Mosaic GPU) beside the peers, and the
+# GPU's copy bandwidth measured in the same process (first and last row). Routing is the
+# layer's own on the inputs of ``make_inputs``: ``moe_init`` weights and standard normal
+# tokens from the fixed key ``jax.random.key(seed)``, seed 0 (about uniform over the experts);
+# each row records the bytes of the experts its batch touches (``touched_weight_bytes``), from
+# which the report derives the touched-weight bytes per second (``touched_weight_gbps``).
+DECODE_SHAPES = {
+    "qwen3": dict(d_model=2048, d_hidden=768, experts=128, top_k=8),
+    "mixtral": dict(d_model=4096, d_hidden=14336, experts=8, top_k=2),
+}
+DECODE_TOKENS = (1, 4, 16, 64, 256, 512)
+DECODE_IMPLS = (("auto", None, "dropless"), ("decode", None, "dropless"), TRITON, MOSAIC[0],
+                RAGGED, TOKAMAX, TORCH, TORCH_COMPILE)
+# Bytes of the copy_bandwidth row's buffer: far past the H200's 50 MB L2.
+COPY_BYTES = {"smoke": 2**20, "quick": 2**30, "full": 2**30}
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeCase(MoECase):
+    """A row of the decode suite: a layer forward whose ``extra_info`` also carries the bytes of
+    the expert weights its batch touches (``touched_weight_bytes``, ``touched_experts``)."""
+
+    def build(self, state):
+        inputs = state.inputs.get(_inputs_key(self), lambda: make_inputs(self))
+        touched = touched_weights(self, inputs)
+        if self.impl == "decode":
+            import jax
+
+            import tilax
+
+            config = dataclasses.replace(moe_config(self), impl="decode")
+            workload = JaxWorkload(
+                jax.jit(lambda params, x: tilax.moe_apply(params, x, config)),
+                (inputs.params, inputs.x),
+                lambda out: numerics_info(self, state, inputs, out[0]))
+        else:
+            workload = build_layer(self, state)
+        return WithInfo(workload, touched)
+
+
+def touched_weights(case: MoECase, inputs: MoEInputs) -> dict:
+    """The experts the case's batch routes to (the layer's routing of its actual inputs) and
+    the bytes a forward must read at least: ``w_gate``, ``w_up`` and ``w_down`` of each touched
+    expert in the case's dtype, the float32 router and the shared expert's three matrices."""
+    import jax.numpy as jnp
+
+    from tilax.moe.router import route
+
+    routed = route(inputs.x, inputs.params["router"], case.top_k, True)
+    counts = jnp.sum(routed.expert_ids.reshape(-1, 1) == jnp.arange(case.experts), axis=0)
+    touched = int(jnp.sum(counts > 0))
+    itemsize = 4 if case.dtype == "float32" else 2
+    expert_bytes = 3 * case.d_model * case.d_hidden * itemsize
+    shared_bytes = 3 * case.d_model * case.shared_hidden * itemsize
+    router_bytes = case.d_model * case.experts * 4
+    return {"touched_experts": touched,
+            "touched_weight_bytes": touched * expert_bytes + shared_bytes + router_bytes}
+
+
+class WithInfo:
+    """A workload whose ``inspect`` adds fixed fields to the row's ``extra_info``."""
+
+    def __init__(self, workload, info: dict):
+        self.workload, self.info = workload, info
+
+    def start(self):
+        return self.workload.start()
+
+    def finish(self, pending):
+        return self.workload.finish(pending)
+
+    def call(self):
+        return self.workload.call()
+
+    def inspect(self, out) -> dict:
+        return {**self.workload.inspect(out), **self.info}
+
+    def memory(self):
+        return self.workload.memory()
+
+    def close(self) -> None:
+        self.workload.close()
+
+
+@dataclasses.dataclass(frozen=True)
+class CopyBandwidthCase:
+    """The GPU's device-to-device copy bandwidth in the bench process: XLA copies a buffer of
+    ``nbytes`` (far past L2) into a new one; ``bytes`` counts the read and the write, ``gbps``
+    is ``bytes / median / 1e9``. The decode rows' touched-weight bytes per second are read
+    against it."""
+
+    suite: str
+    nbytes: int
+    label: str  # "first" or "last": the run's first and last row
+    priority: int
+    dtype: str = "bfloat16"
+
+    family = "moe"
+    impl = "copy_bandwidth"
+
+    @property
+    def id(self) -> str:
+        return f"{self.suite}-copy_bandwidth-{self.nbytes // 2**20}MiB-{self.label}"
+
+    def extra_info(self) -> dict:
+        return {"family": "moe", "suite": self.suite, "impl": self.impl, "dtype": self.dtype,
+                "op": "copy", "bytes": 2 * self.nbytes, "copy_label": self.label}
+
+    def scale_key(self) -> tuple:
+        return ("moe", "copy_bandwidth", self.label)
+
+    def size_label(self) -> str:
+        return f"bytes={self.nbytes}"
+
+    def work(self) -> float:
+        return float(2 * self.nbytes)
+
+    def rates(self, median_s: float) -> dict[str, float]:
+        return {"gbps": 2 * self.nbytes / median_s / 1e9}
+
+    def precheck(self, state) -> str | None:
+        return None
+
+    def build(self, state):
+        import jax
+        import jax.numpy as jnp
+
+        buffer = jnp.zeros((self.nbytes // 4,), jnp.uint32)
+        return JaxWorkload(jax.jit(jnp.copy), (buffer,))
+
+
+def decode_cases(mode: str) -> list:
+    shapes, tokens, impls = DECODE_SHAPES, DECODE_TOKENS, DECODE_IMPLS
+    if mode == "smoke":
+        shapes, tokens = {"smoke": SMOKE_DECODER}, (1, 16)
+        impls = (("auto", None, "dropless"), ("decode", None, "dropless"), RAGGED)
+    elif mode == "quick":
+        tokens = (1, 64, 512)
+    cases = [CopyBandwidthCase("decode", COPY_BYTES[mode], "first", 4)]
+    for shape in shapes.values():
+        cases += [DecodeCase(**dataclasses.asdict(case)) for case in _layer_cases(
+            "decode", impls, tokens, ["bfloat16"], ["forward"], shape, 5)]
+    cases.append(CopyBandwidthCase("decode", COPY_BYTES[mode], "last", 6))
+    return cases
+
+
 def suite_cases(suite: str, mode: str) -> list[MoECase]:
     return {
         "layer": layer_cases,
@@ -714,5 +958,6 @@ def suite_cases(suite: str, mode: str) -> list[MoECase]:
         "pieces": pieces_cases,
         "blockm": blockm_cases,
         "variants": variants_cases,
+        "decode": decode_cases,
     }[suite](mode)
 

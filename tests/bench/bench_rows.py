@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 MOE_SUITES = {"layer", "decoder", "pieces", "blockm", "maxtok", "maxtok_summary", "ep",
-              "variants"}
+              "variants", "fp8_convergence", "decode"}
 RBF_SUITES = {
     "kernel_mv", "kde_density", "kernel_mv_tiles", "kernel_mv_launches", "kernel_mv_crossover",
     "kernel_mv_peak", "kernel_mv_max_n", "guide_gp",
@@ -35,7 +35,8 @@ RBF_SUITES = {
 # (tokamax_autotuned: a peer of stored rows, removed from the grids)
 MOE_IMPLS = {"pallas", "triton", "mosaic", "blocked", "ragged_dot", "tokamax",
              "tokamax_autotuned", "torch_grouped_mm",
-             "torch_grouped_mm_compile", "dense", "all_to_all", "all_gather"}
+             "torch_grouped_mm_compile", "dense", "all_to_all", "all_gather",
+             "auto", "decode", "copy_bandwidth"}
 EP_PARTS = {"link", "step", "exchange"}  # the link alone, a full step, the exchange alone
 RBF_IMPLS = {"pallas", "xla", "dense", "torch_dense", "keops"}
 MOE_PIECES = {"route", "sort_permute", "experts_grouped_swiglu", "unpermute_combine"}
@@ -150,6 +151,11 @@ def check_extra_info(info: dict) -> list[str]:
             problems.append(f"moe suite {suite!r}")
         if info.get("impl") not in MOE_IMPLS:
             problems.append(f"moe impl {info.get('impl')!r}")
+        if info.get("impl") == "copy_bandwidth":  # the decode suite's copy of a buffer
+            if info.get("op") != "copy":
+                problems.append(f"copy_bandwidth op {info.get('op')!r}")
+            need("bytes", *(() if failed else ("gbps",)))
+            return problems
         if info.get("op") not in ("forward", "train_step"):
             problems.append(f"moe op {info.get('op')!r}")
         need("routing", "dispatch", "tokens", "d_model", "d_hidden", "experts", "top_k",
@@ -176,8 +182,12 @@ def check_extra_info(info: dict) -> list[str]:
                 problems.append(f"tflops {info.get('tflops')!r}")
         if suite == "maxtok" and not failed:
             need("peak_mb")
-        if suite in ("layer", "decoder", "blockm") and not failed:
+        if suite == "fp8_convergence" and not failed:
+            need("quantize", "steps", "loss_curve", "final_loss", "final_floor")
+        if suite in ("layer", "decoder", "blockm", "decode") and not failed:
             need("max_expert_frac", "empty_experts")
+        if suite == "decode" and not failed:
+            need("touched_weight_bytes", "touched_experts")
     elif family == "rbf":
         if suite not in RBF_SUITES:
             problems.append(f"rbf suite {suite!r}")

@@ -1,6 +1,9 @@
 """The PyTorch MoE peer: the same layer on ``torch._grouped_mm``, eager and ``torch.compile``d.
 
-What torchtitan-style stacks run: route in float32 (softmax, top-k, renormalised weights),
+What torchtitan-style stacks run: route in float32 (softmax, top-k, renormalised weights; or
+for a case with router fields the DeepSeek-style router as torchtitan's
+``TokenChoiceTopKRouter`` writes it: sigmoid scores, the balance bias added for the choice
+only, group-limited routing by the sum of each group's two best scores, the weights scaled),
 sort the token copies by expert, three grouped matmuls (``torch._grouped_mm`` with the
 cumulative group ends as ``offs``) with the SwiGLU between them in float32, then a float32
 ``index_add`` of the weighted copies back to their tokens, plus the shared expert. Same weights
@@ -33,18 +36,47 @@ def _import_torch():
     return torch
 
 
-def moe_layer(x, params: dict, top_k: int):
+def route(logits, params: dict, top_k: int, router: tuple = ()):
+    """``(weights, expert_ids)`` of float32 ``logits: [T, E]``: the softmax top-k with
+    renormalised weights, or with ``router = (score_func, expert_groups, group_top_k,
+    routed_scale)`` the layer of ``tilax.MoEConfig``'s routing fields (``params`` holds
+    ``router_bias`` when the balance bias is on)."""
+    import torch
+
+    if not router:
+        probs = torch.softmax(logits, dim=-1)
+        weights, expert_ids = torch.topk(probs, top_k, dim=-1)
+        return weights / weights.sum(dim=-1, keepdim=True), expert_ids
+    score_func, expert_groups, group_top_k, routed_scale = router
+    scores = torch.sigmoid(logits) if score_func == "sigmoid" else torch.softmax(logits, -1)
+    selection = scores.detach()  # the choice takes no gradient
+    if "router_bias" in params:
+        selection = selection + params["router_bias"]
+    if expert_groups > 1:
+        num_tokens, num_experts = selection.shape
+        grouped = selection.view(num_tokens, expert_groups, num_experts // expert_groups)
+        group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(dim=-1)
+        best_groups = group_scores.topk(group_top_k, dim=-1).indices
+        kept = torch.zeros_like(group_scores, dtype=torch.bool).scatter(1, best_groups, True)
+        selection = grouped.masked_fill(~kept[..., None], float("-inf")).view(
+            num_tokens, num_experts)
+    expert_ids = torch.topk(selection, top_k, dim=-1).indices
+    weights = scores.gather(1, expert_ids)
+    weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights * routed_scale, expert_ids
+
+
+def moe_layer(x, params: dict, top_k: int, router: tuple = ()):
     """``y`` of the dropless top-k SwiGLU layer; ``params`` holds torch tensors named as
-    ``tilax.moe_init``'s leaves (``shared`` a dict when present)."""
+    ``tilax.moe_init``'s leaves (``shared`` a dict when present); ``router`` as
+    :func:`route` takes it."""
     import torch
     import torch.nn.functional as F
 
     num_tokens, d_model = x.shape
     num_experts = params["router"].shape[1]
     logits = x.float() @ params["router"]
-    probs = torch.softmax(logits, dim=-1)
-    weights, expert_ids = torch.topk(probs, top_k, dim=-1)
-    weights = weights / weights.sum(dim=-1, keepdim=True)
+    weights, expert_ids = route(logits, params, top_k, router)
 
     flat_expert = expert_ids.reshape(-1)
     order = torch.argsort(flat_expert, stable=True)
@@ -97,6 +129,12 @@ class TorchMoEWorkload:
         if "shared" in inputs.params:
             params["shared"] = {name: _to_torch(torch, inputs.params["shared"][name],
                                                 self.device, bf16) for name in SHARED_NAMES}
+        if "router_bias" in inputs.params:  # float32, no gradient: a buffer, as torchtitan's
+            params["router_bias"] = _to_torch(torch, inputs.params["router_bias"], self.device)
+        self.router = ()
+        if case.router_label():
+            self.router = (case.score_func, case.expert_groups, case.group_top_k,
+                           case.routed_scale)
         self.params = params
         self.x = _to_torch(torch, inputs.x, self.device, bf16)
         self.dy = _to_torch(torch, inputs.dy, self.device)
@@ -118,7 +156,9 @@ class TorchMoEWorkload:
         params = dict(zip(PARAM_NAMES, leaves[:4], strict=True))
         if "shared" in self.params:
             params["shared"] = dict(zip(SHARED_NAMES, leaves[4:7], strict=True))
-        y = self.layer(leaves[-1], params, self.case.top_k)
+        if "router_bias" in self.params:
+            params["router_bias"] = self.params["router_bias"]
+        y = self.layer(leaves[-1], params, self.case.top_k, self.router)
         loss = (y.float() * self.dy).sum()
         grads = torch.autograd.grad(loss, leaves)
         return y.detach(), grads
@@ -126,7 +166,7 @@ class TorchMoEWorkload:
     def start(self):
         if self.case.op == "forward":
             with self.torch.no_grad():
-                return self.layer(self.x, self.params, self.case.top_k)
+                return self.layer(self.x, self.params, self.case.top_k, self.router)
         return self._train_step()
 
     def finish(self, pending):
@@ -148,6 +188,8 @@ class TorchMoEWorkload:
         if "shared" in self.params:
             grad_params["shared"] = {name: numpy(g)
                                      for name, g in zip(SHARED_NAMES, grads[4:7], strict=True)}
+        if "router_bias" in self.params:  # no gradient reaches it, as in tilax's layer
+            grad_params["router_bias"] = np.zeros(self.params["router_bias"].shape, np.float32)
         return self._numerics(numpy(y), numpy(grads[-1]), grad_params)
 
     def memory(self) -> tuple[int | None, int | None]:

@@ -60,9 +60,9 @@ unseen; about a minute on 2 cores), ``quick`` (every suite at one or two realist
 
 Budget and order: each selected suite is given a share of ``--bench-budget`` in proportion to
 ``SUITE_WEIGHTS`` (the minutes column below: maxtok 3, layer 10, decoder 6, pieces 0.5, blockm
-0.5, kernel_mv_max_n 1.5, kernel_mv_peak 1.5, kernel_mv 4, kde_density 0.7, kernel_mv_tiles
-0.5, kernel_mv_launches 5, ep 3). A suite's share is reserved for it until its last row
-has run; a row may use its own suite's share plus whatever no other suite is still owed
+0.5, variants 3, decode 4, kernel_mv_max_n 1.5, kernel_mv_peak 1.5, kernel_mv 4, kde_density
+0.7, kernel_mv_tiles 0.5, kernel_mv_launches 5, ep 3). A suite's share is reserved for it until
+its last row has run; a row may use its own suite's share plus whatever no other suite is still owed
 (shares of finished suites, time they left unused), so the run stays within the budget and no
 suite starves another. Rows run by priority: the ladders first (priority 0, while the
 parent's memory pool is small; each ladder searches within an even part of its suite's share,
@@ -89,7 +89,11 @@ layer            11 impls x 32k/131k x fp32/bf16 x fwd/train (first; peers   148
 decoder          14 impl x dispatch x 16k/131k/1M x fwd/train, bf16         84    ~8
 pieces           4 pieces x 4k/32k x fp32/bf16 (32k bf16 first)             16    ~0.3
 blockm           block_m 32/64/128 x 32k x fp32/bf16 x fwd/train            12    ~0.4
-moe              all five (``--bench-suite moe``)                           ~263  ~20
+decode           bf16 forward at 1/4/16/64/256/512 tokens, E128 top-8 d2048  98    ~6
+                 h768 and E8 top-2 d4096 h14336: auto, decode, triton,
+                 mosaic, ragged_dot, tokamax, torch eager and compiled; the
+                 copy bandwidth (1 GiB buffer) first and last
+moe              all seven (``--bench-suite moe``)                          ~361  ~26
 kernel_mv_max_n  pallas/xla/dense fwd_bwd d8 o16, 64k..8M (jumping)         ~10   ~1.5
 kernel_mv_peak   pallas/xla/dense x 4k/64k x fwd/fwd_bwd, subprocess each   12    ~1.5
 kernel_mv        5 impls x n 1k..1M x (dim, out) x fwd/fwd_bwd; (8, 16) at  212   ~4
@@ -115,6 +119,10 @@ ep               expert parallelism on n local GPUs (``bench_ep``): E8 top2   44
                  plain all-to-all and all-gather of the same bytes) first
 guide_gp         the RBF guide's Gaussian-process lengthscale step, run as   1     ~1
                  the page runs it (``bench_guides``; by name only)
+fp8_convergence  a small MoE language model trained twice, bf16 and          2     ~3
+                 ``quantize="fp8"``, same seeds and data, 1000 steps; the
+                 loss curves in extra_info, then one step timed
+                 (``bench_fp8_convergence``; by name only; estimated)
 ===============  =========================================================  ====  =======
 
 Measured on the H200 (commit 4cab2a4): the layer suite's 32k and 4k rows took 185 s, its 131k,
@@ -127,6 +135,8 @@ the part fits well inside, so that no row is left as a budget skip::
     --bench-suite layer -k "not ((T32768 and E8k2 and not skew) or T4096)"  # ~6.5 min
     --bench-suite decoder -k "T16384 or T131072"                        # ~4 min
     --bench-suite decoder -k T1048576
+    --bench-suite decode -k "E128k8 or copy_bandwidth"                  # ~3 min
+    --bench-suite decode -k "E8k2 or copy_bandwidth"                    # ~3 min
     --bench-suite launches                          # ~5 min (budget 450: one call)
     --bench-suite launches -k fast                  # or in two parts: ~2.5 min
     --bench-suite launches -k exact                 # ~2 min (more if many launches spill)
@@ -159,6 +169,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 from pathlib import Path  # noqa: E402
 
 import bench_ep  # noqa: E402
+import bench_fp8_convergence  # noqa: E402
 import bench_guides  # noqa: E402
 import bench_moe  # noqa: E402
 import bench_rbf  # noqa: E402
@@ -176,7 +187,7 @@ from bench_naming import short_commit  # noqa: E402
 from bench_provenance import provenance  # noqa: E402
 from bench_rows import append_row, check_extra_info, write_header  # noqa: E402
 
-MOE_SUITES = ("layer", "decoder", "pieces", "blockm", "maxtok", "variants")
+MOE_SUITES = ("layer", "decoder", "pieces", "blockm", "maxtok", "variants", "decode")
 RBF_SUITES = ("kernel_mv", "kde_density", "kernel_mv_tiles", "kernel_mv_launches",
               "kernel_mv_peak", "kernel_mv_max_n")
 # Multi-device suites: asked for by name only (their rows need every local GPU; a one-GPU
@@ -184,7 +195,9 @@ RBF_SUITES = ("kernel_mv", "kde_density", "kernel_mv_tiles", "kernel_mv_launches
 MULTI_DEVICE_SUITES = ("ep",)
 # Guide timings (``bench_guides``): asked for by name only, like the multi-device suites.
 GUIDE_SUITES = ("guide_gp",)
-BY_NAME = MOE_SUITES + RBF_SUITES + MULTI_DEVICE_SUITES + GUIDE_SUITES
+# Training runs (``bench_fp8_convergence``): asked for by name only.
+CONVERGENCE_SUITES = ("fp8_convergence",)
+BY_NAME = MOE_SUITES + RBF_SUITES + MULTI_DEVICE_SUITES + GUIDE_SUITES + CONVERGENCE_SUITES
 SUITE_GROUPS = {
     "all": MOE_SUITES + RBF_SUITES,
     "moe": MOE_SUITES,
@@ -210,6 +223,7 @@ MODE_SETTINGS = {
 # in the module docstring); a share is reserved for its suite until the suite's last row ran.
 SUITE_WEIGHTS = {
     "maxtok": 3.0, "layer": 10.0, "decoder": 6.0, "pieces": 0.5, "blockm": 0.5, "variants": 3.0,
+    "decode": 4.0,
     "kernel_mv_max_n": 1.5, "kernel_mv_peak": 1.5, "kernel_mv": 4.0, "kde_density": 0.7,
     "kernel_mv_tiles": 0.5, "kernel_mv_launches": 5.0, "ep": 3.0,
 }
@@ -355,6 +369,8 @@ def suite_params(suite: str, mode: str) -> list:
         return bench_ep.suite_cases(suite, mode)
     if suite in GUIDE_SUITES:
         return bench_guides.suite_cases(suite, mode)
+    if suite in CONVERGENCE_SUITES:
+        return bench_fp8_convergence.suite_cases(suite, mode)
     return bench_rbf.suite_cases(suite, mode)
 
 

@@ -35,3 +35,8 @@ def test_blockm(bench, case):
 @pytest.mark.bench_suite("variants")
 def test_variants(bench, case):
     bench.run(case)
+
+
+@pytest.mark.bench_suite("decode")
+def test_decode(bench, case):
+    bench.run(case)

@@ -24,3 +24,29 @@ def test_peers_without_float32_rows():
     cases = bench_moe.layer_cases("full") + bench_moe.decoder_cases("full")
     assert not [case.id for case in cases
                 if case.impl in bench_moe.BF16_ONLY_IMPLS and case.dtype != "bfloat16"]
+
+
+def test_deepseek_router_rows_beside_the_softmax_rows():
+    """The layer suite's DeepSeek-style rows (issue 77): the E64 decoder's shape with sigmoid
+    scores, the balance bias, 8 groups of 8 with 4 kept and top-8, each run right after the
+    same case with the softmax router, so the two train steps share a process and a file."""
+    cases = bench_moe.layer_cases("full")
+    deepseek = [case for case in cases if case.router_label()]
+    assert deepseek
+    for case in deepseek:
+        assert (case.experts, case.top_k, case.d_model, case.d_hidden, case.shared_hidden) == (
+            64, 8, 512, 128, 1024)
+        assert (case.score_func, case.balance_bias, case.expert_groups, case.group_top_k) == (
+            "sigmoid", True, 8, 4)
+        assert case.extra_info()["router"] == "sigmoid bias groups 8/4 scale 2.5"
+        assert "sigmoid-bias-groups8of4-scale2.5" in case.id
+        softmax = cases[cases.index(case) - 1]
+        assert not softmax.router_label() and softmax.priority == case.priority
+        assert softmax.id == case.id.replace("-sigmoid-bias-groups8of4-scale2.5", "")
+        config = bench_moe.moe_config(case)
+        assert (config.score_func, config.balance_bias, config.expert_groups,
+                config.group_top_k, config.routed_scale) == ("sigmoid", True, 8, 4, 2.5)
+    assert {(case.impl, case.dispatch, case.tokens, case.op) for case in deepseek} == {
+        (impl, dispatch, tokens, "train_step")
+        for impl, dispatch, _ in bench_moe.ROUTER_IMPLS for tokens in (16384, 131072)}
+    assert {"mosaic", "torch_grouped_mm_compile"} <= {case.impl for case in deepseek}

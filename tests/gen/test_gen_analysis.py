@@ -91,6 +91,21 @@ def test_headline_32k_bf16_train_step_on_the_rtx3090(table, seed_doc):
         in sentence
 
 
+def test_the_peer_headline_reads_each_setting_from_its_suite():
+    # The layer suite's E64 top-8 rows (the router comparison's softmax twins) are no
+    # decoder-suite peer rows: the headline's E64 settings read the decoder suite only.
+    base = {"run": "a", "device": "NVIDIA H200", "impl": "mosaic", "median_ms": 1.0}
+    e8 = {**base, "suite": "layer", "tokens": 131072}
+    e64 = {**base, "experts": 64, "top_k": 8, "d_hidden": 128, "shared_hidden": 1024,
+           "tokens": 131072}
+    table = tiny_table([e8, e64 | {"suite": "layer"}, e64 | {"suite": "decoder"},
+                        e64 | {"suite": "layer", "router": "sigmoid bias groups 8/4"}])
+    rows = headlines.peer_setting_rows(table)
+    assert sorted(zip(rows["suite"], rows["experts"], strict=True)) == [
+        ("decoder", 64), ("layer", 8)]
+    assert set(headlines.PEER_SUITES) == {config for config, _ in headlines.PEER_SETTINGS}
+
+
 def test_rbf_memory_growth(table):
     _, growth = headlines.rbf_memory(analysis.with_labels(table))
     peak = growth[growth["suite"] == "kernel_mv_peak"].set_index(["op", "label"])
@@ -233,8 +248,37 @@ def test_another_activation_is_its_own_config_and_never_ranked_against_swiglu():
     assert list(ranked["fastest"]) == ["mosaic/sorted"] and list(ranked["ratio"]) == [1.5]
 
 
+def test_another_router_is_its_own_config():
+    decoder = {"run": "a", "device": "GPU A", "impl": "mosaic", "experts": 64, "top_k": 8,
+               "d_model": 512, "d_hidden": 128, "shared_hidden": 1024, "median_ms": 1.0}
+    table = tiny_table([decoder, decoder | {"router": "sigmoid bias groups 8/4 scale 2.5"}])
+    assert list(table["config"]) == [
+        "E64 top-8 d512 h128 shared 1024",
+        "E64 top-8 d512 h128 shared 1024 sigmoid bias groups 8/4 scale 2.5"]
+
+
 def test_the_memory_saving_variant_is_its_own_implementation():
     table = tiny_table([{"run": "a", "device": "GPU A", "impl": "pallas", "median_ms": 1.0},
                         {"run": "a", "device": "GPU A", "impl": "pallas", "median_ms": 1.2,
                          "recompute": True}])
     assert list(table["label"]) == ["pallas/sorted", "pallas/sorted +recompute"]
+
+
+def test_quantised_experts_are_their_own_implementation():
+    table = tiny_table([{"run": "a", "device": "GPU A", "impl": "mosaic", "median_ms": 1.0},
+                        {"run": "a", "device": "GPU A", "impl": "mosaic", "median_ms": 0.7,
+                         "quantize": "fp8"}])
+    assert list(table["label"]) == ["mosaic/sorted", "mosaic/sorted +fp8"]
+    # the same case with and without quantisation: two cases, not repeats of one
+    base = {"source_file": "f.json", "family": "moe", "suite": "layer", "impl": "mosaic",
+            "dtype": "bfloat16", "op": "train_step", "tokens": 4096, "run": "a",
+            "device": "GPU A", "status": "measured", "median_ms": 1.0}
+    rows = schema.conform(pd.DataFrame([base, base | {"quantize": "fp8", "median_ms": 0.7}]))
+    assert len(repeats.collapse(rows)) == 2
+
+
+def test_the_deterministic_mode_is_its_own_implementation():
+    table = tiny_table([{"run": "a", "device": "GPU A", "impl": "mosaic", "median_ms": 1.0},
+                        {"run": "a", "device": "GPU A", "impl": "mosaic", "median_ms": 1.1,
+                         "deterministic": True}])
+    assert list(table["label"]) == ["mosaic/sorted", "mosaic/sorted +deterministic"]

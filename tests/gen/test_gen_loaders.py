@@ -246,6 +246,17 @@ class TestPytestBenchmarkLoader:
         assert json.loads(frame.iloc[0]["extra"]) == {"new_knob": 7}
         assert frame["extra"].iloc[1:].isna().all()
 
+    def test_the_router_is_its_own_column(self, tmp_path):
+        import json
+
+        doc = json.loads(PYTEST_BENCHMARK_FIXTURE.read_text())
+        doc["benchmarks"][0]["extra_info"]["router"] = "sigmoid bias groups 8/4 scale 2.5"
+        path = tmp_path / "run.json"
+        path.write_text(json.dumps(doc))
+        _, _, frame = read_result_file(path)
+        assert frame.iloc[0]["router"] == "sigmoid bias groups 8/4 scale 2.5"
+        assert frame["extra"].isna().all() and frame["router"].iloc[1:].isna().all()
+
 
 def test_every_file_in_the_real_data_dir_is_read(real_data_dir):
     """Whatever has been added to data/results/, every file loads and keeps all its rows."""

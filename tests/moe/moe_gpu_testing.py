@@ -15,6 +15,8 @@ import tilax
 from tilax.moe import reference, skew_tokens
 
 TOLERANCE = {"bfloat16": 3e-2, "float16": 1e-2, "float32": 1e-2}
+# MoEConfig's routing fields: part of the math, so the oracle takes them too.
+ROUTER_FIELDS = ("score_func", "balance_bias", "expert_groups", "group_top_k", "routed_scale")
 LAYER = dict(d_model=256, d_hidden=512, num_experts=8, top_k=2, shared_hidden=256)
 DECODER = dict(d_model=256, d_hidden=128, num_experts=64, top_k=8, shared_hidden=512)
 
@@ -30,6 +32,8 @@ def loss_step(apply, cotangent):
 @functools.cache
 def inputs(config, tokens, skew):
     params = tilax.moe_init(jax.random.key(0), config)
+    if config.balance_bias:  # a bias that moves the choice of experts
+        params["router_bias"] = jax.random.normal(jax.random.key(3), (config.num_experts,)) * 0.3
     x = jax.random.normal(jax.random.key(1), (tokens, config.d_model))
     if skew:
         x = skew_tokens(x, params["router"], skew)
@@ -63,9 +67,7 @@ def compare_forward(dims, tokens, dtype, skew=0.0, **config_kwargs):
     """The layer's forward alone (no gradient: the kernels an inference call runs) against
     the oracle's output."""
     config = tilax.MoEConfig(**dims, dtype=dtype, **config_kwargs)
-    math_only = tilax.MoEConfig(**dims, dtype=dtype, routing=config.routing,
-                                capacity_factor=config.capacity_factor,
-                                activation=config.activation)
+    math_only = _math_only(config, dims, dtype)
     params, x, _ = inputs(math_only, tokens, skew)
     y = jax.jit(lambda p, x: tilax.moe_apply(p, x, config)[0])(params, x)
     y_ref, _ = oracle(math_only, tokens, skew)
@@ -75,9 +77,7 @@ def compare_forward(dims, tokens, dtype, skew=0.0, **config_kwargs):
 def compare(dims, tokens, dtype, skew=0.0, **config_kwargs):
     config = tilax.MoEConfig(**dims, dtype=dtype, **config_kwargs)
     # the inputs and the oracle depend on the shape, dtype and routing, not on the kernels
-    math_only = tilax.MoEConfig(**dims, dtype=dtype, routing=config.routing,
-                                capacity_factor=config.capacity_factor,
-                                activation=config.activation)
+    math_only = _math_only(config, dims, dtype)
     params, x, cotangent = inputs(math_only, tokens, skew)
     (_, y), grads = loss_step(lambda p, x: tilax.moe_apply(p, x, config)[0], cotangent)(params, x)
     y_ref, grads_ref = oracle(math_only, tokens, skew)
@@ -88,6 +88,14 @@ def compare(dims, tokens, dtype, skew=0.0, **config_kwargs):
     ):
         assert peak_rel_err(actual, expected) < tol, f"gradient {jax.tree_util.keystr(path)}"
     return y
+
+
+def _math_only(config, dims, dtype):
+    """``config`` without its kernel choices: what the inputs and the oracle depend on."""
+    router = {name: getattr(config, name) for name in ROUTER_FIELDS}
+    return tilax.MoEConfig(**dims, dtype=dtype, routing=config.routing,
+                           capacity_factor=config.capacity_factor,
+                           activation=config.activation, **router)
 
 
 DISPATCHES = ["sorted", "gather", "fused", "fused_gsum"]

@@ -86,6 +86,8 @@ def ep_inputs(config, tokens, skew_to=None):
     import tilax
 
     params = tilax.moe_init(jax.random.key(0), config)
+    if config.balance_bias:  # a bias that moves the choice of experts
+        params["router_bias"] = jax.random.normal(jax.random.key(2), (config.num_experts,)) * 0.3
     lead = (tokens,) if isinstance(tokens, int) else tuple(tokens)
     x = jax.random.normal(jax.random.key(1), lead + (config.d_model,))
     if skew_to is not None:
@@ -107,3 +109,41 @@ def router_logit_parts(rng, tokens: int, experts: int):
     small = rng.standard_normal((tokens, experts)) * 1e-4
     # thirds that add up to the logits, the smallest first as router.sum_thirds adds them
     return jnp.asarray(np.concatenate([logits - 2 * small, small, small], axis=1), jnp.float32)
+
+
+def order_dependent_ops(jaxpr) -> list[str]:
+    """The primitives of ``jaxpr`` (Pallas kernels' bodies and nested jaxprs included) whose
+    result may depend on the order the GPU runs their parts: scatter-adds (XLA's GPU backend
+    runs them with atomics), atomic read-modify-writes, and scatter assignments other than
+    the row layout's inverse permutations (where indices may repeat, which write lands
+    last is open). ``MoEConfig.deterministic``'s train step has none."""
+    found = []
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        if name in ("scatter-add", "scatter_add", "scatter-mul", "atomic_rmw"):
+            found.append(name)
+        elif (
+            name == "scatter"
+            and not eqn.params.get("unique_indices")
+            and not _row_layout_permutation(eqn)
+        ):
+            # an assignment is deterministic where its indices are distinct, as in the row
+            # layout's inverse permutations
+            found.append(name)
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (list, tuple)) else [param]:
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    found += order_dependent_ops(inner)
+    return found
+
+
+def _row_layout_permutation(eqn) -> bool:
+    """Whether a scatter assignment is one of the row layout's inverse permutations
+    (``dispatch.sort_by_expert``, ``copy_ranks``), by its traceback."""
+    frames = eqn.source_info.traceback.frames if eqn.source_info.traceback else []
+    return any(
+        f.file_name.endswith("moe/dispatch.py")
+        and f.function_name in ("sort_by_expert", "copy_ranks")
+        for f in frames
+    )

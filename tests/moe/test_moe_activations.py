@@ -19,7 +19,7 @@ from mosaic_interpret import available, gpu_interpreter
 
 import tilax
 from tilax import _pallas
-from tilax.moe import activations, dispatch, triton
+from tilax.moe import activations, dispatch, reference, triton
 from tilax.moe.mosaic import common as mosaic_common
 
 # float32 tolerances of a CPU's matmuls and the kernels in interpret mode: the GPU checks of
@@ -238,6 +238,57 @@ def test_expert_parallel_matches_one_device(activation, impl, dispatch_name, exc
     else:
         options["exchange"] = exchange
     on_cpu_devices(check_matches_one_device, (4,), ("expert",), options)
+
+
+# ----------------------------------------------------------------------------------------------
+# With the other options: DeepSeek-style routing and deterministic sums
+
+# sigmoid scores, a balance bias, 2 groups of 2 experts with 1 kept, a routed scale
+DEEPSEEK = dict(score_func="sigmoid", balance_bias=True, expert_groups=2, group_top_k=1,
+                routed_scale=2.5)
+
+
+def _deepseek_inputs(config):
+    params = tilax.moe_init(jax.random.key(0), config)
+    # a bias that changes choices (moe_init's zeros would not)
+    params["router_bias"] = jnp.asarray([0.3, -0.2, 0.1, -0.4], jnp.float32)
+    x = jax.random.normal(jax.random.key(1), (TOKENS, config.d_model)).astype(config.dtype)
+    cotangent = jax.random.normal(jax.random.key(2), x.shape)
+    return params, x, cotangent
+
+
+@pytest.mark.parametrize("activation", ["geglu", "gelu"])
+@pytest.mark.parametrize("impl", ["blocked", "ragged_dot"])
+def test_deepseek_routing_with_deterministic_sums_on_xla(activation, impl):
+    """The activation with the router's options and fixed-order sums: the float32 reference
+    layer's output (reference.moe_oracle: routing and activation from their definitions)."""
+    config = tilax.MoEConfig(**DIMS, activation=activation, impl=impl, dtype=jnp.float32,
+                             deterministic=True, **DEEPSEEK)
+    params, x, _ = _deepseek_inputs(config)
+    y, _ = jax.jit(tilax.moe_apply)(params, x, config)
+    assert peak_rel_err(y, reference.moe_oracle(params, x, config)) < 1e-5
+
+
+@pytest.mark.kernels
+@pytest.mark.parametrize("activation", ["geglu", "gelu"])
+@pytest.mark.parametrize("dispatch_name", ["fused_gsum", "sorted"])
+def test_deepseek_routing_with_deterministic_sums_on_pallas(activation, dispatch_name):
+    """The Triton kernels (interpret mode) of the activation under DeepSeek-style routing with
+    fixed-order sums (``fused_gsum`` combining as ``fused``; the deterministic backward): the
+    output and every gradient of the same layer on XLA."""
+    options = dict(**DIMS, activation=activation, dtype=jnp.float32, deterministic=True,
+                   **DEEPSEEK)
+    config = tilax.MoEConfig(**options, impl="pallas", dispatch=dispatch_name, block_m=16,
+                             block_n=16, block_k=16)
+    params, x, cotangent = _deepseek_inputs(config)
+    y, grads = layer_train_step(params, x, cotangent, config)
+    y_ref, grads_ref = layer_train_step(params, x, cotangent,
+                                        tilax.MoEConfig(**options, impl="blocked"))
+    assert peak_rel_err(y, y_ref) < 1e-5, "output"
+    flat_ref = jax.tree_util.tree_flatten_with_path(grads_ref)[0]
+    flat = jax.tree.leaves(grads)
+    for (path, expected), actual in zip(flat_ref, flat, strict=True):
+        assert peak_rel_err(actual, expected) < 1e-5, f"gradient {jax.tree_util.keystr(path)}"
 
 
 # ----------------------------------------------------------------------------------------------

@@ -95,6 +95,21 @@ def test_expert_mesh_matches_one_device(impl, dispatch, routing):
                    dict(LAYER, impl=impl, dispatch=dispatch, routing=routing))
 
 
+# DeepSeek-style routing: every device routes its tokens with the replicated bias and groups.
+DEEPSEEK = dict(score_func="sigmoid", balance_bias=True, expert_groups=4, group_top_k=2,
+                routed_scale=2.5)
+
+
+@pytest.mark.parametrize("impl,dispatch,exchange", [
+    ("blocked", "sorted", "all_gather"),
+    ("blocked", "sorted", "all_to_all"),
+    ("pallas", "fused_gsum", "all_gather"),
+])  # fmt: skip
+def test_deepseek_routing_on_a_mesh(impl, dispatch, exchange):
+    on_cpu_devices(check_matches_one_device, (2, 2), ("data", "expert"),
+                   dict(LAYER, impl=impl, dispatch=dispatch, exchange=exchange, **DEEPSEEK))
+
+
 def test_dense_routing_on_a_mesh():
     on_cpu_devices(check_matches_one_device, (2, 2), ("data", "expert"),
                    dict(LAYER, routing="dense"))
@@ -251,3 +266,42 @@ def check_always_fails():
 def test_a_failing_check_fails_its_test():
     with pytest.raises((AssertionError, pytest.fail.Exception), match="must fail its test"):
         on_cpu_devices(check_always_fails)
+
+
+@pytest.mark.parametrize("exchange", ["all_gather", "all_to_all"])
+@pytest.mark.parametrize("impl,dispatch,routing", [
+    ("pallas", "fused_gsum", "dropless"), ("blocked", "sorted", "capacity"),
+    ("ragged_dot", "sorted", "dropless"),
+])  # fmt: skip
+def test_deterministic_on_a_mesh(impl, dispatch, routing, exchange):
+    # MoEConfig.deterministic under expert parallelism: its gathering combine and gradients on
+    # every device's share of the copies, against the single-device deterministic call, and
+    # no order-dependent sum in the mesh's train step (the collectives' sums are NCCL's)
+    kwargs = dict(LAYER, impl=impl, dispatch=dispatch, routing=routing, exchange=exchange,
+                  deterministic=True)
+    on_cpu_devices(check_matches_one_device, (4,), ("expert",), kwargs)
+    on_cpu_devices(check_no_order_dependent_sum, (4,), ("expert",), kwargs)
+
+
+def check_no_order_dependent_sum(mesh_shape, axis_names, config_kwargs):
+    """The mesh's train step has no scatter-add or atomic (``moe_testing.order_dependent_ops``)
+    with ``deterministic``, and the default's has (the check can see them)."""
+    import jax
+    import jax.numpy as jnp
+    from moe_testing import order_dependent_ops
+
+    import tilax
+
+    mesh = _mesh(mesh_shape, axis_names)
+    found = {}
+    for flag in (False, True):
+        config = tilax.MoEConfig(**dict(config_kwargs, deterministic=flag))
+        params, x = ep_inputs(config, TOKENS)
+
+        def loss(params, x, config=config):
+            y, aux = tilax.moe_apply(params, x, config, mesh=mesh)
+            return jnp.sum(y.astype(jnp.float32)) + aux["load_balance_loss"]
+
+        jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(params, x)
+        found[flag] = order_dependent_ops(jaxpr.jaxpr)
+    assert found[False] and not found[True], found

@@ -1,5 +1,7 @@
 """Every bad input raises the documented error, naming the argument."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -38,6 +40,26 @@ def _config(**overrides):
         (dict(exchange_chunks=0), "exchange_chunks must be an integer >= 1"),
         (dict(exchange="nccl"), "exchange must be one of"),
         (dict(exchange="ragged"), "exchange must be one of"),  # removed: 15-50x slower
+        (dict(score_func="tanh"), r"score_func must be one of \('softmax', 'sigmoid'\)"),
+        (dict(score_func=None), "score_func must be one of"),
+        (dict(balance_bias=1), "balance_bias must be a bool"),
+        (dict(expert_groups=3), r"num_experts \(4\) must be divisible by expert_groups \(3\)"),
+        (dict(expert_groups=0), "expert_groups must be an integer >= 1"),
+        (dict(expert_groups=2.0), "expert_groups must be an integer >= 1"),
+        (dict(group_top_k=0), "group_top_k must be an integer >= 1"),
+        (dict(expert_groups=2, group_top_k=3),
+         r"group_top_k \(3\) must be in \[1, expert_groups\] = \[1, 2\]"),
+        (dict(group_top_k=2), r"group_top_k \(2\) must be in \[1, expert_groups\]"),
+        (dict(expert_groups=4, group_top_k=1),
+         r"group_top_k \(1\) groups of 4 // 4 experts hold 1 experts, fewer than top_k \(2\)"),
+        (dict(num_experts=8, top_k=5, expert_groups=4, group_top_k=2),
+         "hold 4 experts, fewer than top_k"),
+        (dict(routed_scale=0.0), "routed_scale must be a finite number > 0"),
+        (dict(routed_scale=-2.5), "routed_scale must be a finite number > 0"),
+        (dict(routed_scale=float("inf")), "routed_scale must be a finite number > 0"),
+        (dict(routed_scale=float("nan")), "routed_scale must be a finite number > 0"),
+        (dict(routed_scale="2.5"), "routed_scale must be a finite number > 0"),
+        (dict(routed_scale=True), "routed_scale must be a finite number > 0"),
     ],
 )
 def test_bad_config(overrides, match):
@@ -103,6 +125,41 @@ def test_shared_params_must_match(setup):
     no_shared = _config(impl="ragged_dot")
     with pytest.raises(ValueError, match="config.shared_hidden is 0"):
         tilax.moe_apply(params, x, no_shared)
+
+
+def test_router_bias_must_match_balance_bias(setup):
+    _, params, x = setup
+    config = _config(shared_hidden=8, impl="ragged_dot", balance_bias=True)
+    with pytest.raises(ValueError, match=r"params is missing 'router_bias' \(expected shape "
+                                         r"\(4,\)\).*balance_bias"):
+        tilax.moe_apply(params, x, config)
+    for shape in [(3,), (4, 1), ()]:
+        bad = {**params, "router_bias": jnp.zeros(shape)}
+        with pytest.raises(ValueError, match=rf"params\['router_bias'\] has shape "
+                                             rf"{re.escape(str(shape))}, but the config "
+                                             r"expects \(4,\)"):
+            tilax.moe_apply(bad, x, config)
+    with pytest.raises(TypeError, match=r"params\['router_bias'\] must be a real floating"):
+        tilax.moe_apply({**params, "router_bias": jnp.zeros(4, jnp.int32)}, x, config)
+    # a bias the config does not use must not pass silently either
+    biased = {**params, "router_bias": jnp.zeros(4)}
+    with pytest.raises(ValueError, match="params has a 'router_bias' but config.balance_bias "
+                                         "is False"):
+        tilax.moe_apply(biased, x, _config(shared_hidden=8, impl="ragged_dot"))
+
+
+def test_update_bias_errors(setup):
+    config, params, x = setup
+    _, aux = tilax.moe_apply(params, x, config)
+    with pytest.raises(ValueError, match="params has no 'router_bias' to update.*balance_bias"):
+        tilax.moe_update_bias(params, aux, 0.01)
+    biased = {**params, "router_bias": jnp.zeros(4)}
+    with pytest.raises(ValueError, match="aux must be the dict moe_apply returns"):
+        tilax.moe_update_bias(biased, {"load_balance_loss": 0.0}, 0.01)
+    with pytest.raises(ValueError, match=r"aux\['expert_counts'\] has shape \(3,\)"):
+        tilax.moe_update_bias(biased, {"expert_counts": jnp.ones(3, jnp.int32)}, 0.01)
+    with pytest.raises(ValueError, match=r"rate must be a scalar, got shape \(4,\)"):
+        tilax.moe_update_bias(biased, aux, jnp.ones(4))
 
 
 def test_param_dtype(setup):

@@ -139,6 +139,81 @@ def test_mosaic_route_matches_xla(aux):
 
 
 @needs_mosaic
+@pytest.mark.parametrize(("tokens", "experts", "top_k"), [
+    (131072, 64, 8),  # the E64 decoder at the benchmark's size
+    (1024, 8, 2),
+])  # fmt: skip
+def test_mosaic_router_rank_sigmoid_is_xlas(tokens, experts, top_k):
+    """Sigmoid scores: the kernel's within the GPU's approximate ``exp`` and division of
+    XLA's, and the experts of XLA's argmax passes over the kernel's scores (the NaN token
+    apart, as above)."""
+    parts = router_logit_parts(np.random.default_rng(tokens), tokens, experts)
+    logits, scores, ids, top = jax.jit(mosaic_router.rank, static_argnums=(1, 2))(
+        parts, top_k, "sigmoid")
+    expected_logits = router.sum_thirds(parts)
+    np.testing.assert_array_equal(np.asarray(logits), np.asarray(expected_logits))
+    np.testing.assert_allclose(np.asarray(scores), np.asarray(jax.nn.sigmoid(expected_logits)),
+                               rtol=4e-6, atol=1e-30)
+    expected_top, expected_ids = router.top_k_experts(scores, top_k)
+    ids, top, nan_token = np.asarray(ids).T, np.asarray(top).T, tokens // 2
+    np.testing.assert_array_equal(ids[nan_token], np.arange(top_k))
+    others = np.arange(tokens) != nan_token
+    np.testing.assert_array_equal(ids[others], np.asarray(expected_ids)[others])
+    np.testing.assert_array_equal(top[others], np.asarray(expected_top)[others])
+
+
+@needs_mosaic
+@pytest.mark.parametrize("aux", [False, True])
+def test_mosaic_route_sigmoid_matches_xla(aux):
+    """Sigmoid scores and a routed scale on the kernels: XLA's experts, weights and
+    gradients, with and without the aux losses (the normalised scores' gradient)."""
+    rng = np.random.default_rng(8)
+    tokens, experts, top_k = 8192, 64, 8
+    x = jnp.asarray(rng.standard_normal((tokens, 512)), jnp.bfloat16)
+    weights = jnp.asarray(rng.standard_normal((512, experts)) * 0.05, jnp.float32)
+    cotangent = jnp.asarray(rng.standard_normal((tokens, top_k)), jnp.float32)
+
+    def loss(x, weights, backend):
+        routed = router.route(x, weights, top_k, True, backend=backend, score_func="sigmoid",
+                              routed_scale=2.5)
+        value = jnp.sum(routed.weights * cotangent)
+        if aux:
+            losses = router.router_aux(routed, experts)
+            value = value + losses["router_z_loss"] + losses["load_balance_loss"]
+        return value, (routed.expert_ids, routed.weights)
+
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True), static_argnums=2)
+    assert "moe_router_rank_mosaic" in str(jax.make_jaxpr(step, static_argnums=2)(
+        x, weights, "mosaic"))
+    (value, (ids, w)), grads = step(x, weights, "mosaic")
+    (value_x, (ids_x, w_x)), grads_x = step(x, weights, None)
+    assert np.array_equal(np.asarray(ids), np.asarray(ids_x))
+    np.testing.assert_allclose(np.asarray(w), np.asarray(w_x), rtol=4e-6, atol=1e-7)
+    np.testing.assert_allclose(float(value), float(value_x), rtol=1e-5)
+    assert peak_rel_err(grads[0], grads_x[0]) < 2**-8
+    assert peak_rel_err(grads[1], grads_x[1]) < 1e-5
+
+
+# DeepSeek-V3's router on the decoder's 64 experts: XLA routes (bias and groups), the rest of
+# the layer runs on the Mosaic GPU kernels.
+DEEPSEEK = dict(score_func="sigmoid", balance_bias=True, expert_groups=8, group_top_k=4,
+                routed_scale=2.5)
+
+
+@needs_mosaic
+@pytest.mark.parametrize("dispatch", ["sorted", "fused_gsum"])
+def test_mosaic_deepseek_routing_matches_oracle(dispatch):
+    _compare(DECODER, 2048, "bfloat16", impl="mosaic", dispatch=dispatch, **DEEPSEEK)
+
+
+@needs_mosaic
+def test_mosaic_sigmoid_layer_on_the_router_kernels():
+    # 2048 tokens and 64 experts: the router kernels take the sigmoid scores in the layer
+    _compare(DECODER, 2048, "bfloat16", impl="mosaic", dispatch="fused", score_func="sigmoid",
+             routed_scale=2.5)
+
+
+@needs_mosaic
 @pytest.mark.parametrize("dispatch", ["sorted", "fused_gsum"])
 def test_mosaic_skewed_routing(dispatch):
     # the first two experts take nearly every copy; the others are empty

@@ -223,3 +223,21 @@ def test_short_plain_grouped_matmuls_are_warp_specialised(dims, dispatch, launch
     # d_model 192: the down projection and dx have three 64-column tiles
     narrow = tilax.MoEConfig(**{**dims, "d_model": 192}, impl="mosaic", dispatch=dispatch)
     assert lower_train_step(narrow, 2048).count(WS_KERNEL) == narrow_launches
+
+
+# DeepSeek-style routing on the decoder (issue 77): sigmoid scores run on the router kernels;
+# with the balance bias and expert groups XLA routes and the other kernels are unchanged.
+DEEPSEEK = dict(score_func="sigmoid", balance_bias=True, expert_groups=8, group_top_k=4,
+                routed_scale=2.5)
+
+
+@pytest.mark.parametrize(("router", "ranked_by_kernel"), [
+    (dict(score_func="sigmoid", routed_scale=2.5), True),
+    (DEEPSEEK, False),
+])  # fmt: skip
+def test_deepseek_style_routing_lowers(router, ranked_by_kernel):
+    config = tilax.MoEConfig(**DECODER, impl="mosaic", dispatch="fused", **router)
+    module = lower_train_step(config, 2048)
+    expected = KERNELS["fused"] + ROW_COPIES + SHARED - JOINED + ROUTER * ranked_by_kernel
+    assert module.count(MOSAIC_CALL) == expected
+    assert module.count(ROUTER_KERNEL) == int(ranked_by_kernel)

@@ -63,15 +63,52 @@ def test_each_variant_rule_is_held_by_its_stored_runs(rule):
     assert rule.pick in rule.options and len(set(rule.options)) == len(rule.options)
     assert rule.evidence or rule.unstored, f"{rule.name}: neither stored evidence nor a figure"
     for comparison in rule.evidence:
-        case = dict(comparison.case)
         stats = {}
         for side in ("picked", "other"):
             name = getattr(comparison, side)
+            case = comparison.side_case(side)
             machine, found = _measured_rows(RESULTS / name, comparison.op, case)
             assert machine["gpu"] == "NVIDIA H200", name
             assert len(found) == 1, f"{name}: {len(found)} {comparison.op} rows of {case}"
             stats[side] = found[0][1]
         assert stats["picked"]["q3"] < stats["other"]["q1"], (rule.name, comparison, stats)
+
+
+# the tilax impls a decode row must beat at each size of its evidence (the peers are the
+# report's business: tests/gen and the decode page compare against them)
+DECODE_OTHERS = ("triton", "mosaic", "pallas")
+
+
+@pytest.mark.parametrize("rule", rules.DECODE_RULES, ids=lambda r: f"T{r.max_tokens}")
+def test_each_decode_rule_is_a_win_in_its_evidence_or_says_why_not(rule):
+    """A decode row names the decode suite's stored files where, at every token count up to
+    its ``max_tokens`` and in each of its dtypes, the ``decode`` forward beats every training
+    kernel's beyond the spread of both; or, until such a run is stored, why it stands."""
+    assert rule.evidence or rule.unmeasured, f"{rule}: neither stored evidence nor a reason"
+    for name in rule.evidence:
+        data = json.loads((RESULTS / name).read_text())
+        rows = {}
+        for bench in data["benchmarks"]:
+            info = bench["extra_info"]
+            if (info.get("suite") == "decode" and info.get("op") == "forward"
+                    and not info.get("error") and info.get("dtype") in rule.dtypes):
+                case = (info["dtype"], info["experts"], info["top_k"], info["tokens"])
+                rows.setdefault(case, {})[info["impl"]] = bench["stats"]
+        covered = [case for case in rows if case[3] <= rule.max_tokens and "decode" in rows[case]]
+        assert covered, f"{name} has no decode row up to {rule.max_tokens} tokens"
+        for case in covered:
+            others = [rows[case][impl] for impl in DECODE_OTHERS if impl in rows[case]]
+            assert others, f"{name} has no training-kernel row beside decode at {case}"
+            best = min(others, key=lambda stats: stats["median"])
+            assert rows[case]["decode"]["q3"] < best["q1"], (name, case)
+
+
+def test_a_comparison_names_each_side_of_a_variants_run():
+    comparison = rules.Comparison("train_step", (("experts", 64),), "run.json", "run.json",
+                                  other_options=(("joined_dx", "on"), ("gmm_ws", "off")))
+    assert comparison.side_case("picked") == {"experts": 64, "variant": None}
+    assert comparison.side_case("other") == {"experts": 64,
+                                             "variant": "joined_dx=on,gmm_ws=off"}
 
 
 def test_variant_limits_are_read_from_the_table():

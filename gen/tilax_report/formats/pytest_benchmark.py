@@ -31,11 +31,13 @@ SAME_NAME = [
     "routing", "dispatch", "tokens", "d_model", "d_hidden", "experts", "top_k",
     "shared_hidden", "skew", "flops", "tflops", "max_expert_frac", "empty_experts",
     "rel_err_out", "rel_err_grad_x", "rel_err_grad_params", "piece", "block_m", "peak_mb",
-    "max_tokens", "recompute", "activation", "variant",
+    "max_tokens", "recompute", "quantize", "deterministic", "activation", "variant", "router",
     # MoE expert parallel (suite ep)
     "part", "devices", "mesh", "exchange", "exchange_chunks", "tokens_per_device", "tokens_per_s",
     "bytes", "gbps",
     "rel_err_out_vs_one_device",
+    # MoE decode suite
+    "touched_experts", "touched_weight_bytes",
     # RBF
     "n", "m", "dim", "out", "batch", "block_q", "block_k", "block_o", "pairs_per_s",
     "max_n", "precision", "fwd_backend",
@@ -55,7 +57,8 @@ MACHINE = [
     "bench_mode", "bench_budget_s", "bench_part",
 ]
 # Derived from the (ignored) stats of a row that timed nothing, so dropped there.
-TIMING_DERIVED = ("flops", "tflops", "pairs_per_s", "tokens_per_s", "gbps")
+TIMING_DERIVED = ("flops", "tflops", "pairs_per_s", "tokens_per_s", "gbps",
+                  "touched_weight_gbps")
 SUMMARY_SUITES = ("maxtok_summary",)
 REL_ERR_REF = {"moe": "float32 dense", "rbf": "float64 reference"}
 _REL_ERR_COLUMNS = (
@@ -132,6 +135,9 @@ def _row(bench: dict[str, Any], where: str) -> dict[str, Any]:
         row["limit_ran"], row["limit_failed"] = bracket
     if row["status"] == "measured" and not row["summary"]:
         row.update(_timing(bench.get("stats"), extra.get("child_times_s"), where))
+        touched = extra.get("touched_weight_bytes")
+        if isinstance(touched, (int, float)) and row["median_ms"] > 0:
+            row["touched_weight_gbps"] = touched / (row["median_ms"] * 1e-3) / 1e9
     else:
         row.update({key: None for key in TIMING_DERIVED})
     if any(row.get(key) is not None for key in _REL_ERR_COLUMNS):

@@ -13,6 +13,7 @@ PAGES = [
     "moe_layer",
     "moe_internals",
     "moe_decoder",
+    "moe_decode",
     "moe_ep",
     "rbf",
     "nn_suites",

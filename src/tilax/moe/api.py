@@ -28,13 +28,25 @@ import jax.numpy as jnp
 import numpy as np
 
 from tilax import _pallas
-from tilax.moe import activations, dispatch, expert_parallel, pallas, reference, router, rules
+from tilax.moe import (
+    activations,
+    decode,
+    dispatch,
+    expert_parallel,
+    fp8,
+    pallas,
+    reference,
+    router,
+    rules,
+)
 from tilax.moe.base import RoutedCopies
 
-IMPLS = ("auto", "pallas", "triton", "mosaic", "blocked", "ragged_dot")
+IMPLS = ("auto", "pallas", "triton", "mosaic", "decode", "blocked", "ragged_dot")
 DISPATCHES = ("sorted", "gather", "fused", "fused_gsum")
 ROUTINGS = ("dropless", "capacity", "dense")
 DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+QUANTIZE = ("fp8",)
+FP8_IMPLS = ("auto", "blocked", "ragged_dot")  # the impls with an FP8 path (fp8.py)
 
 
 @jax.tree_util.register_static
@@ -59,12 +71,16 @@ class MoEConfig:
             the rest dropped) or ``"dense"`` (every expert on every token, weighted).
         impl: routed-expert implementation: ``"auto"`` (on GPUs the Pallas kernels on the
             backend measured faster for this config and GPU, ``tilax.moe.rules``: Mosaic GPU
-            where a stored run shows it winning, else Triton; on a CPU the plain-XLA
-            ``"blocked"``, measured faster there than ``"ragged_dot"``; the Pallas
+            where a stored run shows it winning, else Triton; the decode kernels for small
+            16-bit batches once the decode suite's stored run holds their rule; on a CPU the
+            plain-XLA ``"blocked"``, measured faster there than ``"ragged_dot"``; the Pallas
             interpreter runs only when asked for),
             ``"pallas"``/``"triton"`` (Triton on GPUs, interpret mode on CPU), ``"mosaic"``
-            (Mosaic GPU kernels, Hopper and newer, bfloat16/float16 only), ``"blocked"``
-            (padded expert blocks in XLA) or ``"ragged_dot"`` (``jax.lax.ragged_dot``).
+            (Mosaic GPU kernels, Hopper and newer, bfloat16/float16 only), ``"decode"`` (the
+            small-batch forward kernels, ``tilax.moe.decode``: each touched expert's weights
+            streamed once; Triton on GPUs, interpret mode on CPU; under differentiation the
+            training kernels run), ``"blocked"`` (padded expert blocks in XLA) or
+            ``"ragged_dot"`` (``jax.lax.ragged_dot``).
             Ignored by ``routing="dense"``.
         dispatch: data movement of the Pallas path: ``"sorted"``, ``"gather"``, ``"fused"`` or
             ``"fused_gsum"`` (see the module docstring). All are exact up to float rounding.
@@ -97,17 +113,69 @@ class MoEConfig:
         exchange_chunks: with ``exchange="all_gather"`` (or ``"auto"``), split each device's
             tokens into this many chunks, each gathered, computed and reduce-scattered on its
             own, so that XLA can overlap one chunk's collectives with another's experts.
+        score_func: the router's scores ``s``: ``"softmax"`` (over each token's experts) or
+            ``"sigmoid"`` (``s = sigmoid(logits)`` per expert, DeepSeek-V3's router). The
+            combine weights are the chosen experts' ``s``; with ``"sigmoid"`` keep
+            ``renormalize=True`` (the scores of the chosen experts do not sum to 1).
+        balance_bias: auxiliary-loss-free load balancing (DeepSeek-V3): ``moe_init`` adds
+            ``params["router_bias"]``, float32 ``[E]`` zeros; experts are *selected* by
+            ``s + router_bias`` while the combine weights stay the unbiased ``s`` of the
+            selected experts. No gradient reaches ``router_bias`` (its gradient is zeros):
+            update it between steps with :func:`moe_update_bias`.
+        expert_groups: group-limited routing: the experts form ``expert_groups`` contiguous
+            groups of ``E / expert_groups`` (``1``: no groups). A group's score is the sum of
+            its two largest selection scores (``s`` plus the bias; its one score for groups
+            of one expert); each token keeps its ``group_top_k`` best groups and picks its
+            ``top_k`` experts among their experts only. Ties go to the lower index.
+        group_top_k: groups each token keeps, ``1 <= group_top_k <= expert_groups``; they
+            must hold at least ``top_k`` experts.
+        routed_scale: finite, ``> 0``: the routed experts' combined output is multiplied by it
+            (the combine weights are: ``s`` of the chosen experts, divided by their sum when
+            ``renormalize``, times ``routed_scale``); the shared expert is not scaled.
+
+        quantize: ``None`` (bfloat16/float16/float32 experts as ``dtype``) or ``"fp8"``:
+            every expert matmul of the forward, the input gradient and the weight gradient
+            on ``float8_e4m3fn`` operands with fine-grained scales from the data (1 x 128
+            tiles of activations and gradients, 128 x 128 blocks of weights, float32
+            accumulation promoted every 128 of the contraction, bfloat16 outputs; DeepSeek-V3's
+            recipe, ``tilax.moe.quantize``). Needs ``dtype=bfloat16``, routed (not dense)
+            routing, ``impl`` in ``"auto"``/``"blocked"``/``"ragged_dot"`` (today the XLA
+            path, ``tilax.moe.fp8``; no FP8 kernel yet) and, on a GPU, FP8 tensor cores
+            (compute capability 8.9+). Router, shared expert and master weights stay as they
+            are.
+        deterministic: bitwise repeatable results: repeated calls of one compiled train step
+            on the same inputs give bitwise identical ``y`` and gradients on the GPU, for
+            every impl. Every sum runs in a fixed order: no float atomics and no scatter-add
+            with repeated indices. ``dispatch="fused_gsum"`` then combines as ``"fused"``
+            does (gathering each token's rows and adding them in slot order instead of the
+            atomic adds of its epilogue), the gradients of the layer's gathers (the router's
+            top-k, the combine, the ``"blocked"`` impl's blocks) are gathers summing in a
+            fixed order, and the Mosaic GPU backward adds its per-item partial sums by a
+            gather instead of a scatter-add. Results equal the default up to float rounding;
+            the cost (a few gathers in place of scatter-adds, and ``fused_gsum``'s combine)
+            is measured in the layer suite. With a ``mesh`` the collectives' sums are NCCL's,
+            whose order is fixed for a given algorithm (see the MoE guide).
         activation: the experts' activation (routed and shared alike), fused into the
-            kernels' epilogues forward and backward on every impl: ``"swiglu"``
-            (``silu(x @ w_gate) * (x @ w_up)``), ``"geglu"`` (``gelu(x @ w_gate) *
-            (x @ w_up)``) or ``"gelu"`` (``gelu(x @ w_up)``, not gated: its parameters have
-            no ``w_gate``, routed or shared). ``gelu`` is the tanh approximation
-            (``jax.nn.gelu(approximate=True)``). See ``tilax.moe.activations``.
+            kernels' epilogues forward and backward on every impl (the decode kernels' and
+            the FP8 experts' too): ``"swiglu"`` (``silu(x @ w_gate) * (x @ w_up)``),
+            ``"geglu"`` (``gelu(x @ w_gate) * (x @ w_up)``) or ``"gelu"`` (``gelu(x @
+            w_up)``, not gated: its parameters have no ``w_gate``, routed or shared).
+            ``gelu`` is the tanh approximation (``jax.nn.gelu(approximate=True)``). See
+            ``tilax.moe.activations``.
+
+    With the routing fields at their defaults (``score_func="softmax"``, no bias, no groups,
+    ``routed_scale=1``) the layer is exactly the softmax top-k layer. On ``impl="mosaic"``
+    the router's Mosaic GPU kernels take softmax and sigmoid scores; with a balance bias or
+    groups XLA routes (``tilax.moe.mosaic.router.block_tokens``).
 
     Raises:
         ValueError: a size is not a positive integer, ``top_k > num_experts``, an unknown
-            ``routing``/``impl``/``dispatch``/``activation`` name, ``capacity_factor <= 0``,
-            or a bad tile.
+            ``routing``/``impl``/``dispatch``/``score_func``/``activation`` name,
+            ``capacity_factor <= 0``, a bad tile, ``num_experts`` not divisible by
+            ``expert_groups``, ``group_top_k`` outside ``[1, expert_groups]``, fewer than
+            ``top_k`` experts in ``group_top_k`` groups, ``routed_scale`` not a finite number
+            ``> 0``, or ``quantize`` unknown or with a ``dtype``/``impl``/``routing`` it cannot
+            run.
         TypeError: ``dtype`` is not one of the supported float types.
 
     Examples:
@@ -138,6 +206,13 @@ class MoEConfig:
     recompute_rows: int = 262144
     exchange: str = "auto"
     exchange_chunks: int = 1
+    score_func: str = "softmax"
+    balance_bias: bool = False
+    expert_groups: int = 1
+    group_top_k: int = 1
+    routed_scale: float = 1.0
+    quantize: str | None = None
+    deterministic: bool = False
     activation: str = "swiglu"
 
     def __post_init__(self) -> None:
@@ -157,6 +232,7 @@ class MoEConfig:
             ("impl", IMPLS),
             ("dispatch", DISPATCHES),
             ("exchange", expert_parallel.TRANSPORTS),
+            ("score_func", router.SCORE_FUNCS),
         ):
             value = getattr(self, name)
             if value not in allowed:
@@ -168,11 +244,17 @@ class MoEConfig:
         object.__setattr__(self, "capacity_factor", float(factor))
         if not (math.isfinite(factor) and factor > 0):
             raise ValueError(f"capacity_factor must be a finite number > 0, got {factor!r}")
-        for name in ("renormalize", "recompute"):
+        for name in ("renormalize", "recompute", "deterministic", "balance_bias"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         _check_int("recompute_rows", self.recompute_rows, minimum=1)
         _check_int("exchange_chunks", self.exchange_chunks, minimum=1)
+        self._check_groups()
+        scale = self.routed_scale
+        if (isinstance(scale, (bool, np.bool_)) or not isinstance(scale, numbers.Real)
+                or not (math.isfinite(scale) and scale > 0)):
+            raise ValueError(f"routed_scale must be a finite number > 0, got {scale!r}")
+        object.__setattr__(self, "routed_scale", float(scale))
         try:
             dtype = jnp.dtype(self.dtype)
         except TypeError as err:
@@ -180,6 +262,15 @@ class MoEConfig:
         if dtype not in DTYPES:
             raise TypeError(f"dtype must be one of {[str(d) for d in DTYPES]}, got {dtype}")
         object.__setattr__(self, "dtype", dtype)
+        if self.quantize is not None:
+            if self.quantize not in QUANTIZE:
+                raise ValueError(f"quantize must be None or one of {QUANTIZE}, "
+                                 f"got {self.quantize!r}")
+            if dtype != jnp.bfloat16 or self.impl not in FP8_IMPLS or self.routing == "dense":
+                raise ValueError(
+                    f"quantize={self.quantize!r} runs with dtype=bfloat16, routing "
+                    f"'dropless' or 'capacity' and impl in {FP8_IMPLS} (no FP8 kernels yet), "
+                    f"got dtype={dtype}, routing={self.routing!r}, impl={self.impl!r}")
         for name in ("block_m", "block_n", "block_k"):
             value = getattr(self, name)
             if value is not None:
@@ -193,10 +284,31 @@ class MoEConfig:
         if self.num_stages is not None:
             _check_int("num_stages", self.num_stages, minimum=1)
 
+    def _check_groups(self) -> None:
+        _check_int("expert_groups", self.expert_groups, minimum=1)
+        _check_int("group_top_k", self.group_top_k, minimum=1)
+        if self.num_experts % self.expert_groups:
+            raise ValueError(
+                f"num_experts ({self.num_experts}) must be divisible by expert_groups "
+                f"({self.expert_groups}): the groups are contiguous and of equal size"
+            )
+        if self.group_top_k > self.expert_groups:
+            raise ValueError(
+                f"group_top_k ({self.group_top_k}) must be in [1, expert_groups] "
+                f"= [1, {self.expert_groups}]"
+            )
+        kept_experts = self.group_top_k * (self.num_experts // self.expert_groups)
+        if kept_experts < self.top_k:
+            raise ValueError(
+                f"group_top_k ({self.group_top_k}) groups of {self.num_experts} // "
+                f"{self.expert_groups} experts hold {kept_experts} experts, fewer than top_k "
+                f"({self.top_k}): raise group_top_k or lower expert_groups"
+            )
+
 
 _INT_FIELDS = ("d_model", "d_hidden", "num_experts", "top_k", "shared_hidden", "block_m",
                "block_n", "block_k", "num_warps", "num_stages", "recompute_rows",
-               "exchange_chunks")
+               "exchange_chunks", "expert_groups", "group_top_k")
 
 
 def _is_integral(value: Any) -> bool:
@@ -222,6 +334,8 @@ def param_shapes(config: MoEConfig) -> dict[str, Any]:
     if s > 0:
         shared = {"w_gate": (d, s), "w_up": (d, s), "w_down": (s, d)}
         shapes["shared"] = {name: shared[name] for name in names}
+    if config.balance_bias:
+        shapes["router_bias"] = (e,)
     return shapes
 
 
@@ -230,10 +344,11 @@ def moe_init(key: jax.Array, config: MoEConfig) -> dict[str, Any]:
 
     Leaves: ``router: [d_model, E]`` float32; ``w_gate, w_up: [E, d_model, d_hidden]`` and
     ``w_down: [E, d_hidden, d_model]`` in ``config.dtype``; with ``shared_hidden = S > 0`` a
-    ``shared`` dict of ``w_gate, w_up: [d_model, S]`` and ``w_down: [S, d_model]``. With
-    ``activation="gelu"`` (not gated) there is no ``w_gate``, routed or shared. Every
-    matrix is normal with standard deviation ``1 / sqrt(fan_in)``, so logits and activations
-    keep unit scale for unit-scale inputs.
+    ``shared`` dict of ``w_gate, w_up: [d_model, S]`` and ``w_down: [S, d_model]``; with
+    ``balance_bias`` a ``router_bias: [E]`` of float32 zeros. With ``activation="gelu"`` (not
+    gated) there is no ``w_gate``, routed or shared. Every matrix is normal with standard
+    deviation ``1 / sqrt(fan_in)``, so logits and activations keep unit scale for unit-scale
+    inputs (the matrices do not depend on ``balance_bias``).
 
     Args:
         key: a JAX PRNG key.
@@ -248,6 +363,7 @@ def moe_init(key: jax.Array, config: MoEConfig) -> dict[str, Any]:
         (4, 64, 32)
     """
     shapes = param_shapes(config)
+    bias_shape = shapes.pop("router_bias", None)
     leaves, treedef = jax.tree_util.tree_flatten(
         shapes, is_leaf=lambda s: isinstance(s, tuple)
     )
@@ -265,7 +381,66 @@ def moe_init(key: jax.Array, config: MoEConfig) -> dict[str, Any]:
         values.append(
             (jax.random.normal(subkey, shape, jnp.float32) / math.sqrt(fan_in)).astype(dtype)
         )
-    return jax.tree_util.tree_unflatten(treedef, values)
+    params = jax.tree_util.tree_unflatten(treedef, values)
+    if bias_shape is not None:
+        params["router_bias"] = jnp.zeros(bias_shape, jnp.float32)
+    return params
+
+
+def moe_update_bias(params: dict[str, Any], aux: dict[str, jax.Array], rate) -> dict[str, Any]:
+    """DeepSeek-V3's auxiliary-loss-free balancing step: nudge each expert's router bias
+    towards an even load.
+
+    Returns ``params`` with ``router_bias += rate * sign(mean(counts) - counts)``, where
+    ``counts = aux["expert_counts"]`` (token copies routed to each expert): overloaded experts
+    become less likely to be selected, underloaded ones more (the combine weights never see
+    the bias). Call it between optimizer steps with the ``aux`` of the step's forward (the
+    bias gets no gradient, so optimizers leave it alone). With ``aux`` of a ``jax.vmap``-ed
+    call (``expert_counts: [..., E]``) the counts are summed over the leading dimensions
+    first. Works under ``jax.jit`` (``rate`` may be a traced scalar) and returns a new dict;
+    the other leaves are the same arrays.
+
+    Args:
+        params: the layer's parameters (from :func:`moe_init` with ``balance_bias=True``).
+        aux: the ``aux`` dict from :func:`moe_apply`.
+        rate: the bias update speed (DeepSeek-V3 used 0.001), a scalar.
+
+    Raises:
+        ValueError: ``params`` has no ``router_bias`` (the config has no ``balance_bias``),
+            ``aux`` has no ``expert_counts``, their sizes differ, or ``rate`` is not a scalar.
+
+    Examples:
+        >>> import jax
+        >>> import tilax
+        >>> config = tilax.MoEConfig(d_model=16, d_hidden=32, num_experts=4, top_k=2,
+        ...                          score_func="sigmoid", balance_bias=True)
+        >>> params = tilax.moe_init(jax.random.key(0), config)
+        >>> x = jax.random.normal(jax.random.key(1), (64, 16))
+        >>> _, aux = tilax.moe_apply(params, x, config)
+        >>> params = tilax.moe_update_bias(params, aux, 1e-3)
+        >>> params["router_bias"].shape
+        (4,)
+    """
+    if not isinstance(params, dict) or "router_bias" not in params:
+        raise ValueError(
+            "params has no 'router_bias' to update: create the parameters with "
+            "MoEConfig(balance_bias=True) (moe_init adds it)"
+        )
+    if not isinstance(aux, dict) or "expert_counts" not in aux:
+        raise ValueError("aux must be the dict moe_apply returns, with 'expert_counts'")
+    bias = params["router_bias"]
+    counts = jnp.asarray(aux["expert_counts"])
+    if jnp.ndim(bias) != 1 or counts.ndim < 1 or counts.shape[-1] != jnp.shape(bias)[0]:
+        raise ValueError(
+            f"aux['expert_counts'] has shape {tuple(counts.shape)} and params['router_bias'] "
+            f"{tuple(jnp.shape(bias))}: expected [..., E] counts for an [E] bias"
+        )
+    if jnp.ndim(rate) != 0:
+        raise ValueError(f"rate must be a scalar, got shape {tuple(jnp.shape(rate))}")
+    counts = jnp.sum(counts.reshape(-1, counts.shape[-1]), axis=0).astype(jnp.float32)
+    step = jnp.sign(jnp.mean(counts) - counts)
+    new_bias = (bias.astype(jnp.float32) + jnp.asarray(rate, jnp.float32) * step)
+    return {**params, "router_bias": new_bias.astype(bias.dtype)}
 
 
 def _check_params(params: Any, config: MoEConfig) -> None:
@@ -278,10 +453,17 @@ def _check_params(params: Any, config: MoEConfig) -> None:
             "its width or drop params['shared']"
         )
     _check_gate("params", params, config.activation)
+    if "router_bias" in params and "router_bias" not in expected:
+        raise ValueError(
+            "params has a 'router_bias' but config.balance_bias is False; set "
+            "balance_bias=True or drop params['router_bias']"
+        )
     _check_no_unknown_keys("params", params, expected)
     for name, shape in expected.items():
         if name not in params:
-            raise ValueError(f"params is missing {name!r} (expected shape {shape})")
+            hint = (" (config.balance_bias is True: moe_init adds it as float32 zeros)"
+                    if name == "router_bias" else "")
+            raise ValueError(f"params is missing {name!r} (expected shape {shape}){hint}")
         if isinstance(shape, dict):
             if not isinstance(params[name], dict):
                 raise TypeError(f"params['{name}'] must be a dict of arrays")
@@ -332,29 +514,47 @@ def _check_leaf(name: str, value: Any, shape: tuple[int, ...]) -> None:
 # Implementation choice
 
 # resolve_impl's names -> routed experts (base.RoutedExperts). A Pallas backend is one entry
-# here and one kernel module in pallas.KERNELS.
+# here and one kernel module in pallas.KERNELS. With quantize="fp8": FP8_IMPLEMENTATIONS.
 IMPLEMENTATIONS = {
     "dense": reference.routed_dense,
     "blocked": reference.routed_blocked,
     "ragged_dot": reference.routed_ragged_dot,
     **{backend: pallas.PallasExperts(backend) for backend in pallas.KERNELS},
+    "decode": decode.DecodeExperts(),
 }
+FP8_IMPLEMENTATIONS = {"blocked": fp8.routed_blocked, "ragged_dot": fp8.routed_ragged_dot}
 
 
-def resolve_impl(config: MoEConfig) -> str:
-    """The implementation ``moe_apply`` runs for ``config`` on this device.
+def routed_experts(config: MoEConfig, num_tokens: int | None = None):
+    """The routed experts (a ``base.RoutedExperts``) ``moe_apply`` runs for ``config`` on
+    ``num_tokens`` tokens (``None``: unknown, as under expert parallelism)."""
+    registry = FP8_IMPLEMENTATIONS if config.quantize == "fp8" else IMPLEMENTATIONS
+    return registry[resolve_impl(config, num_tokens)]
+
+
+def resolve_impl(config: MoEConfig, num_tokens: int | None = None) -> str:
+    """The implementation ``moe_apply`` runs for ``config`` on ``num_tokens`` tokens on this
+    device (``None``: a batch of unknown size, as under expert parallelism).
 
     Returns ``"dense"`` for dense routing, ``"blocked"``/``"ragged_dot"`` for the XLA
-    baselines, ``"mosaic"`` for ``impl="mosaic"``, and for ``"pallas"``/``"triton"`` the
-    backend: ``"triton"`` on GPUs, ``"interpret"`` on CPU. ``impl="auto"`` follows
-    ``tilax.moe.rules``: on a CPU its platform rule (``"blocked"``), on GPUs ``"mosaic"``
-    where it holds a measured win for the config on this GPU, else ``"triton"``.
+    baselines, ``"mosaic"`` for ``impl="mosaic"``, ``"decode"`` for ``impl="decode"``, and for
+    ``"pallas"``/``"triton"`` the backend: ``"triton"`` on GPUs, ``"interpret"`` on CPU.
+    ``impl="auto"`` follows ``tilax.moe.rules``: on a CPU its platform rule (``"blocked"``),
+    on GPUs ``"decode"`` where a decode rule covers the batch, ``"mosaic"`` where a backend
+    rule holds a measured win for the config on this GPU, else ``"triton"``. With
+    ``quantize="fp8"`` the XLA impl it names runs the FP8 experts (``fp8.py``); ``"auto"``
+    takes the rules' ``QUANTIZE_RULES`` row for the platform.
 
     Raises:
         ValueError: ``impl="mosaic"`` on a device that cannot run Mosaic GPU (with the reason),
             or with ``dtype=float32`` (the Mosaic GPU kernels take 16-bit operands; float32
-            experts run on Triton).
+            experts run on Triton); ``quantize="fp8"`` on a GPU without FP8 tensor cores.
     """
+    if config.quantize == "fp8":
+        capability = _pallas.gpu_compute_capability()
+        if _pallas.platform() == "gpu" and (capability is None or capability < (8, 9)):
+            raise ValueError(f"quantize='fp8' needs FP8 tensor cores (compute capability 8.9+: "
+                             f"Ada, Hopper or newer); this GPU has {capability}")
     if config.routing == "dense":  # every expert on every token: no grouped matmul, no impl
         return "dense"
     if config.impl == "mosaic":
@@ -367,10 +567,10 @@ def resolve_impl(config: MoEConfig) -> str:
                 "use impl='triton' (or 'pallas'/'auto')"
             )
         return "mosaic"
-    if config.impl in ("blocked", "ragged_dot"):
+    if config.impl in ("blocked", "ragged_dot", "decode"):
         return config.impl
     if config.impl == "auto":
-        return rules.auto_backend(config)
+        return rules.auto_backend(config, num_tokens)
     return _pallas.resolve_backend(config.impl)
 
 
@@ -379,6 +579,8 @@ def kernel_tiles(config: MoEConfig) -> Any:
     backend ``config.impl`` runs (the default Pallas backend for the XLA impls), overridden by
     the config's tile fields. Raises as :func:`resolve_impl` does."""
     backend = resolve_impl(config)
+    if backend == "decode":  # the decode path trains on the training-sized kernels
+        backend = rules.kernel_backend(config)
     return pallas.kernel_tiles(config, backend if backend in pallas.KERNELS else None)
 
 
@@ -396,11 +598,14 @@ def moe_apply(
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Apply the MoE layer: ``y = sum_k w_k * expert_k(x) + shared(x)``.
 
-    ``logits = x @ router`` in float32, ``probs = softmax(logits)``, each token's top-k experts
-    with weights ``w`` (renormalised to sum 1 when ``config.renormalize``); expert ``e`` is
-    ``act_e(x) @ w_down[e]`` with ``act_e`` the ``config.activation``: the SwiGLU
-    ``silu(x @ w_gate[e]) * (x @ w_up[e])`` by default, the GeGLU ``gelu(x @ w_gate[e]) *
-    (x @ w_up[e])`` or the (not gated) ``gelu(x @ w_up[e])``. Experts run in
+    ``logits = x @ router`` in float32, scores ``s = softmax(logits)`` (or
+    ``sigmoid(logits)`` with ``config.score_func="sigmoid"``), each token's top-k experts by
+    ``s`` (plus ``params["router_bias"]`` with ``config.balance_bias``, among the experts of
+    its ``group_top_k`` best groups with ``expert_groups > 1``) with weights ``w``: their
+    ``s``, renormalised to sum 1 when ``config.renormalize``, times ``config.routed_scale``;
+    expert ``e`` is ``act_e(x) @ w_down[e]`` with ``act_e`` the ``config.activation``: the
+    SwiGLU ``silu(x @ w_gate[e]) * (x @ w_up[e])`` by default, the GeGLU ``gelu(x @ w_gate[e])
+    * (x @ w_up[e])`` or the (not gated) ``gelu(x @ w_up[e])``. Experts run in
     ``config.dtype`` with float32 accumulation. Differentiable (reverse mode) w.r.t. ``params``
     and ``x``; ``jax.jit``, ``jax.grad`` and ``jax.vmap`` take ``config`` as a positional
     argument (a pytree without leaves: static). Under ``jax.vmap`` (over ``x``, the
@@ -439,12 +644,20 @@ def moe_apply(
         ``expert_counts`` ([E] int32, copies per expert before any drop), ``max_expert_frac``,
         ``empty_experts`` (int32 scalar), ``dropped_frac``, ``router_z_loss`` and
         ``load_balance_loss`` (float32 scalars; the two losses are differentiable).
+        ``load_balance_loss`` is ``E * sum_e f_e * P_e`` with ``f_e`` expert ``e``'s share
+        of the ``T * k`` copies and ``P_e`` its mean probability over the tokens: the
+        softmax probability, or with sigmoid scores the token's scores normalised to sum 1
+        (DeepSeek-V3's sequence-wise balance loss, the call's tokens as one sequence: vmap
+        over sequences for one loss each). ``router_z_loss`` is ``logsumexp(logits)**2``
+        whatever the scores.
 
     Raises:
         ValueError: ``x``'s last dimension is not ``d_model``, ``x`` holds no token, a
-            parameter is missing or has the wrong shape, ``impl="mosaic"`` on a device that
-            cannot run it (with the reason) or with ``dtype=float32``, ``expert_axis`` is not
-            an axis of ``mesh``, or ``num_experts`` is not divisible by its size.
+            parameter is missing or has the wrong shape (``router_bias`` with
+            ``config.balance_bias``, or present without it), ``impl="mosaic"`` on a device that
+            cannot run it (with the reason) or with ``dtype=float32``, ``quantize="fp8"`` on a
+            GPU without FP8 tensor cores (compute capability below 8.9), ``expert_axis`` is
+            not an axis of ``mesh``, or ``num_experts`` is not divisible by its size.
         TypeError: ``x`` or a parameter is not a float array, or ``mesh`` is not a ``Mesh``.
 
     Examples:
@@ -472,7 +685,7 @@ def moe_apply(
         raise ValueError(f"x must hold at least one token, got shape {tuple(jnp.shape(x))}")
     if mesh is not None:
         expert_parallel.check_mesh(mesh, expert_axis, config.num_experts)
-    experts = IMPLEMENTATIONS[resolve_impl(config)]
+    experts = routed_experts(config, None if mesh is not None else num_tokens)
     if mesh is not None:
         y, aux = expert_parallel.moe_apply_sharded(
             params, x, config, experts, mesh=mesh, expert_axis=expert_axis
@@ -480,8 +693,7 @@ def moe_apply(
         return y, aux
 
     x2 = jnp.reshape(x, (num_tokens, config.d_model))
-    routed = router.route(x2, params["router"], config.top_k, config.renormalize,
-                          backend=_router_backend(experts))
+    routed = router.route_layer(x2, params, config, backend=_router_backend(experts))
     dtype = config.dtype
     xc = x2.astype(dtype)
     w_gate = params["w_gate"].astype(dtype) if "w_gate" in params else None  # gelu: none

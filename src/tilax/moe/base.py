@@ -100,15 +100,18 @@ class GmmKernels(Protocol):
       w_up[e])``, and the pre-activations are ``(None, up)``. Returns ``(a,)`` or
       ``(a, gate, up)``.
     - ``gmm_activation_bwd(dy, w_down, gate, up, row_scale, schedule, *, tiles, backend,
-      index=None, activation="swiglu")``: ``d_gate, d_up`` (``activations.hidden_backward``
-      of ``w_r * dz``; ``d_gate`` is ``None`` where ``gate`` is, not gated) and ``[P, R]``
-      float32 partial sums of ``dz . a`` (``dz = dy_r @ w_down[e].T``, ``a`` unscaled), the
-      combine weights' gradient once summed over ``P`` (backend-defined: Triton gives one
-      row per column tile, ``h / block_n``; Mosaic GPU adds its per-item sums up itself and
-      gives one).
+      index=None, activation="swiglu", deterministic=False)``: ``d_gate, d_up``
+      (``activations.hidden_backward`` of ``w_r * dz``; ``d_gate`` is ``None`` where ``gate``
+      is, not gated) and ``[P, R]`` float32 partial sums of ``dz . a`` (``dz = dy_r @
+      w_down[e].T``, ``a`` unscaled), the combine weights' gradient once summed over ``P``
+      (backend-defined: Triton gives one row per column tile, ``h / block_n``; Mosaic GPU adds
+      its per-item sums up itself and gives one), with ``deterministic`` in a fixed order (no
+      scatter-add with repeated indices).
     - ``gmm_combine(hidden, w_down, row_scale, row_target, schedule, *, num_tokens, tiles,
       backend)``: ``y[t] = sum over rows r of token t of w_r * hidden[r] @ w_down[e(r)]``,
       float32 ``[T, d]`` (``row_scale=None``: ``w_r = 1``).
+      Its sum over a token's rows runs in no fixed order (atomics or a scatter-add):
+      ``MoEConfig.deterministic`` never calls it.
     - ``tgmm(lhs, rhs, group_offsets, *, tiles, backend, lhs_index=None, rhs_index=None,
       rhs2=None, out_dtype=None)``: ``out[e] = lhs[rows of e].T @ rhs[rows of e]`` (weight
       gradients; rows outside every group are never read).

@@ -304,19 +304,32 @@ def row_weights(weights: jax.Array, layout: RowLayout) -> jax.Array:
     return jnp.where(layout.row_valid, jnp.take(flat, layout.row_copy, mode="clip"), 0.0)
 
 
-def copy_values(row_values: jax.Array, layout: RowLayout) -> jax.Array:
-    """Row space to copies: ``[T, k, ...]`` values of each copy's row, zero for dropped copies."""
-    values = jnp.take(row_values, layout.copy_row, axis=0, mode="clip")
+def copy_values(
+    row_values: jax.Array, layout: RowLayout, deterministic: bool = False
+) -> jax.Array:
+    """Row space to copies: ``[T, k, ...]`` values of each copy's row, zero for dropped copies.
+
+    Differentiated by JAX, the gather's gradient is a scatter-add into the rows; with
+    ``deterministic`` it is a gather instead (:func:`take_fixed_order`: each kept row's
+    cotangent is its copy's)."""
+    if deterministic:
+        values = take_fixed_order(row_values, layout.copy_row, layout.row_copy[:, None],
+                                  layout.row_valid[:, None])
+    else:
+        values = jnp.take(row_values, layout.copy_row, axis=0, mode="clip")
     kept = layout.copy_kept.reshape(layout.copy_kept.shape + (1,) * (values.ndim - 2))
     return jnp.where(kept, values, jnp.zeros((), values.dtype))
 
 
-def combine(rows: jax.Array, weights: jax.Array, layout: RowLayout) -> jax.Array:
+def combine(
+    rows: jax.Array, weights: jax.Array, layout: RowLayout, deterministic: bool = False
+) -> jax.Array:
     """Unpermute and combine: ``y[t] = sum_j w[t, j] * rows[copy_row[t, j]]`` (float32 sum).
 
-    Dropped copies contribute zero. Returns ``[T, d]`` in ``rows.dtype``.
+    Dropped copies contribute zero. Returns ``[T, d]`` in ``rows.dtype``. ``deterministic``:
+    the gradient with respect to ``rows`` is a gather, not a scatter-add (:func:`copy_values`).
     """
-    values = copy_values(rows, layout).astype(jnp.float32)
+    values = copy_values(rows, layout, deterministic).astype(jnp.float32)
     weights = jnp.where(layout.copy_kept, weights.astype(jnp.float32), 0.0)
     return jnp.sum(values * weights[:, :, None], axis=1).astype(rows.dtype)
 
@@ -324,3 +337,36 @@ def combine(rows: jax.Array, weights: jax.Array, layout: RowLayout) -> jax.Array
 def sum_copies(rows: jax.Array, layout: RowLayout) -> jax.Array:
     """``out[t] = sum_j rows[copy_row[t, j]]`` over kept copies (float32 sum), ``[T, d]``."""
     return jnp.sum(copy_values(rows, layout).astype(jnp.float32), axis=1).astype(rows.dtype)
+
+
+@jax.custom_vjp
+def take_fixed_order(
+    src: jax.Array, index: jax.Array, readers: jax.Array, readers_valid: jax.Array
+) -> jax.Array:
+    """``src[index]`` along the first axis (``index`` of any shape, in bounds), whose gradient
+    adds each source row's cotangents in a fixed order: a gather, no scatter-add.
+
+    ``readers: [S, m]`` int32 names, for each of the ``S`` rows of ``src``, the flat positions
+    in ``index`` that read it (``readers_valid`` masks unused entries); the gradient is
+    ``d_src[s] = sum_j d_out.flat[readers[s, j]]`` over the valid ``j``, in ``j`` order
+    (float32). Positions of ``index`` that no reader names must get zero cotangents (rows
+    that a later ``where`` masks out): they are not added anywhere.
+    """
+    return jnp.take(src, index, axis=0, mode="clip")
+
+
+def _take_fixed_order_fwd(src, index, readers, readers_valid):
+    return take_fixed_order(src, index, readers, readers_valid), (
+        _shape_marker(src), index, readers, readers_valid)
+
+
+def _take_fixed_order_bwd(residuals, d_out):
+    src_marker, index, readers, readers_valid = residuals
+    d_flat = d_out.reshape(index.size, *d_out.shape[index.ndim:])
+    gathered = jnp.take(d_flat, readers, axis=0, mode="clip").astype(jnp.float32)
+    valid = readers_valid.reshape(readers_valid.shape + (1,) * (gathered.ndim - 2))
+    d_src = jnp.sum(jnp.where(valid, gathered, 0.0), axis=1)
+    return d_src.astype(src_marker.dtype), None, None, None
+
+
+take_fixed_order.defvjp(_take_fixed_order_fwd, _take_fixed_order_bwd)

@@ -4,10 +4,11 @@ One ``jax.shard_map`` over all mesh axes. The tokens are split over every axis (
 row-major mesh order holds tokens ``[i * T_local, (i + 1) * T_local)``, the batch zero-padded
 to a multiple of the device count; padding tokens are masked out of everything), the routed
 experts' leading dimension over ``expert_axis`` (device ``j`` along it owns experts
-``[j * E_local, (j + 1) * E_local)``), the router and the shared expert are replicated. On
-each device:
+``[j * E_local, (j + 1) * E_local)``), the router (its balance bias too) and the shared expert
+are replicated. On each device:
 
-1. route its tokens (the same ``router.route``);
+1. route its tokens (the same ``router.route_layer``: scores, bias, groups and scale as on one
+   device);
 2. decide which copies are kept: all of them (dropless), or under capacity routing the same
    copies as on one device: a copy's rank among the copies of its expert over the *whole*
    batch is its rank on this device plus the copies of that expert on lower-ranked devices
@@ -151,6 +152,9 @@ def _sharded(params, x, config, experts, mesh, expert_axis):
     expert_weights = activations.expert_weight_names(config.activation)
     used = {name: params[name] for name in ("router", *expert_weights)}
     specs = {"router": P(), **{name: P(expert_axis) for name in expert_weights}}
+    if config.balance_bias:  # replicated, as the router: every device selects with it
+        used["router_bias"] = params["router_bias"]
+        specs["router_bias"] = P()
     if config.shared_hidden:
         used["shared"] = params["shared"]
         specs["shared"] = {name: P() for name in params["shared"]}
@@ -197,7 +201,7 @@ def _local_layer(params, x, *, config, experts, plan: MeshPlan):
     local_tokens = x.shape[0]
     first = plan.token_shard() * local_tokens
     token_valid = first + jnp.arange(local_tokens, dtype=jnp.int32) < plan.num_tokens
-    routed = router.route(x, params["router"], config.top_k, config.renormalize)
+    routed = router.route_layer(x, params, config)
     copy_valid = jnp.broadcast_to(token_valid[:, None], routed.expert_ids.shape)
     kept = _kept_copies(routed.expert_ids, copy_valid, config.num_experts, plan)
     aux = _global_aux(routed, copy_valid, kept, config, plan)

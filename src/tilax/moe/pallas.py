@@ -8,7 +8,8 @@ of Hopper). Per ``dispatch``:
 - forward: ``sorted`` (permuted copy of ``x``, three grouped matmuls, activation and combine
   in XLA), ``gather`` (the grouped matmuls read rows of ``x`` through the sort index),
   ``fused`` (gather, plus gate/up/activation in one kernel), ``fused_gsum`` (fused, plus the
-  combine in the down projection's epilogue, float32 atomics). Every dispatch scales the
+  combine in the down projection's epilogue, float32 atomics; with ``deterministic`` it
+  combines as ``fused``). Every dispatch scales the
   activation by its row's combine weight before the down projection (the combine then
   only adds a token's copies) and keeps it for the backward, where it is the left operand of
   the ``w_down`` gradient: the activation's backward kernel then writes two ``[rows,
@@ -82,6 +83,9 @@ class Plan:
         copies_have_rows: every token copy has a row (no capacity drops): the row space is a
             permutation of the copies, which the backend's ``copy_rows`` can fill.
         activation: the ``MoEConfig.activation`` the kernels compute.
+        deterministic: ``MoEConfig.deterministic``: no float atomics and no scatter-add with
+            repeated indices (``fused_gsum`` combines as ``fused``; the backend's activation
+            backward adds its partial sums in a fixed order).
     """
 
     dispatch: str
@@ -92,6 +96,7 @@ class Plan:
     cover_tail: bool = True
     copies_have_rows: bool = False
     activation: str = "swiglu"
+    deterministic: bool = False
 
     @property
     def kernels(self):
@@ -149,7 +154,7 @@ def _forward(plan, x, w_gate, w_up, w_down, weights, layout, schedule, save):
             save_preactivations=save, activation=plan.activation, **kw,
         )
     pre = (lhs if index is None else None, *pre)
-    if plan.dispatch == "fused_gsum":
+    if plan.dispatch == "fused_gsum" and not plan.deterministic:  # float32 atomics
         y = kernels.gmm_combine(
             act, w_down, None, layout.row_target, schedule, num_tokens=plan.num_tokens, **kw
         ).astype(x.dtype)
@@ -183,7 +188,7 @@ def _pallas_experts_bwd(plan, residuals, dy):
     w_rows = dispatch.row_weights(weights, layout)
     d_gate, d_up, dw_partial = kernels.gmm_activation_bwd(
         dy_src, w_down, gate, up, w_rows, schedule, index=index, activation=plan.activation,
-        **kw,
+        deterministic=plan.deterministic, **kw,
     )
     joined = None
     if xs is not None and plan.cover_tail and w_gate is not None:  # all of d_gate, d_up written
@@ -204,7 +209,6 @@ def _pallas_experts_bwd(plan, residuals, dy):
 
 
 pallas_experts.defvjp(_pallas_experts_fwd, _pallas_experts_bwd)
-
 
 
 def pad_features(config, tiles, x, w_gate, w_up, w_down):
@@ -252,7 +256,8 @@ class PallasExperts:
         plan = Plan(config.dispatch, self.backend, tiles, num_tokens, slices,
                     cover_tail=not copies.sparse_rows,
                     copies_have_rows=rows == num_tokens * top_k,
-                    activation=config.activation)
+                    activation=config.activation,
+                    deterministic=config.deterministic)
         schedule = plan.schedule(layout.group_offsets, layout.row_token.shape[0])
         padded = pad_features(config, tiles, x, w_gate, w_up, w_down)
         y = pallas_experts(plan, *padded, copies.weights, layout, schedule)

@@ -99,7 +99,7 @@ def backward(plan, inputs, dy):
                                        schedule, preactivations=True)
         d_gate, d_up, dw_partial = kernels.gmm_activation_bwd(
             dy_src, w_down, gate, up, w_slice, schedule, index=src_index,
-            activation=plan.activation, **kw,
+            activation=plan.activation, deterministic=plan.deterministic, **kw,
         )
         dx_slice, d_gate_w, d_up_w = input_grads(
             kernels, x_src, src_index, d_gate, d_up, w_gate, w_up, schedule, offsets,

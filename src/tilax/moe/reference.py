@@ -135,13 +135,16 @@ def experts_blocked(
     layout: RowLayout,
     block_rows: int,
     activation: str = "swiglu",
+    deterministic: bool = False,
 ) -> jax.Array:
     """Padded expert blocks in plain XLA.
 
     Expert ``e``'s rows are copied into slot block ``[e, :group_sizes[e]]`` of an
     ``[E, block_rows, d]`` buffer (the rest zero), the experts run as batched matmuls and each
     copy reads its output back from its slot. ``block_rows`` must bound every group size
-    (``T`` for dropless routing, ``min(T, C)`` with capacity ``C``).
+    (``T`` for dropless routing, ``min(T, C)`` with capacity ``C``). ``deterministic``: the
+    gathers' gradients are gathers summing in a fixed order (``dispatch.take_fixed_order``)
+    instead of scatter-adds (a token's ``k`` copies would be added by GPU atomics).
     """
     num_experts = w_up.shape[0]
     slots = jnp.arange(block_rows, dtype=jnp.int32)
@@ -149,14 +152,27 @@ def experts_blocked(
     slot_used = slots[None, :] < layout.group_sizes[:, None]
     slot_rows = jnp.where(slot_used, slot_rows, 0)
     tokens = jnp.take(layout.row_token, slot_rows)
-    x_blocks = jnp.where(slot_used[..., None], jnp.take(x, tokens, axis=0), 0).astype(x.dtype)
-    out_blocks = _experts_batched(activation, x_blocks, w_gate, w_up, w_down)
     num_rows = layout.row_token.shape[0]
     row_expert = _row_experts(layout, num_rows)
     row_slot = jnp.arange(num_rows, dtype=jnp.int32) - layout.group_offsets[row_expert]
     row_slot = jnp.clip(row_slot, 0, block_rows - 1)
-    rows = out_blocks.reshape(num_experts * block_rows, -1)[row_expert * block_rows + row_slot]
-    return dispatch.combine(rows, weights, layout)
+    row_block_slot = row_expert * block_rows + row_slot
+    if deterministic:
+        # Each token is read by its kept copies' slots (a kept copy's slot is its row's), and
+        # each used slot by its row.
+        copy_slot = jnp.take(row_block_slot, layout.copy_row)
+        x_slots = dispatch.take_fixed_order(x, tokens, copy_slot, layout.copy_kept)
+    else:
+        x_slots = jnp.take(x, tokens, axis=0)
+    x_blocks = jnp.where(slot_used[..., None], x_slots, 0).astype(x.dtype)
+    out_blocks = _experts_batched(activation, x_blocks, w_gate, w_up, w_down)
+    out_slots = out_blocks.reshape(num_experts * block_rows, -1)
+    if deterministic:
+        rows = dispatch.take_fixed_order(out_slots, row_block_slot, slot_rows.reshape(-1, 1),
+                                         slot_used.reshape(-1, 1))
+    else:
+        rows = out_slots[row_block_slot]
+    return dispatch.combine(rows, weights, layout, deterministic)
 
 
 def experts_ragged_dot(
@@ -167,11 +183,14 @@ def experts_ragged_dot(
     weights: jax.Array,
     layout: RowLayout,
     activation: str = "swiglu",
+    deterministic: bool = False,
 ) -> jax.Array:
     """Sorted rows through ``jax.lax.ragged_dot`` for the three projections.
 
     Rows past ``sum(group_sizes)`` (dropped copies) belong to no group: ``ragged_dot`` leaves
-    them zero, and the combine skips them.
+    them zero, and the combine skips them. ``deterministic``: the combine's gradient is a
+    gather (``dispatch.combine``); the permutation's is one already, and XLA's GPU backend
+    runs ``ragged_dot`` and its gradients as dense products of masked operands.
     """
     xs = dispatch.permute(x, layout)
     sizes = layout.group_sizes
@@ -181,7 +200,7 @@ def experts_ragged_dot(
 
     gate = None if w_gate is None else ragged(xs, w_gate)
     act = expert_activation(activation, gate, ragged(xs, w_up))
-    return dispatch.combine(ragged(act, w_down), weights, layout)
+    return dispatch.combine(ragged(act, w_down), weights, layout, deterministic)
 
 
 def _one_at_a_time(fn: Callable) -> Callable:
@@ -258,7 +277,8 @@ def routed_blocked(config, x, w_gate, w_up, w_down, copies: RoutedCopies):
 
     def run(x, w_gate, w_up, w_down, weights, layout):
         return experts_blocked(x, w_gate, w_up, w_down, weights, layout, rows,
-                               config.activation)
+                               activation=config.activation,
+                               deterministic=config.deterministic)
 
     y = _checkpointed(config, run)(x, w_gate, w_up, w_down, copies.weights, layout)
     return y, _kept_count(copies, layout)
@@ -269,7 +289,9 @@ def routed_ragged_dot(config, x, w_gate, w_up, w_down, copies: RoutedCopies):
     layout = _layout(copies, w_up.shape[0])
 
     def run(x, w_gate, w_up, w_down, weights, layout):
-        return experts_ragged_dot(x, w_gate, w_up, w_down, weights, layout, config.activation)
+        return experts_ragged_dot(x, w_gate, w_up, w_down, weights, layout,
+                                  activation=config.activation,
+                                  deterministic=config.deterministic)
 
     y = _checkpointed(config, run)(x, w_gate, w_up, w_down, copies.weights, layout)
     return y, _kept_count(copies, layout)
@@ -288,7 +310,8 @@ def moe_oracle(params: dict, x: jax.Array, config) -> jax.Array:
     """float32 reference of ``moe_apply``'s output, straight from the math (the config's
     activation from ``jax.nn.silu``/``jax.nn.gelu(approximate=True)``).
 
-    Every expert runs on every token at ``Precision.HIGHEST``; capacity routing keeps copy
+    Every expert runs on every token at ``Precision.HIGHEST``; the router's scores, balance
+    bias, expert groups and scale as ``MoEConfig`` defines them; capacity routing keeps copy
     ``(t, j)`` when fewer than ``C`` earlier tokens chose the same expert. Returns float32 with
     the shape of ``x``.
     """
@@ -301,10 +324,26 @@ def moe_oracle(params: dict, x: jax.Array, config) -> jax.Array:
         return jnp.einsum(spec, a.astype(F32), b.astype(F32), precision=highest)
 
     logits = mm("td,de->te", x32, params["router"])
-    probs = jax.nn.softmax(logits, axis=-1)
-    top_probs, expert_ids = jax.lax.top_k(probs, top_k)
+    if config.score_func == "sigmoid":
+        scores = jax.nn.sigmoid(logits)
+    else:
+        scores = jax.nn.softmax(logits, axis=-1)
+    selection = scores
+    if config.balance_bias:
+        selection = scores + jax.lax.stop_gradient(params["router_bias"].astype(F32))
+    groups = config.expert_groups
+    if groups > 1:
+        # keep each token's group_top_k groups by the sum of their two best selection scores
+        grouped = selection.reshape(num_tokens, groups, num_experts // groups)
+        group_scores = jnp.sum(jax.lax.top_k(grouped, min(2, grouped.shape[-1]))[0], -1)
+        best_groups = jax.lax.top_k(group_scores, config.group_top_k)[1]
+        kept = jnp.sum(jax.nn.one_hot(best_groups, groups), axis=1) > 0
+        selection = jnp.where(kept[:, :, None], grouped, -jnp.inf).reshape(selection.shape)
+    _, expert_ids = jax.lax.top_k(selection, top_k)
+    top_probs = jnp.take_along_axis(scores, expert_ids, axis=1)
     if config.renormalize:
         top_probs = top_probs / jnp.sum(top_probs, axis=-1, keepdims=True)
+    top_probs = top_probs * config.routed_scale
     activation = config.activation
 
     def hidden(x32, weights, spec):

@@ -1,4 +1,11 @@
-"""Top-k softmax router: float32 logits, expert choice, combine weights and the router's aux.
+"""The router: float32 logits, scores, expert choice, combine weights and the router's aux.
+
+Scores are ``softmax(logits)`` or, with ``score_func="sigmoid"``, ``sigmoid(logits)`` per
+expert. Experts are *selected* by the scores plus an optional balance bias (DeepSeek-V3's
+auxiliary-loss-free balancing: the bias moves the choice, never the weights, and gets no
+gradient), optionally only inside each token's best groups of experts (group-limited routing,
+:func:`keep_best_groups`); the combine weights are the unbiased scores of the chosen experts,
+renormalised to sum 1 when asked, times ``routed_scale``.
 
 The router always runs in float32 whatever the layer's dtype: a bfloat16 logit is too coarse to
 rank experts reliably. The matmul is small (``[T, d_model] x [d_model, E]``) but reads every
@@ -28,15 +35,22 @@ from tilax.moe import dispatch, rules
 ROUTER_PRECISION = jax.lax.Precision.HIGHEST
 
 
+SCORE_FUNCS = ("softmax", "sigmoid")
+
+
 class RouterOutput(NamedTuple):
     """What the router decides for ``T`` tokens and ``E`` experts (all float32 / int32).
 
     Attributes:
         logits: ``[T, E]`` float32, ``x @ router``.
-        probs: ``[T, E]`` float32, ``softmax(logits)``.
-        expert_ids: ``[T, k]`` int32, the top-k experts of each token, best first.
-        weights: ``[T, k]`` float32, their combine weights: the top-k probabilities, divided by
-            their sum when ``renormalize``.
+        probs: ``[T, E]`` float32, each token's distribution over the experts that the aux
+            loss reads: ``softmax(logits)``, or with sigmoid scores the scores normalised to
+            sum 1 (``s / sum(s)``, DeepSeek-V3's balance loss).
+        expert_ids: ``[T, k]`` int32, the top-k experts of each token, best first (by the
+            selection scores: the scores plus the balance bias, inside the kept groups).
+        weights: ``[T, k]`` float32, their combine weights: the chosen experts' scores
+            (without the bias), divided by their sum when ``renormalize``, times
+            ``routed_scale``.
     """
 
     logits: jax.Array
@@ -46,33 +60,118 @@ class RouterOutput(NamedTuple):
 
 
 def route(
-    x: jax.Array, router: jax.Array, top_k: int, renormalize: bool, backend: str | None = None
+    x: jax.Array,
+    router: jax.Array,
+    top_k: int,
+    renormalize: bool,
+    backend: str | None = None,
+    *,
+    score_func: str = "softmax",
+    bias: jax.Array | None = None,
+    expert_groups: int = 1,
+    group_top_k: int = 1,
+    routed_scale: float = 1.0,
+    deterministic: bool = False,
 ) -> RouterOutput:
     """Route tokens ``x: [T, d_model]`` with ``router: [d_model, E]`` to their top-k experts.
 
-    Ties between equal probabilities go to the lower expert index (``jax.lax.top_k``).
-    Differentiable with respect to ``x`` and ``router`` through the logits, the probabilities
-    and the weights. ``backend`` ``"mosaic"`` takes the Mosaic GPU kernels of
-    ``mosaic.router`` for bfloat16 ``x`` where they apply (the same math; the softmax's
-    ``exp`` and division are the GPU's approximate ones, so the probabilities may differ from
-    XLA's in their last bits); otherwise XLA routes.
+    Scores ``s`` are ``softmax(logits)`` or ``sigmoid(logits)`` (``score_func``). Experts are
+    ranked by ``s + bias`` (``bias: [E]``, or none), among the experts of each token's
+    ``group_top_k`` best groups when ``expert_groups > 1`` (:func:`keep_best_groups`); the
+    weights are the chosen experts' ``s``, divided by their sum when ``renormalize``, times
+    ``routed_scale``. Ties go to the lower expert (and the lower group) index, as in
+    ``jax.lax.top_k``. Differentiable with respect to ``x`` and ``router`` through the
+    logits, the probabilities and the weights; ``bias`` only moves the choice and gets a zero
+    gradient. ``backend`` ``"mosaic"`` takes the Mosaic GPU kernels of ``mosaic.router`` for
+    bfloat16 ``x`` where they apply (``mosaic.router.block_tokens``: no bias, no groups; the
+    same math, with the GPU's approximate ``exp`` and division, so the scores may differ from
+    XLA's in their last bits); otherwise XLA routes. ``deterministic`` picks the top scores so
+    that their gradient has no scatter-add (:func:`select_experts`); the Mosaic GPU kernels'
+    gradient has none either way.
     """
     ranked = None
     if (backend == "mosaic" and x.dtype == jnp.bfloat16
             and rules.variant("router") == "kernels"):  # the router rule of tilax.moe.rules
         from tilax.moe.mosaic import router as router_mosaic  # a GPU backend: imported here
 
-        if router_mosaic.block_tokens(x.shape[0], router.shape[1], top_k) is not None:
-            ranked = _ranked_on_mosaic(top_k, x, router.astype(jnp.float32))
+        if router_mosaic.block_tokens(x.shape[0], router.shape[1], top_k,
+                                      biased=bias is not None,
+                                      expert_groups=expert_groups) is not None:
+            ranked = _ranked_on_mosaic(top_k, score_func, x, router.astype(jnp.float32))
     if ranked is None:
         logits = router_logits(x, router)
-        probs = jax.nn.softmax(logits, axis=-1)
-        top_probs, expert_ids = top_k_experts(probs, top_k)
+        scores = expert_scores(logits, score_func)
+        if bias is None and expert_groups == 1:
+            top_scores, expert_ids = top_k_experts(scores, top_k, deterministic)
+        else:
+            selection = scores
+            if bias is not None:  # moves the choice only: no gradient reaches the bias
+                selection = scores + jax.lax.stop_gradient(bias.astype(jnp.float32))
+            if expert_groups > 1:
+                selection = keep_best_groups(selection, expert_groups, group_top_k)
+            expert_ids = top_k_experts(selection, top_k)[1]
+            top_scores = (select_experts(scores, expert_ids) if deterministic
+                          else jnp.take_along_axis(scores, expert_ids, axis=-1))
     else:
-        logits, probs, expert_ids, top_probs = ranked
+        logits, scores, expert_ids, top_scores = ranked
     if renormalize:
-        top_probs = top_probs / jnp.sum(top_probs, axis=-1, keepdims=True)
-    return RouterOutput(logits, probs, expert_ids, top_probs)
+        top_scores = top_scores / jnp.sum(top_scores, axis=-1, keepdims=True)
+    if routed_scale != 1.0:
+        top_scores = top_scores * jnp.float32(routed_scale)
+    probs = scores
+    if score_func == "sigmoid":  # the aux loss's distribution: the scores normalised
+        probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
+    return RouterOutput(logits, probs, expert_ids, top_scores)
+
+
+def route_layer(
+    x: jax.Array, params: dict, config, backend: str | None = None
+) -> RouterOutput:
+    """:func:`route` with the router weights (and ``router_bias`` when
+    ``config.balance_bias``) of the layer's ``params`` and the routing fields of its
+    ``MoEConfig`` ``config``."""
+    return route(
+        x, params["router"], config.top_k, config.renormalize, backend=backend,
+        score_func=config.score_func,
+        bias=params["router_bias"] if config.balance_bias else None,
+        expert_groups=config.expert_groups, group_top_k=config.group_top_k,
+        routed_scale=config.routed_scale, deterministic=config.deterministic,
+    )
+
+
+def expert_scores(logits: jax.Array, score_func: str) -> jax.Array:
+    """``[T, E]`` float32 scores of the logits: ``softmax`` over the experts or a ``sigmoid``
+    of each logit."""
+    if score_func == "sigmoid":
+        return jax.nn.sigmoid(logits)
+    if score_func == "softmax":
+        return jax.nn.softmax(logits, axis=-1)
+    raise ValueError(f"score_func must be one of {SCORE_FUNCS}, got {score_func!r}")
+
+
+def keep_best_groups(selection: jax.Array, expert_groups: int, group_top_k: int) -> jax.Array:
+    """Group-limited routing: ``selection: [T, E]`` with every expert outside each token's
+    ``group_top_k`` best groups set to ``-inf``.
+
+    The experts form ``expert_groups`` contiguous groups of ``E / expert_groups``; a group's
+    score is the sum of its two largest selection scores (its one score for groups of one
+    expert); ties between groups go to the lower group index.
+    """
+    num_tokens, num_experts = selection.shape
+    size = num_experts // expert_groups
+    grouped = selection.reshape(num_tokens, expert_groups, size)
+    if size == 1:
+        group_scores = grouped[..., 0]
+    else:
+        # the best, then the best of the rest (one copy of a tied best stays in the rest)
+        members = jnp.arange(size, dtype=jnp.int32)
+        first = jnp.argmax(grouped, axis=-1).astype(jnp.int32)
+        second = jnp.max(jnp.where(members == first[..., None], -jnp.inf, grouped), axis=-1)
+        group_scores = jnp.max(grouped, axis=-1) + second
+    best_groups = top_k_experts(group_scores, group_top_k)[1]  # [T, group_top_k]
+    groups = jnp.arange(expert_groups, dtype=jnp.int32)
+    kept = jnp.any(best_groups[..., None] == groups, axis=-2)  # [T, G]
+    return jnp.where(kept[..., None], grouped, -jnp.inf).reshape(num_tokens, num_experts)
 
 
 def router_logits(x: jax.Array, router: jax.Array) -> jax.Array:
@@ -158,33 +257,34 @@ def _logits_grads(x, router32, d_pieces, dx_pieces):
 _bf16_logits.defvjp(_bf16_logits_fwd, _bf16_logits_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _ranked_on_mosaic(top_k, x, router32):
-    """``(logits, probs, expert_ids, top_probs)`` of bfloat16 ``x`` by the kernels of
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _ranked_on_mosaic(top_k, score_func, x, router32):
+    """``(logits, scores, expert_ids, top_scores)`` of bfloat16 ``x`` by the kernels of
     ``mosaic.router``: the logits' pieces by one bfloat16 matmul (:func:`_logit_parts`), the
     rest by one kernel forward and one backward."""
-    return _ranked_on_mosaic_fwd(top_k, x, router32)[0]
+    return _ranked_on_mosaic_fwd(top_k, score_func, x, router32)[0]
 
 
-def _ranked_on_mosaic_fwd(top_k, x, router32):
+def _ranked_on_mosaic_fwd(top_k, score_func, x, router32):
     from tilax.moe.mosaic import router as router_mosaic
 
     parts = _logit_parts(x, router32)
-    logits, probs, expert_ids, top_probs = router_mosaic.rank(parts, top_k)
-    outputs = (logits, probs, expert_ids.T, top_probs.T)
-    return outputs, (x, router32, probs, expert_ids)
+    logits, scores, expert_ids, top_scores = router_mosaic.rank(parts, top_k, score_func)
+    outputs = (logits, scores, expert_ids.T, top_scores.T)
+    return outputs, (x, router32, scores, expert_ids)
 
 
-def _ranked_on_mosaic_bwd(top_k, residuals, cotangents):
+def _ranked_on_mosaic_bwd(top_k, score_func, residuals, cotangents):
     from tilax.moe.mosaic import router as router_mosaic
 
     del top_k
-    x, router32, probs, expert_ids = residuals
-    d_logits, d_probs, _, d_top = cotangents
-    # Dense gradients of the logits and probabilities come only from aux losses.
-    dense = [None if _zero(g) else g for g in (d_probs, d_logits)]
+    x, router32, scores, expert_ids = residuals
+    d_logits, d_scores, _, d_top = cotangents
+    # Dense gradients of the logits and scores come only from aux losses.
+    dense = [None if _zero(g) else g for g in (d_scores, d_logits)]
     d_top = jnp.zeros(expert_ids.shape, jnp.float32) if _zero(d_top) else d_top.T
-    d_pieces, dx_pieces = router_mosaic.logit_grad_pieces(probs, expert_ids, d_top, *dense)
+    d_pieces, dx_pieces = router_mosaic.logit_grad_pieces(scores, expert_ids, d_top, *dense,
+                                                          score_func=score_func)
     return _logits_grads(x, router32, d_pieces, dx_pieces)
 
 
@@ -192,8 +292,8 @@ def _zero(cotangent) -> bool:
     return isinstance(cotangent, jax.custom_derivatives.SymbolicZero)
 
 
-def _ranked_on_mosaic_fwd_symbolic(top_k, x, router32):
-    return _ranked_on_mosaic_fwd(top_k, x.value, router32.value)
+def _ranked_on_mosaic_fwd_symbolic(top_k, score_func, x, router32):
+    return _ranked_on_mosaic_fwd(top_k, score_func, x.value, router32.value)
 
 
 _ranked_on_mosaic.defvjp(_ranked_on_mosaic_fwd_symbolic, _ranked_on_mosaic_bwd,
@@ -205,25 +305,44 @@ _ranked_on_mosaic.defvjp(_ranked_on_mosaic_fwd_symbolic, _ranked_on_mosaic_bwd,
 ARGMAX_TOP_K_MAX = 8
 
 
-def top_k_experts(probs: jax.Array, top_k: int) -> tuple[jax.Array, jax.Array]:
-    """``jax.lax.top_k(probs, top_k)`` with int32 ids, for router probabilities (>= 0).
+def top_k_experts(
+    probs: jax.Array, top_k: int, deterministic: bool = False
+) -> tuple[jax.Array, jax.Array]:
+    """``jax.lax.top_k(probs, top_k)`` with int32 ids, for router scores (selection scores
+    too: any value above ``-inf``; at least ``top_k`` of them a row).
 
     The same result, ties to the lower expert index: for ``top_k <= ARGMAX_TOP_K_MAX`` each
     pass takes the first maximum and masks it out (cheap elementwise work where the sort of
-    a ``[T, E]`` array is not).
+    a ``[T, E]`` array is not). With ``deterministic`` the top probabilities are picked by
+    :func:`select_experts` (a select and a sum), whose gradient is a select: the gather's
+    gradient is a scatter-add, which XLA's GPU backend runs with atomics.
     """
     if top_k > ARGMAX_TOP_K_MAX:
         top_probs, expert_ids = jax.lax.top_k(probs, top_k)
-        return top_probs, expert_ids.astype(jnp.int32)
+        expert_ids = expert_ids.astype(jnp.int32)
+        if deterministic:
+            top_probs = select_experts(probs, expert_ids)
+        return top_probs, expert_ids
     experts = jnp.arange(probs.shape[-1], dtype=jnp.int32)
     remaining, chosen = probs, []
     for _ in range(top_k):
         best = jnp.argmax(remaining, axis=-1).astype(jnp.int32)
         chosen.append(best)
-        # Probabilities are >= 0: -1 ranks a chosen expert below every other one.
-        remaining = jnp.where(experts == best[..., None], -1.0, remaining)
+        # -inf ranks a chosen expert below every other one (the ranked values are above it).
+        remaining = jnp.where(experts == best[..., None], -jnp.inf, remaining)
     expert_ids = jnp.stack(chosen, axis=-1)
+    if deterministic:
+        return select_experts(probs, expert_ids), expert_ids
     return jnp.take_along_axis(probs, expert_ids, axis=-1), expert_ids
+
+
+def select_experts(values: jax.Array, expert_ids: jax.Array) -> jax.Array:
+    """``take_along_axis(values, expert_ids, -1)`` for ``values: [T, E]``, ``expert_ids:
+    [T, k]``, as a select of each chosen expert's value and a sum over the experts: exact
+    (one term is nonzero), and its gradient is a select, with no scatter."""
+    experts = jnp.arange(values.shape[-1], dtype=expert_ids.dtype)
+    chosen = expert_ids[..., None] == experts
+    return jnp.sum(jnp.where(chosen, values[..., None, :], 0.0), axis=-1)
 
 
 def router_aux(

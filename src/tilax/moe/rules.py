@@ -1,6 +1,6 @@
 """Every kernel choice of the MoE layer, as data, each row naming the stored run behind it.
 
-One table, ``RULES``, of three kinds of rows:
+One table, ``RULES``, of four kinds of rows:
 
 - ``PLATFORM_RULES``: what ``impl="auto"`` runs off GPUs (:class:`PlatformRule`): a plain-XLA
   impl, never the Pallas interpreter (which runs only when asked for, ``impl="pallas"``), each
@@ -12,6 +12,12 @@ One table, ``RULES``, of three kinds of rows:
   row runs Triton, the backend every configuration has been measured with. Rows apply to the
   measured settings only: dropless routing, the default tiles and no ``recompute`` (the Mosaic
   GPU kernels have their own tile constraints). ``docs/guides/moe.md`` lists the table.
+- ``QUANTIZE_RULES``: what ``impl="auto"`` runs with ``MoEConfig(quantize=...)``
+  (:class:`QuantizeRule`), per platform; a row with no measurement behind it says so
+  (``unmeasured``) and why it is taken anyway.
+- ``DECODE_RULES``: where ``impl="auto"`` runs the decode kernels (``decode.py``) for small
+  batches on GPUs (:class:`DecodeRule`), each row naming the ``decode`` suite's stored runs
+  or, until one exists, why it stands unmeasured;
 - ``VARIANT_RULES``: inside the Mosaic GPU backend, which kernel each step takes (one row per
   choice: its options, the one the layer takes, the measured limits of where it takes it).
   A row's evidence is a before/after pair of stored runs (:class:`Comparison`: the same case
@@ -139,22 +145,143 @@ def matching_rule(config) -> AutoRule | None:
                     ("block_m", "block_n", "block_k", "num_warps", "num_stages"))
     if config.routing != "dropless" or config.recompute or tiles_set:
         return None
-    return rule_for(_pallas.gpu_device_kind(), config.dtype, config.dispatch,
+    dispatch = config.dispatch
+    if config.deterministic and dispatch == "fused_gsum":
+        dispatch = "fused"  # its kernels: the deterministic combine is fused's (pallas.py)
+    return rule_for(_pallas.gpu_device_kind(), config.dtype, dispatch,
                     config.num_experts, config.top_k)
 
 
-def auto_backend(config) -> str:
-    """What ``impl="auto"`` runs for ``config``: off GPUs the platform rule's plain-XLA impl
-    (``"blocked"`` on a CPU); on GPUs a backend rule's Pallas backend where one matches and
-    can run here, else Triton."""
+def auto_backend(config, num_tokens: int | None = None) -> str:
+    """What ``impl="auto"`` runs for ``config`` on ``num_tokens`` tokens: with
+    ``config.quantize`` its quantize rule's impl; off GPUs the platform rule's plain-XLA impl
+    (``"blocked"`` on a CPU); on GPUs the decode kernels (``"decode"``) where a decode rule
+    holds for the batch (:func:`decode_rule_for`; ``num_tokens=None``, as under expert
+    parallelism, matches none), else :func:`kernel_backend`."""
+    if getattr(config, "quantize", None) is not None:
+        return quantize_rule(config.quantize, _pallas.platform()).impl
     platform = platform_rule(_pallas.platform())
     if platform is not None:
         return platform.impl
+    if decode_rule_for(config, num_tokens) is not None:
+        return "decode"
+    return kernel_backend(config)
+
+
+def kernel_backend(config) -> str:
+    """The Pallas backend of the training-sized kernels for ``config``: a backend rule's where
+    one matches and can run here, else the default Pallas backend (Triton on GPUs, the
+    interpreter on a CPU). The decode path trains on it."""
     rule = matching_rule(config)
     if rule is not None and rule.backend == "mosaic":
         if _pallas.mosaic_unavailable_reason() is None:
             return "mosaic"
     return _pallas.resolve_backend("auto")
+
+
+# ----------------------------------------------------------------------------------------------
+# The quantised layer
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizeRule:
+    """What ``impl="auto"`` runs with ``MoEConfig(quantize=quantize)`` on ``platform``: the
+    ``impl`` named, and ``unmeasured``: why a row with no stored run behind it is taken."""
+
+    quantize: str
+    platform: str
+    impl: str
+    unmeasured: str
+
+
+_QUANTIZE_ROWS = (
+    QuantizeRule(
+        "fp8", "cpu", "blocked",
+        unmeasured="the FP8 experts have only their XLA path (fp8.py) so far; 'blocked' "
+                   "because the platform rule measured it faster than 'ragged_dot' for the "
+                   "bfloat16 layer on a CPU, not measured with quantize='fp8'",
+    ),
+    QuantizeRule(
+        "fp8", "gpu", "ragged_dot",
+        unmeasured="no FP8 kernel yet (the Mosaic GPU FP8 grouped matmuls are planned, "
+                   "docs/performance/moe.md 'FP8: the plan'); the FP8 path runs its products "
+                   "as bfloat16 ones, and for the bfloat16 layer 'ragged_dot' was the faster "
+                   "XLA impl on the H200 (E8 top-2 train step 81.75 ms against 115.83 at "
+                   "131,072 tokens, h200-20261130-4cab2a4-layer-131k-e64-skew.json; 21.64 "
+                   "against 29.61 at 32,768, h200-20261130-4cab2a4-layer-32k-4k.json); not "
+                   "measured with quantize='fp8'",
+    ),
+)
+
+
+# ----------------------------------------------------------------------------------------------
+# The decode rule
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeRule:
+    """Where ``impl="auto"`` runs the decode kernels (``decode.py``) on GPUs, once the row has
+    stored evidence (:func:`decode_rule_for`): a call of at most
+    ``max_tokens`` tokens, ``dtype`` among ``dtypes``, dropless routing, the default tiles and
+    no ``recompute``, on one device (no mesh). Forward only: under differentiation the decode
+    path runs the training kernels (:func:`kernel_backend`), so a train step is unchanged.
+
+    Attributes:
+        max_tokens: the largest batch the rule covers.
+        dtypes: the dtypes it covers (names).
+        evidence: stored result files (``data/results/``) of the ``decode`` suite: at every
+            token count up to ``max_tokens``, the ``decode`` rows' forward is faster than every
+            other tilax impl's of the same case, beyond the spread (tests hold each).
+        unmeasured: why the row stands without evidence (such rows need an H200 run of the
+            ``decode`` suite).
+    """
+
+    max_tokens: int
+    dtypes: tuple[str, ...]
+    evidence: tuple[str, ...] = ()
+    unmeasured: str = ""
+
+
+_DECODE_ROWS = (
+    DecodeRule(
+        512, ("bfloat16", "float16"),
+        unmeasured="not yet run on a GPU: the decode kernels stream each touched expert's "
+                   "weights once (one row tile per expert at these sizes), where the training "
+                   "kernels' 128-row tiles are mostly padding and launch fewer weight-streaming "
+                   "programs; the decode suite (tests/bench, --bench-suite decode) measures "
+                   "both against the copy bandwidth in one process",
+    ),
+)
+
+
+def quantize_rule(quantize: str, platform: str) -> QuantizeRule:
+    """The row for ``quantize`` on JAX ``platform`` (a GPU platform other than ``"cpu"``
+    takes the ``"gpu"`` row)."""
+    platform = platform if platform == "cpu" else "gpu"
+    return next(rule for rule in QUANTIZE_RULES
+                if (rule.quantize, rule.platform) == (quantize, platform))
+
+
+def decode_rule_for(config, num_tokens: int | None,
+                    rows: tuple[DecodeRule, ...] | None = None) -> DecodeRule | None:
+    """The decode rule in force for ``config`` on ``num_tokens`` tokens, or ``None``.
+
+    Only a row with stored evidence is in force: a row still ``unmeasured`` documents the
+    planned rule, and ``impl="auto"`` keeps the training kernels until the ``decode`` suite's
+    run holds it (``impl="decode"`` runs the decode kernels on request). ``rows``: the rows to
+    consult (default :data:`DECODE_RULES`).
+    """
+    if num_tokens is None:
+        return None
+    tiles_set = any(getattr(config, name) is not None for name in
+                    ("block_m", "block_n", "block_k", "num_warps", "num_stages"))
+    if config.routing != "dropless" or config.recompute or tiles_set:
+        return None
+    for rule in DECODE_RULES if rows is None else rows:
+        if (rule.evidence and num_tokens <= rule.max_tokens
+                and any(jnp.dtype(name) == jnp.dtype(config.dtype) for name in rule.dtypes)):
+            return rule
+    return None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -164,14 +291,24 @@ def auto_backend(config) -> str:
 @dataclasses.dataclass(frozen=True)
 class Comparison:
     """Evidence of a variant: the same case's stored row with the variant (``picked``, a file
-    under ``data/results/``) and without it (``other``), the runs of the commits before and
-    after the change. ``case`` filters the rows' ``extra_info`` (besides dropless routing,
-    bfloat16, no skew and the default tiles)."""
+    under ``data/results/``) and without it (``other``): the runs of the commits before and
+    after the change, or one file of the ``variants`` suite holding both sides. ``case``
+    filters the rows' ``extra_info`` (besides dropless routing, bfloat16, no skew and the
+    default tiles); ``picked_options`` and ``other_options`` are the sides' :func:`choose`
+    options in a ``variants`` run (its rows' ``variant``; none: the layer's picks)."""
 
     op: str
     case: tuple[tuple[str, Any], ...]
     picked: str
     other: str
+    picked_options: tuple[tuple[str, Any], ...] = ()
+    other_options: tuple[tuple[str, Any], ...] = ()
+
+    def side_case(self, side: str) -> dict[str, Any]:
+        """The ``extra_info`` filter of one side (``"picked"`` or ``"other"``)."""
+        options = getattr(self, f"{side}_options")
+        label = ",".join(f"{name}={option}" for name, option in options) or None
+        return {**dict(self.case), "variant": label}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -244,9 +381,10 @@ _VARIANT_ROWS = (
     ),
     VariantRule(
         "router", ("kernels", "xla"), "kernels",
-        "bfloat16 routing runs the softmax, top-k and their gradient as two kernels "
-        "(mosaic/router.py) where blocks of 64 tokens divide the tokens and the expert count "
-        "is a multiple of 8",
+        "bfloat16 routing runs the softmax (or sigmoid) scores, top-k and their gradient as "
+        "two kernels (mosaic/router.py) where blocks of 64 tokens divide the tokens, the expert "
+        "count is a multiple of 8 and experts are chosen by their scores alone (a balance bias "
+        "or expert groups route in XLA)",
         unstored="about 0.23 ms of XLA's small kernels against 0.09 ms of these two in the "
                  "E64 decoder's train step at 131 072 tokens (H200, mosaic/router.py); the "
                  "stored runs around the change (37bb3bf, 414ab32, 01e664a decoder-peers) "
@@ -278,10 +416,12 @@ _VARIANT_ROWS = (
 )
 
 #: The one table: every kernel choice of the layer, backend rows first.
-RULES: tuple[PlatformRule | AutoRule | VariantRule, ...] = (
-    *_PLATFORM_ROWS, *_BACKEND_ROWS, *_VARIANT_ROWS)
+RULES: tuple[PlatformRule | AutoRule | QuantizeRule | DecodeRule | VariantRule, ...] = (
+    *_PLATFORM_ROWS, *_BACKEND_ROWS, *_QUANTIZE_ROWS, *_DECODE_ROWS, *_VARIANT_ROWS)
 PLATFORM_RULES = tuple(rule for rule in RULES if isinstance(rule, PlatformRule))
 BACKEND_RULES = tuple(rule for rule in RULES if isinstance(rule, AutoRule))
+QUANTIZE_RULES = tuple(rule for rule in RULES if isinstance(rule, QuantizeRule))
+DECODE_RULES = tuple(rule for rule in RULES if isinstance(rule, DecodeRule))
 VARIANT_RULES = tuple(rule for rule in RULES if isinstance(rule, VariantRule))
 RULES_BY_NAME = {rule.name: rule for rule in VARIANT_RULES}
 

@@ -463,6 +463,7 @@ def gmm_activation_bwd(
     backend: str,
     index: jax.Array | None = None,
     activation: str = "swiglu",
+    deterministic: bool = False,
 ) -> tuple[jax.Array | None, jax.Array, jax.Array]:
     """Backward of ``y_r = w_r * a_r @ w_down[e]`` for every row, ``a`` the activation of
     :func:`gmm_activation` (``f(gate_r) * up_r``, or ``f(up_r)`` when not gated).
@@ -481,11 +482,14 @@ def gmm_activation_bwd(
         row_scale: ``[R_pad]`` float32 combine weights ``w_r`` (0 on padding/dropped rows).
         schedule, tiles, backend, index: as for :func:`gmm`.
         activation: as for :func:`gmm_activation`.
+        deterministic: accepted for the kernel contract: every partial sum here is stored
+            by the one program that owns its row, so the result is deterministic anyway.
 
     Returns:
         ``d_gate, d_up`` (``[R_pad, h]``, ``up.dtype``; ``d_gate`` ``None`` when not gated)
         and ``dw_partial`` (``[h / block_n, R_pad]`` float32).
     """
+    del deterministic
     gated = activations.check_gate(activation, gate, "gate")
     num_rows, h_dim = up.shape
     d_dim = w_down.shape[2]

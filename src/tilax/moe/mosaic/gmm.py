@@ -349,6 +349,7 @@ def gmm_activation_bwd(
     backend: str,
     index: jax.Array | None = None,
     activation: str = "swiglu",
+    deterministic: bool = False,
 ) -> tuple[jax.Array | None, jax.Array, jax.Array]:
     """Backward of ``y_r = w_r * a_r @ w_down[e]``, ``a`` the activation of
     :func:`gmm_activation` (``triton.gmm_activation_bwd``'s contract; ``gate`` ``None`` and
@@ -357,7 +358,9 @@ def gmm_activation_bwd(
     The gate and up tiles and the row weights arrive by TMA while the contraction runs. The
     combine weights' gradient (``dz . a`` per row) is stored per work item and column tile,
     ``[n_tiles, items, block_m]`` (a whole-vector TMA store cannot keep only the item's rows),
-    and added up per row in XLA.
+    and added up per row in XLA: by a scatter-add of every item's rows (the items that do
+    not own a row add zeros to it), or with ``deterministic`` by a gather of each row from
+    the item that owns it (:func:`_owned_rows`).
 
     Returns:
         ``d_gate, d_up`` (``[R_pad, h]``, ``gate.dtype``) and the combine weights' gradient
@@ -438,14 +441,32 @@ def gmm_activation_bwd(
         body, [rows] * num_pre + [per_item], f"moe_gmm_{activation}_bwd_mosaic", tiles
     )(*schedule, dy, w_down, *pre, row_scale)
     d_gate, d_up = grads if gated else (None, *grads)
-    return d_gate, d_up, _owned_rows(dw_items.sum(0), schedule, num_rows)[None]
+    return d_gate, d_up, _owned_rows(dw_items.sum(0), schedule, num_rows, deterministic)[None]
 
 
-def _owned_rows(values: jax.Array, schedule: GmmSchedule, num_rows: int) -> jax.Array:
+def _owned_rows(values: jax.Array, schedule: GmmSchedule, num_rows: int,
+                deterministic: bool = False) -> jax.Array:
     """``[items, block_m]`` per-item row values to ``[num_rows]``: each row from the item that
-    owns it (the rest, never written for items without rows, is masked out)."""
+    owns it (the rest, never written for items without rows, is masked out).
+
+    By default a scatter-add of every item's rows; with ``deterministic`` a gather: the items'
+    rows ``[tile * block_m + lo, tile * block_m + hi)`` are disjoint and ascending, so a row's
+    owner is the last item starting at or before it (a binary search), if the row lies
+    before that item's end. (No scatter-add: XLA's GPU backend runs it with atomics, and
+    the repeated rows of items sharing a tile would leave their order open.)"""
     block_m = values.shape[1]
     local = jnp.arange(block_m, dtype=jnp.int32)
+    if deterministic:
+        used = schedule.lo < schedule.hi
+        starts = jnp.where(used, schedule.tile * block_m + schedule.lo, num_rows)
+        ends = schedule.tile * block_m + schedule.hi
+        rows = jnp.arange(num_rows, dtype=jnp.int32)
+        # unrolled: a dozen steps of elementwise gathers XLA can fuse, not a while loop
+        owner = jnp.searchsorted(starts, rows, side="right", method="scan_unrolled")
+        owner = jnp.maximum(owner - 1, 0)
+        owned = (rows >= starts[owner]) & (rows < ends[owner])
+        value = values[owner, jnp.clip(rows - schedule.tile[owner] * block_m, 0, block_m - 1)]
+        return jnp.where(owned, value, 0.0)
     owned = (local >= schedule.lo[:, None]) & (local < schedule.hi[:, None])
     rows = schedule.tile[:, None] * block_m + local
     return jnp.zeros((num_rows,), jnp.float32).at[rows].add(jnp.where(owned, values, 0.0))

@@ -1,4 +1,5 @@
-"""The router's softmax, top-k and their gradient on Hopper: two Mosaic GPU passes.
+"""The router's scores (softmax or sigmoid), top-k and their gradient on Hopper: two Mosaic
+GPU passes.
 
 For bfloat16 tokens ``router.route`` computes the float32 logits as one bfloat16 matmul against
 the router's three bfloat16 pieces (``router.router_logits``): ``parts = x @ [r0 | r1 | r2]``,
@@ -12,16 +13,19 @@ is one kernel over blocks of tokens, a program bringing a block into shared memo
 (two slots, the next block landing while one is worked on) and working in a warpgroup's
 registers (row reductions):
 
-- :func:`rank`: ``parts`` to the logits, the probabilities (softmax), each token's ``k``
-  experts (``k`` rounds of "largest, then the lowest expert holding it, then mask it": the
-  experts of ``router.top_k_experts``, ties to the lower expert, a NaN ranked first) and
-  their probabilities;
-- :func:`logit_grad_pieces`: from the top probabilities' gradient (and any dense gradient of
-  the probabilities or logits), the logits' gradient through the softmax, written as the
+- :func:`rank`: ``parts`` to the logits, the scores (``softmax`` over the experts, or a
+  ``sigmoid`` of each logit), each token's ``k`` experts (``k`` rounds of "largest, then the
+  lowest expert holding it, then mask it": the experts of ``router.top_k_experts``, ties to
+  the lower expert, a NaN ranked first) and their scores;
+- :func:`logit_grad_pieces`: from the top scores' gradient (and any dense gradient of the
+  scores or logits), the logits' gradient through the softmax or the sigmoid, written as the
   bfloat16 pieces that the router's two gradient products read.
 
 Used for ``impl="mosaic"`` (``router.route(..., backend="mosaic")``); :func:`block_tokens` says
-where (token counts that blocks of ``BLOCK_TOKENS`` divide, expert counts a multiple of 8).
+where (token counts that blocks of ``BLOCK_TOKENS`` divide, expert counts a multiple of 8, and
+experts ranked by their scores alone). A balance bias or group-limited routing
+(``MoEConfig.balance_bias``, ``expert_groups > 1``) ranks by other values than the weights'
+scores, which these kernels do not compute: XLA routes those configs.
 """
 
 from __future__ import annotations
@@ -48,11 +52,20 @@ PROGRAMS_PER_SM = 2
 PIECES = 3
 
 
-def block_tokens(num_tokens: int, num_experts: int, top_k: int) -> int | None:
+SCORE_FUNCS = ("softmax", "sigmoid")
+
+
+def block_tokens(
+    num_tokens: int, num_experts: int, top_k: int, *, biased: bool = False,
+    expert_groups: int = 1,
+) -> int | None:
     """``BLOCK_TOKENS``, or ``None`` where the kernels do not apply (then XLA routes): a token
     count it does not divide, an expert count that is not a multiple of the register layout's
-    8 columns, more choices than experts."""
+    8 columns, more choices than experts, or a selection other than by the scores themselves
+    (a balance bias, ``biased``, or group-limited routing, ``expert_groups > 1``)."""
     if num_tokens % BLOCK_TOKENS or num_experts % 8 or top_k > num_experts:
+        return None
+    if biased or expert_groups > 1:
         return None
     return BLOCK_TOKENS
 
@@ -105,20 +118,24 @@ def _launch(body, num_tokens: int, block: int, out_type, scratch_types, name: st
     )
 
 
-def rank(logit_parts: jax.Array, top_k: int):
-    """Logits, probabilities and the top-k experts from the router product's pieces.
+def rank(logit_parts: jax.Array, top_k: int, score_func: str = "softmax"):
+    """Logits, scores and the top-k experts from the router product's pieces.
 
     Args:
         logit_parts: ``[T, 3E]`` float32, ``x @ [r0 | r1 | r2]``; its thirds add up to the
             logits as ``router.sum_thirds`` adds them (smallest first).
         top_k: experts per token.
+        score_func: ``"softmax"`` (over each token's experts) or ``"sigmoid"`` (of each
+            logit).
 
     Returns:
-        ``logits, probs`` (``[T, E]`` float32, ``probs = softmax(logits)``) and, transposed,
-        each token's experts best first (``[k, T]`` int32) and their probabilities
-        (``[k, T]`` float32); or ``None`` where :func:`block_tokens` says the kernel does not
-        apply.
+        ``logits, scores`` (``[T, E]`` float32, ``scores = softmax(logits)`` or
+        ``sigmoid(logits)``) and, transposed, each token's experts best first (``[k, T]``
+        int32) and their scores (``[k, T]`` float32); or ``None`` where :func:`block_tokens`
+        says the kernel does not apply.
     """
+    if score_func not in SCORE_FUNCS:
+        raise ValueError(f"score_func must be one of {SCORE_FUNCS}, got {score_func!r}")
     num_tokens, three_e = logit_parts.shape
     num_experts = three_e // PIECES
     block = block_tokens(num_tokens, num_experts, top_k)
@@ -138,8 +155,11 @@ def rank(logit_parts: jax.Array, top_k: int):
             plgpu.barrier_wait(loaded.at[slot])
             third = [_in_registers(parts_smem[slot, piece]) for piece in range(PIECES)]
             logits = (third[2] + third[1]) + third[0]
-            shifted = jnp.exp(logits - _rows(logits.max(axis=1), tile))
-            probs = shifted / _rows(shifted.sum(axis=1), tile)
+            if score_func == "sigmoid":
+                probs = 1.0 / (1.0 + jnp.exp(-logits))
+            else:
+                shifted = jnp.exp(logits - _rows(logits.max(axis=1), tile))
+                probs = shifted / _rows(shifted.sum(axis=1), tile)
             # Staged in the slot's first two pieces, read above: each thread stores where it
             # loaded (the same register layout).
             logits_smem, probs_smem = parts_smem.at[slot, 0], parts_smem.at[slot, 1]
@@ -184,25 +204,31 @@ def logit_grad_pieces(
     d_top: jax.Array,
     d_probs: jax.Array | None = None,
     d_logits: jax.Array | None = None,
+    *,
+    score_func: str = "softmax",
 ) -> tuple[jax.Array, jax.Array] | None:
-    """The logits' gradient through the softmax, as the bfloat16 pieces of the router's
-    gradient products.
+    """The logits' gradient through the softmax (or the sigmoid), as the bfloat16 pieces of
+    the router's gradient products.
 
     With ``dp = d_probs + (d_top scattered to expert_ids)``, the logits' gradient is
-    ``g = probs * dp - probs * sum(probs * dp) + d_logits``, and ``g = g0 + g1 + g2`` its three
+    ``g = probs * dp - probs * sum(probs * dp) + d_logits`` (softmax) or
+    ``g = probs * (1 - probs) * dp + d_logits`` (sigmoid), and ``g = g0 + g1 + g2`` its three
     bfloat16 pieces (``router.bf16_pieces``).
 
     Args:
-        probs: ``[T, E]`` float32 router probabilities.
+        probs: ``[T, E]`` float32 router scores (as :func:`rank` gives them).
         expert_ids: ``[k, T]`` int32, each token's distinct experts (as :func:`rank` gives).
-        d_top: ``[k, T]`` float32, the gradient of their probabilities.
+        d_top: ``[k, T]`` float32, the gradient of their scores.
         d_probs, d_logits: ``[T, E]`` float32 dense gradients, or ``None`` for zeros.
+        score_func: the scores' function, ``"softmax"`` or ``"sigmoid"``.
 
     Returns:
         ``([g0 | g1 | g2], [g0 | g0 | g1])``, each ``[T, 3E]`` bfloat16: the operands of the
         router weights' and the tokens' gradient products; or ``None`` where
         :func:`block_tokens` says the kernel does not apply.
     """
+    if score_func not in SCORE_FUNCS:
+        raise ValueError(f"score_func must be one of {SCORE_FUNCS}, got {score_func!r}")
     num_tokens, num_experts = probs.shape
     top_k = expert_ids.shape[0]
     block = block_tokens(num_tokens, num_experts, top_k)
@@ -233,8 +259,10 @@ def logit_grad_pieces(
             for j in range(top_k):  # the experts are distinct: one term a cell
                 chosen = experts == _rows(ids_smem[slot, j], tile)
                 dp = jnp.where(chosen, dp + _rows(top_smem[slot, j], tile), dp)
-            # The softmax's transpose, as XLA's: p * dp - p * sum(p * dp).
-            grad = p * dp - p * _rows((p * dp).sum(axis=1), tile)
+            if score_func == "sigmoid":  # as XLA's: dp * (p * (1 - p))
+                grad = dp * (p * (1.0 - p))
+            else:  # the softmax's transpose, as XLA's: p * dp - p * sum(p * dp)
+                grad = p * dp - p * _rows((p * dp).sum(axis=1), tile)
             if d_logits is not None:
                 grad = grad + _in_registers(dense_smem[-1][slot])
             pieces = []
