@@ -7,15 +7,12 @@ which takes the Gaussian kernel's value's place in every backward sum: with
 ``A_ij = phi_ij (g_i . v_j)``, ``dq_i = sum_j A_ij (k_j - q_i) / l^2``, and the lengthscale's
 gradient sums ``A_ij ((q_i - k_j) / l_d)^2 / l_d``, for every profile.
 
-====================  ======================================  =====================================
-``kernel``            ``k(r)``                                ``phi``, with ``z = c r``
-====================  ======================================  =====================================
-``"rbf"``             ``exp(-r^2 / 2)``                       ``exp(-r^2 / 2)``
-``"matern12"``        ``exp(-r)``                             ``exp(-r) / r`` (0 at ``r = 0``)
-``"matern32"``        ``(1 + z) exp(-z)``, ``c = sqrt 3``     ``3 exp(-z)``
-``"matern52"``        ``(1 + z + z^2 / 3) exp(-z)``, ``c =     ``5/3 (1 + z) exp(-z)``
-                      sqrt 5``
-====================  ======================================  =====================================
+| ``kernel`` | ``k(r)`` | ``phi``, with ``z = c r`` |
+| --- | --- | --- |
+| ``"rbf"`` | ``exp(-r^2 / 2)`` | ``exp(-r^2 / 2)`` |
+| ``"matern12"`` | ``exp(-r)`` | ``exp(-r) / r`` (0 at ``r = 0``) |
+| ``"matern32"`` | ``(1 + z) exp(-z)``, ``c = sqrt 3`` | ``3 exp(-z)`` |
+| ``"matern52"`` | ``(1 + z + z^2 / 3) exp(-z)``, ``c = sqrt 5`` | ``5/3 (1 + z) exp(-z)`` |
 
 Conventions at coincident points (``r = 0``): the Matérn-1/2 kernel is a cone there, its
 derivative in ``r`` is ``-1`` but the direction ``(q - k) / r`` is undefined; its gradient at
