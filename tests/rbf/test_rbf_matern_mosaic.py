@@ -1,7 +1,8 @@
 """The Mosaic GPU kernels' Matérn profiles on a CPU: every kernel lowers for CUDA with a Matérn
 profile (its rsqrt and pair weights included), and in JAX's GPU interpret mode
-(tests/mosaic_interpret.py) the whole Matérn ``kernel_mv`` with its gradients, through the
-Mosaic GPU kernels, matches the Triton kernels' (interpreted), on both distance paths.
+(tests/mosaic_interpret.py) the whole ``"highest"`` Matérn ``kernel_mv`` with its gradients,
+through the Mosaic GPU exact kernels, matches the Triton kernels' (interpreted), and the fast
+forward and sweep with Matérn profiles match the float64 oracle.
 tests/rbf/test_rbf_gpu.py runs them on Hopper."""
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ import numpy as np
 import pytest
 from helpers import rel_err
 from jax import export
+from rbf_oracle import stationary_kernel_mv, stationary_profile
 
 from tilax.rbf import config as rbf_config
-from tilax.rbf import numerics
 from tilax.rbf import vjp as rbf_vjp
 from tilax.rbf.mosaic import exact as mosaic_exact
 from tilax.rbf.mosaic import exact_grad as mosaic_exact_grad
@@ -125,27 +126,70 @@ def test_highest_matches_the_triton_kernels_in_interpret_mode(kernel):
         assert rel_err(np.asarray(a, np.float64), np.asarray(b, np.float64)) <= 1e-5, name
 
 
+def _fast_interpreter():
+    """JAX's GPU interpreter for the fast kernels (layout casts as identities)."""
+    from mosaic_interpret import available, gpu_interpreter
+
+    reason = available()
+    if reason:
+        pytest.skip(reason)
+    from jax._src.interpreters import mlir
+    from jax._src.pallas.mosaic_gpu.core import layout_cast_p
+
+    mlir.register_lowering(layout_cast_p, lambda ctx, x, **_: [x], platform="cpu")
+    return gpu_interpreter()
+
+
+# The default precision's fast kernels, each on its own (in kernel_mv, the fast/exact switch
+# traces the exact branch too, whose default-precision kernels are Triton's, which the GPU
+# interpreter does not run): against the NumPy float64 oracle.
+
+
 @pytest.mark.kernels
 @pytest.mark.parametrize("kernel", ["matern12", "matern32", "matern52"])
-def test_default_matches_the_triton_kernels_in_interpret_mode(kernel):
-    """The default precision within the fast budget: the fast forward and sweep with Matérn
-    profiles against the Triton kernels (both bfloat16 value products: a few 2^-9)."""
-    from mosaic_interpret import interpreter_for_loads
+def test_fast_forward_matches_float64_in_interpret_mode(kernel):
+    n, m, dim, out, lengthscale = 128, 200, 8, 16, 3.0
+    q, k, v, _ = _inputs(n, m, dim, out, 1.0)
+    qs, ks = jnp.asarray(q / lengthscale), jnp.asarray(k / lengthscale)
+    x, y = rbf_vjp.expansion_points(Expansion("tf32_parts"), qs[None], ks[None], 128, 256)
+    values = rbf_vjp.value_operand(jnp.asarray(v)[None], 256, out, "bf16")
+    # Padded keys hold garbage: only the index mask in the last tile keeps them out.
+    values = values.at[:, m:].set(1e3)
+    with _fast_interpreter():
+        got = mosaic_forward.kernel_matmul(
+            x, y, values, distance=Expansion("tf32_parts"), valid_l=m, block_p=128,
+            block_l=128, block_o=16, values="bf16", profile=kernel,
+        )  # fmt: skip
+    want, _ = stationary_kernel_mv(kernel, q, k, v, np.float32(lengthscale),
+                                   np.zeros((n, out), np.float32))  # fmt: skip
+    assert rel_err(np.asarray(got)[0, :n], want) < 1e-2  # bfloat16 kernel values
 
-    interpreter = interpreter_for_loads()
-    n, m, dim, out = 200, 150, 3, 16
-    q, k, v, g = _inputs(n, m, dim, out, 1.0)
-    lengthscale = np.float32(40.0 if kernel != "matern12" else 400.0)
-    qs, ks = numerics.centered_scaled(jnp.asarray(q), jnp.asarray(k), lengthscale)
-    assert bool(numerics.fast_distance_ok(qs, ks, None, kernel))
-    triton = rbf_config.default_config("interpret", None, batch=1, n=n, m=m, out=out, dim=dim,
-                                       kernel=kernel)  # fmt: skip
-    tiles = dict(block_p=mosaic_grad.BLOCK_P, block_l=mosaic_grad.BLOCK_L)
-    fwd_tiles = dict(block_p=mosaic_forward.BLOCK_P, block_l=128)
-    mosaic = dataclasses.replace(triton, fast=_on_mosaic(triton.fast, fwd_tiles, tiles))
-    want_value, want = _value_and_grads(triton, q, k, v, lengthscale, g)
-    with interpreter:
-        got_value, got = _value_and_grads(mosaic, q, k, v, lengthscale, g)
-    assert np.isclose(got_value, want_value, rtol=2e-2)
-    for name, a, b in zip(("dq", "dk", "dv", "dlengthscale"), got, want, strict=True):
-        assert rel_err(np.asarray(a, np.float64), np.asarray(b, np.float64)) <= 2e-2, name
+
+@pytest.mark.kernels
+@pytest.mark.parametrize("kernel", ["matern12", "matern32", "matern52"])
+def test_fast_sweep_matches_float64_in_interpret_mode(kernel):
+    """The sweep's three sums with the profile's pair weights (for ``A``) and values (for
+    ``pw``), coincident pairs included (Matérn-1/2's weight there is 0)."""
+    n, m, dim, out, block_l = 150, 200, 3, 5, 64
+    q, k, v, g = _inputs(n, m, dim, out, 1.0)  # (16 coincident pairs)
+    qs, ks = jnp.asarray(q)[None], jnp.asarray(k)[None]
+    rows_q, rows_k = -(-n // block_l) * block_l, -(-m // 128) * 128
+    x, y = rbf_vjp.expansion_points(Expansion("tf32_parts"), qs, ks, rows_q, rows_k)
+    queries, keys = rbf_vjp.augment_queries(qs, rows_q), rbf_vjp.augment_keys(ks, rows_k)
+    g_pad = rbf_vjp.value_operand(jnp.asarray(g)[None], rows_q, 16, "bf16")
+    v_pad = rbf_vjp.value_operand(jnp.asarray(v)[None], rows_k, 16, "bf16")
+    with _fast_interpreter():
+        got = mosaic_grad.pair_sums(y, x, queries, keys, v_pad, g_pad, valid_l=n,
+                                    block_l=block_l, profile=kernel)  # fmt: skip
+    r = np.sqrt(((q.astype(np.float64)[:, None] - k.astype(np.float64)[None]) ** 2).sum(-1))
+    value, weight = stationary_profile(kernel, r)  # [n, m]
+    g16 = np.asarray(g_pad[0, :n, :out].astype(jnp.float32), np.float64)
+    v16 = np.asarray(v_pad[0, :m, :out].astype(jnp.float32), np.float64)
+    a = weight * (g16 @ v16.T)
+    wants = {"loop_sums": a @ np.asarray(keys[0, :m], np.float64),
+             "sums": a.T @ np.asarray(queries[0, :n], np.float64)}  # fmt: skip
+    for name, want in wants.items():
+        sums = np.asarray(got[name][0], np.float64)[: want.shape[0]]
+        # Pair weights rounded to bfloat16 (and the expansion's distances near r = 0).
+        assert rel_err(sums, want) < 2e-2, name
+    assert rel_err(np.asarray(got["pw"][0, :m, :out], np.float64), value.T @ g16) < 1e-2
