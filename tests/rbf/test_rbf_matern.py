@@ -290,3 +290,22 @@ def test_value_error_bounds_set_the_fast_budget():
     qs, ks = numerics.centered_scaled(x, x, 3.0)  # rho ~ 3: fast for all but Matérn-1/2
     ok = {kernel: bool(numerics.fast_distance_ok(qs, ks, None, kernel)) for kernel in KERNELS}
     assert ok == {"rbf": True, "matern12": False, "matern32": True, "matern52": True}
+
+
+def test_fast_kernels_floor_matern12_near_pairs():
+    """From the expansion (``fast=True``) Matérn-1/2's distance is floored at ``r_f = 2^-12``:
+    a near pair's weight is ``exp(-r_f) / r_f`` whichever way the rounding left ``t`` (no
+    ``1 / r`` of a rounding error), its value within ``r_f`` of 1; the Gaussian kernel and the
+    differences' form are unchanged."""
+    r_f = 2.0**-12
+    t = jnp.asarray([1e-7, 0.0, -1e-12, -1e-9, -(0.5 / np.log(2.0))], jnp.float32)  # r = 1 last
+    value, weight = profiles.values_and_weights("matern12", t, fast=True)
+    np.testing.assert_allclose(np.asarray(weight)[:4], np.exp(-r_f) / r_f, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(weight)[4], np.exp(-1.0), rtol=1e-5)
+    assert np.all(np.asarray(value)[:4] >= np.exp(-r_f) - 1e-7)
+    _, exact_weight = profiles.values_and_weights("matern12", t)
+    assert float(exact_weight[1]) == float(exact_weight[0]) == 0.0  # t >= 0: coincident
+    for kernel in ("rbf", "matern32", "matern52"):
+        fast = profiles.values_and_weights(kernel, t, fast=True)
+        exact = profiles.values_and_weights(kernel, t)
+        np.testing.assert_array_equal(np.asarray(fast), np.asarray(exact))

@@ -92,11 +92,11 @@ def _value_and_grads(config, q, k, v, lengthscale, g):
     return jax.value_and_grad(loss, argnums=(0, 1, 2, 3))(q, k, v, lengthscale)
 
 
-def _inputs(n, m, dim, out, spread, seed=5):
+def _inputs(n, m, dim, out, spread, seed=5, coincident=16):
     rng = np.random.default_rng(seed)
     q = (spread * rng.standard_normal((n, dim))).astype(np.float32)
     k = (spread * rng.standard_normal((m, dim))).astype(np.float32)
-    k[:16] = q[:16]  # coincident pairs
+    k[:coincident] = q[:coincident]
     v = rng.standard_normal((m, out)).astype(np.float32)
     g = rng.standard_normal((n, out)).astype(np.float32)
     return q, k, v, g
@@ -169,9 +169,10 @@ def test_fast_forward_matches_float64_in_interpret_mode(kernel):
 @pytest.mark.parametrize("kernel", ["matern12", "matern32", "matern52"])
 def test_fast_sweep_matches_float64_in_interpret_mode(kernel):
     """The sweep's three sums with the profile's pair weights (for ``A``) and values (for
-    ``pw``), coincident pairs included (Matérn-1/2's weight there is 0)."""
+    ``pw``). Raw sums, before the differencing that forms the gradients: no near pairs,
+    whose Matérn-1/2 weight the expansion's rounding sets (``profiles.FAST_SQUARE_FLOOR``)."""
     n, m, dim, out, block_l = 150, 200, 3, 5, 64
-    q, k, v, g = _inputs(n, m, dim, out, 1.0)  # (16 coincident pairs)
+    q, k, v, g = _inputs(n, m, dim, out, 1.0, coincident=0)
     qs, ks = jnp.asarray(q)[None], jnp.asarray(k)[None]
     rows_q, rows_k = -(-n // block_l) * block_l, -(-m // 128) * 128
     x, y = rbf_vjp.expansion_points(Expansion("tf32_parts"), qs, ks, rows_q, rows_k)

@@ -54,6 +54,13 @@ LN2 = math.log(2.0)
 #: ``rsqrt`` of it is finite (2^50), and its square root is far below any float32 difference
 #: of order-1 coordinates.
 SQUARE_FLOOR = 2.0**-100
+#: The fast (expansion) kernels' floor on Matérn-1/2's distance, ``r_f = 2^-12`` (as ``-t``):
+#: the expansion cannot tell pairs closer than its error apart from coincident ones (its
+#: rounding leaves ``t`` a little off 0 either way), and Matérn-1/2's weight ``1 / r`` of such
+#: a pair would multiply that rounding; floored, a near pair's weight is at most
+#: ``1 / r_f = 4096`` and its value is off by at most ``r_f`` (within "high"'s budget; the
+#: switch keeps the expansion's own error in ``r`` within the budget too).
+FAST_SQUARE_FLOOR = 2.0**-24 / (2.0 * LN2)
 #: ``c r`` is capped here: ``exp(-Z_MAX)`` underflows to 0 in float64 (and float32), and the
 #: polynomial factor stays finite.
 Z_MAX = 1024.0
@@ -66,12 +73,14 @@ def check_kernel(kernel) -> str:
     return kernel
 
 
-def _matern_parts(kernel: str, squared, distance_per_root: float, exp2, rsqrt):
+def _matern_parts(
+    kernel: str, squared, distance_per_root: float, exp2, rsqrt, floor: float = SQUARE_FLOOR
+):
     """``(z, exp(-z), 1 / r)`` of a Matérn profile from ``squared = r^2 / distance_per_root^2``
     (``-t`` in base-2 units, ``s`` in natural ones), floored and capped as the module says."""
     rate = MATERN[kernel]
     # Clipped before the square root: rsqrt(inf) = 0 would give inf * 0 = NaN.
-    squared = jnp.clip(squared, SQUARE_FLOOR, (Z_MAX / (rate * distance_per_root)) ** 2)
+    squared = jnp.clip(squared, floor, (Z_MAX / (rate * distance_per_root)) ** 2)
     inverse_root = rsqrt(squared)
     root = squared * inverse_root
     z = (rate * distance_per_root) * root
@@ -90,6 +99,8 @@ def _matern_value(kernel: str, z, decay, clamp: bool):
 
 
 def _matern_weight(kernel: str, z, decay, inverse_r, coincident):
+    if kernel == "matern12" and coincident is False:
+        return decay * inverse_r
     if kernel == "matern12":
         return jnp.where(coincident, 0.0, decay * inverse_r)
     if kernel == "matern32":
@@ -104,27 +115,42 @@ def _matern_weight(kernel: str, z, decay, inverse_r, coincident):
 BASE2_DISTANCE = math.sqrt(2.0 * LN2)
 
 
-def kernel_values(kernel: str, t, *, exp2=jnp.exp2, rsqrt=lax.rsqrt, clamp: bool = True):
+def _floor(kernel: str, fast: bool) -> float:
+    return FAST_SQUARE_FLOOR if fast and kernel == "matern12" else SQUARE_FLOOR
+
+
+def kernel_values(
+    kernel: str, t, *, exp2=jnp.exp2, rsqrt=lax.rsqrt, clamp: bool = True, fast: bool = False
+):
     """Kernel values from base-2 exponents ``t`` (``-inf`` far away; the fast path's may exceed
     0 by a rounding error). ``exp2`` and ``rsqrt``: the backend's (its exp unit's) operations.
     ``clamp=False`` skips the Matérn values' clamp at 1 where they are rounded to bfloat16
-    next (the rounding takes values within ``2^-9`` of 1 to at most 1). The Gaussian kernel's
-    value is ``exp2(t)`` exactly."""
+    next (the rounding takes values within ``2^-9`` of 1 to at most 1). ``fast``: exponents
+    from the expansion (Matérn-1/2's distance floored at ``FAST_SQUARE_FLOOR``). The Gaussian
+    kernel's value is ``exp2(t)`` exactly."""
     if kernel == "rbf":
         return exp2(t)
-    z, decay, _ = _matern_parts(kernel, -t, BASE2_DISTANCE, exp2, rsqrt)
+    floor = _floor(kernel, fast)
+    z, decay, _ = _matern_parts(kernel, -t, BASE2_DISTANCE, exp2, rsqrt, floor)
     return _matern_value(kernel, z, decay, clamp)
 
 
-def values_and_weights(kernel: str, t, *, exp2=jnp.exp2, rsqrt=lax.rsqrt, clamp: bool = True):
+def values_and_weights(
+    kernel: str, t, *, exp2=jnp.exp2, rsqrt=lax.rsqrt, clamp: bool = True, fast: bool = False
+):
     """``(kernel values, pair weights phi)`` from base-2 exponents ``t``, sharing the exp unit's
-    operations (for the Gaussian kernel one ``exp2``, the same array twice)."""
+    operations (for the Gaussian kernel one ``exp2``, the same array twice). ``fast`` as in
+    :func:`kernel_values`: there Matérn-1/2's weight of a near pair is ``exp(-r_f) / r_f``
+    (``t`` near 0 is the expansion's rounding, not a coincidence); from differences it is 0 at
+    ``t = 0``, the convention."""
     if kernel == "rbf":
         p = exp2(t)
         return p, p
-    z, decay, inverse_r = _matern_parts(kernel, -t, BASE2_DISTANCE, exp2, rsqrt)
+    floor = _floor(kernel, fast)
+    z, decay, inverse_r = _matern_parts(kernel, -t, BASE2_DISTANCE, exp2, rsqrt, floor)
     value = _matern_value(kernel, z, decay, clamp)
-    return value, _matern_weight(kernel, z, decay, inverse_r, coincident=t >= 0)
+    coincident = False if fast else t >= 0
+    return value, _matern_weight(kernel, z, decay, inverse_r, coincident=coincident)
 
 
 def mufu_ops_per_pair(kernel: str, *, backward: bool = False) -> int:

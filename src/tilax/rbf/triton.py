@@ -183,12 +183,14 @@ class _Pairs:
     def values(self, profile: str, t):
         """The kernel values of exponents ``t`` (``profiles.kernel_values``; ``exp2(t)`` for
         the Gaussian kernel)."""
-        return profiles.kernel_values(profile, t, exp2=self.exp2, rsqrt=self.rsqrt)
+        return profiles.kernel_values(profile, t, exp2=self.exp2, rsqrt=self.rsqrt,
+                                      fast=isinstance(self.distance, Expansion))
 
     def values_and_weights(self, profile: str, t):
         """``(kernel values, pair weights)`` of exponents ``t``
         (``profiles.values_and_weights``: one array twice for the Gaussian kernel)."""
-        return profiles.values_and_weights(profile, t, exp2=self.exp2, rsqrt=self.rsqrt)
+        return profiles.values_and_weights(profile, t, exp2=self.exp2, rsqrt=self.rsqrt,
+                                           fast=isinstance(self.distance, Expansion))
 
     def fma(self, a, b, c):
         """``a * b + c``, rounded once on a GPU. Pallas's Triton lowering emits the multiply and

@@ -115,7 +115,7 @@ def kernel_matmul(
             which bfloat16 rounds to 1 (``numerics.FAST_DISTANCE_BUDGET``); a Matérn value
             is at most 1 up to the exp unit's rounding, which bfloat16 rounds away too (no
             clamp at 1: ``clamp=False``)."""
-            p = profiles.kernel_values(profile, t, clamp=False)
+            p = profiles.kernel_values(profile, t, clamp=False, fast=True)
             if masked:
                 column = plgpu.broadcasted_iota(jnp.int32, (rows, block_l), 1,
                                                 layout=plgpu.Layout.WGMMA)

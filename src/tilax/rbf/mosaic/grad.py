@@ -192,8 +192,8 @@ def _sweep(x, y, c_parts, o_parts, u, w, *, valid_l: int, block_l: int, profile:
                     # a min per pair cost 2% of the sweep.
                     # (Matérn values: no clamp at 1 either, their bfloat16 rounding is at most
                     # 1; the float32 pair weights are not values.)
-                    kernel_values, weights = profiles.values_and_weights(profile, t,
-                                                                         clamp=False)
+                    kernel_values, weights = profiles.values_and_weights(
+                        profile, t, clamp=False, fast=True)
                     if masked:
                         column = plgpu.broadcasted_iota(jnp.int32, (rows, block_l), 1,
                                                         layout=plgpu.Layout.WGMMA)
