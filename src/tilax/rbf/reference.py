@@ -14,7 +14,9 @@ Distances follow ``tilax.rbf.numerics``: ``precision="highest"`` sums squared co
 differences ``((q_d - k_d) / l_d)^2`` (exact at any scale); the other precisions use the expansion
 ``|a|^2 + |b|^2 - 2 a.b`` of centred, scaled points (one ``HIGHEST`` matrix product, clamped at
 0) while its error bound is within budget, and the differences beyond it. Kernel values are
-always in ``[0, 1]``.
+always in ``[0, 1]``. ``kernel_mv_*`` take the kernel profile as ``kernel``
+(``tilax.rbf.profiles.half_sq_kernel``: the Gaussian ``exp(-s)`` by default, or a Matérn kernel,
+differentiable by its ``custom_jvp``); the KDE is Gaussian.
 """
 
 from __future__ import annotations

@@ -13,6 +13,11 @@ made of Pallas kernels too:
 ``precision="highest"`` always runs the exact path; the other precisions run the fast one
 while its error bound is within budget, else the exact one (a ``lax.cond`` on the data).
 
+The kernels apply the config's kernel profile (``PathConfig.kernel``, ``tilax.rbf.profiles``):
+the Gaussian ``exp2(t)`` of the base-2 exponent, or a Matérn kernel; every formula below holds
+for each with ``K`` in ``A`` replaced by the profile's pair weight ``phi = -dk/ds`` (``K``
+itself for the Gaussian), ``K`` elsewhere (``dv``) its values.
+
 Backward of ``out = K @ v`` with cotangent ``g`` and ``A = K * (g @ v.T)``:
 ``dq_i = sum_j A_ij (k_j - q_i) / l^2``, ``dk_j = sum_i A_ij (q_i - k_j) / l^2``,
 ``dv = K.T @ g``: one kernel over query tiles (dq) and one over key tiles (dk and, while the
