@@ -264,7 +264,10 @@ def kernel_mv(
     differentiable there; the Matérn-1/2 kernel is a cone, whose gradient in ``q``, ``k`` and
     the lengthscale at ``r = 0`` is taken to be 0 (the subgradient of the symmetric cone), and a
     pair closer than ``r_0 ~ 1e-15`` lengthscales (but not coincident) contributes its gradient
-    scaled by ``r / r_0`` (so that no gradient overflows; ``tilax.rbf.profiles``).
+    scaled by ``r / r_0`` (so that no gradient overflows; ``tilax.rbf.profiles``). On the fast
+    precisions' expansion, which cannot tell pairs closer than its rounding error from
+    coincident ones, Matérn-1/2 distances below ``2^-12`` lengthscales are taken as ``2^-12``
+    (values within ``2^-12`` of 1, gradients of such pairs scaled by ``r / 2^-12``).
     Second and higher derivatives are exact away from ``r = 0`` (the Matérn-1/2 and 3/2 kernels
     have none there).
 

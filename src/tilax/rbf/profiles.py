@@ -24,6 +24,9 @@ Matérn-3/2 and 5/2 are differentiable at 0 (``phi(0) = 3`` and ``5/3``): no con
 needed for their first derivatives. Far pairs: ``z`` is capped at ``Z_MAX``, where
 ``exp(-z)`` is 0 in float32 and float64, so that ``poly(z) exp(-z)`` is 0, never
 ``inf * 0``; values are clamped at 1 (an approximate ``exp2`` may round them just above it).
+From the expansion (the fast kernels, ``fast=True``) Matérn-1/2's distance is floored at
+``2^-12`` instead (``FAST_SQUARE_FLOOR``): there ``t`` near 0 is a rounding error, not a
+coincidence.
 
 Cost on a GPU, per pair: the Gaussian one ``exp2`` (the exp unit, ``MUFU.EX2``); a Matérn
 kernel a reciprocal square root (``MUFU.RSQ``: ``r = s rsqrt(s)``, and for Matérn-1/2's weight
