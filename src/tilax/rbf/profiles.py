@@ -76,39 +76,46 @@ def check_kernel(kernel) -> str:
     return kernel
 
 
-def _matern_parts(
-    kernel: str, squared, distance_per_root: float, exp2, rsqrt, floor: float = SQUARE_FLOOR
-):
-    """``(z, exp(-z), 1 / r)`` of a Matérn profile from ``squared = r^2 / distance_per_root^2``
-    (``-t`` in base-2 units, ``s`` in natural ones), floored and capped as the module says."""
+def _matern_parts(kernel: str, squared, distance_per_root: float, exp2, rsqrt, *, fast: bool):
+    """``(u, exp(-z), 1 / u)`` of a Matérn profile with ``u = sqrt(squared)``, ``z = a u``
+    (``a = c distance_per_root``), from ``squared = r^2 / distance_per_root^2`` (``-t`` in
+    base-2 units, ``s`` in natural ones), floored and capped as the module says. The fast
+    kernels' exponents are finite (the expansion of budget-bound points): no cap there."""
     rate = MATERN[kernel]
-    # Clipped before the square root: rsqrt(inf) = 0 would give inf * 0 = NaN.
-    squared = jnp.clip(squared, floor, (Z_MAX / (rate * distance_per_root)) ** 2)
+    floor = FAST_SQUARE_FLOOR if fast and kernel == "matern12" else SQUARE_FLOOR
+    if fast:
+        squared = jnp.maximum(squared, floor)
+    else:  # clipped before the square root: rsqrt(inf) = 0 would give inf * 0 = NaN
+        squared = jnp.clip(squared, floor, (Z_MAX / (rate * distance_per_root)) ** 2)
     inverse_root = rsqrt(squared)
     root = squared * inverse_root
-    z = (rate * distance_per_root) * root
     decay = exp2((-rate * distance_per_root * LOG2E) * root)
-    return z, decay, inverse_root * (1.0 / distance_per_root)
+    return root, decay, inverse_root
 
 
-def _matern_value(kernel: str, z, decay, clamp: bool):
+def _matern_value(kernel: str, root, decay, a: float, clamp: bool):
+    """``poly(z) exp(-z)`` with the polynomial in ``u = z / a`` (its coefficients scaled:
+    multiply-adds only)."""
     if kernel == "matern12":
         return decay  # exp2 of a non-positive number: at most 1
     if kernel == "matern32":
-        value = (1.0 + z) * decay
+        value = (a * root + 1.0) * decay
     else:
-        value = (1.0 + z * (1.0 + z * (1.0 / 3.0))) * decay
+        value = ((a * a / 3.0 * root + a) * root + 1.0) * decay
     return jnp.minimum(value, 1.0) if clamp else value
 
 
-def _matern_weight(kernel: str, z, decay, inverse_r, coincident):
-    if kernel == "matern12" and coincident is False:
-        return decay * inverse_r
+def _matern_weight(
+    kernel: str, root, decay, inverse_root, a: float, distance_per_root: float, coincident
+):
+    """``phi``: Matérn-1/2's ``exp(-r) / r`` (``r = distance_per_root u``; 0 where
+    ``coincident``), ``3 exp(-z)``, ``5/3 (1 + z) exp(-z)``."""
     if kernel == "matern12":
-        return jnp.where(coincident, 0.0, decay * inverse_r)
+        weight = decay * (inverse_root * (1.0 / distance_per_root))
+        return weight if coincident is False else jnp.where(coincident, 0.0, weight)
     if kernel == "matern32":
         return 3.0 * decay
-    return (5.0 / 3.0) * ((1.0 + z) * decay)
+    return (5.0 / 3.0 * a * root + 5.0 / 3.0) * decay
 
 
 # ------------------------------------------------------------------------------------------
@@ -116,10 +123,6 @@ def _matern_weight(kernel: str, z, decay, inverse_r, coincident):
 
 #: ``r = BASE2_DISTANCE sqrt(-t)``: ``r^2 = 2 ln(2) (-t)``.
 BASE2_DISTANCE = math.sqrt(2.0 * LN2)
-
-
-def _floor(kernel: str, fast: bool) -> float:
-    return FAST_SQUARE_FLOOR if fast and kernel == "matern12" else SQUARE_FLOOR
 
 
 def kernel_values(
@@ -133,9 +136,8 @@ def kernel_values(
     kernel's value is ``exp2(t)`` exactly."""
     if kernel == "rbf":
         return exp2(t)
-    floor = _floor(kernel, fast)
-    z, decay, _ = _matern_parts(kernel, -t, BASE2_DISTANCE, exp2, rsqrt, floor)
-    return _matern_value(kernel, z, decay, clamp)
+    root, decay, _ = _matern_parts(kernel, -t, BASE2_DISTANCE, exp2, rsqrt, fast=fast)
+    return _matern_value(kernel, root, decay, MATERN[kernel] * BASE2_DISTANCE, clamp)
 
 
 def values_and_weights(
@@ -149,11 +151,12 @@ def values_and_weights(
     if kernel == "rbf":
         p = exp2(t)
         return p, p
-    floor = _floor(kernel, fast)
-    z, decay, inverse_r = _matern_parts(kernel, -t, BASE2_DISTANCE, exp2, rsqrt, floor)
-    value = _matern_value(kernel, z, decay, clamp)
+    root, decay, inverse_root = _matern_parts(kernel, -t, BASE2_DISTANCE, exp2, rsqrt, fast=fast)
+    a = MATERN[kernel] * BASE2_DISTANCE
+    value = _matern_value(kernel, root, decay, a, clamp)
     coincident = False if fast else t >= 0
-    return value, _matern_weight(kernel, z, decay, inverse_r, coincident=coincident)
+    weight = _matern_weight(kernel, root, decay, inverse_root, a, BASE2_DISTANCE, coincident)
+    return value, weight
 
 
 def mufu_ops_per_pair(kernel: str, *, backward: bool = False) -> int:
@@ -166,19 +169,26 @@ def mufu_ops_per_pair(kernel: str, *, backward: bool = False) -> int:
 # ------------------------------------------------------------------------------------------
 # The plain-XLA form: from s = r^2 / 2, differentiable
 
+#: ``r = NATURAL_DISTANCE sqrt(s)``.
+NATURAL_DISTANCE = math.sqrt(2.0)
+
 
 def _weight_of_half_sq(kernel: str, half_sq):
     """``phi(s) = -dk/ds``, plain JAX (differentiable: higher derivatives away from ``r = 0``)."""
     if kernel == "rbf":
         return jnp.exp(-half_sq)
-    z, decay, inverse_r = _matern_parts(kernel, half_sq, math.sqrt(2.0), jnp.exp2, lax.rsqrt)
-    return _matern_weight(kernel, z, decay, inverse_r, coincident=half_sq <= 0)
+    root, decay, inverse_root = _matern_parts(kernel, half_sq, NATURAL_DISTANCE, jnp.exp2,
+                                              lax.rsqrt, fast=False)  # fmt: skip
+    a = MATERN[kernel] * NATURAL_DISTANCE
+    return _matern_weight(kernel, root, decay, inverse_root, a, NATURAL_DISTANCE,
+                          half_sq <= 0)  # fmt: skip
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
 def _matern_half_sq(kernel: str, half_sq):
-    z, decay, _ = _matern_parts(kernel, half_sq, math.sqrt(2.0), jnp.exp2, lax.rsqrt)
-    return _matern_value(kernel, z, decay, clamp=True)
+    root, decay, _ = _matern_parts(kernel, half_sq, NATURAL_DISTANCE, jnp.exp2, lax.rsqrt,
+                                   fast=False)  # fmt: skip
+    return _matern_value(kernel, root, decay, MATERN[kernel] * NATURAL_DISTANCE, clamp=True)
 
 
 @_matern_half_sq.defjvp
