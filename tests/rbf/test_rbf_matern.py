@@ -96,6 +96,16 @@ def test_pallas_matches_float64(kernel, precision):
 
 @pytest.mark.kernels
 @pytest.mark.parametrize("kernel", MATERN)
+def test_pallas_scalar_lengthscale_matches_float64(kernel):
+    """One lengthscale for all dimensions: the exact kernels' shared scale (applied to the
+    summed squares; its gradient from the pairs' exponents)."""
+    inputs = _inputs(batch=(), n=40, m=56, ard=False)
+    _check(kernel, inputs, TOLERANCE["highest"], impl="pallas", precision="highest",
+           block_q=16, block_k=16)  # fmt: skip
+
+
+@pytest.mark.kernels
+@pytest.mark.parametrize("kernel", MATERN)
 def test_pallas_fast_path_matches_float64(kernel):
     """Data within the Matérn kernels' fast budget (small spread-to-lengthscale ratio) run the
     expansion kernels: the default's bfloat16 value products, ~2^-9."""
