@@ -80,6 +80,8 @@ COLUMNS: dict[str, tuple[str, str]] = {
                     "mesh)"),
     "devices": ("Int64", "GPUs the call ran on (suite ep)"),
     "precision": ("str", "RBF dot precision"),
+    "profile": ("str", "RBF kernel_mv rows: the stationary kernel (kernel_mv's kernel: "
+                       "matern12, matern32, matern52); missing: the Gaussian, rbf"),
     "fwd_backend": ("str", "RBF pallas rows: backend of the forward kernel (triton, mosaic, "
                     "interpret)"),
     "bwd_backend": ("str", "RBF pallas fwd_bwd rows: backend of the gradient sweeps (triton, "
@@ -228,7 +230,8 @@ COLUMN_NAMES = list(COLUMNS)
 # repeats of one case (repeats.py collapses them into one row).
 CASE_COLUMNS = [
     "code", "family", "suite", "impl", "dispatch", "routing", "dtype", "op", "piece", "part",
-    "exchange", "exchange_chunks", "mesh", "devices", "precision", "fwd_backend", "bwd_backend",
+    "exchange", "exchange_chunks", "mesh", "devices", "precision", "profile", "fwd_backend",
+    "bwd_backend",
     "tokens", "tokens_per_device", "d_model", "d_hidden", "experts", "top_k", "shared_hidden",
     "skew", "block_m", "recompute", "quantize", "deterministic", "variant", "router",
     "slab_elems", "n", "m", "dim", "out", "batch", "block_q", "block_k", "block_o", "path",

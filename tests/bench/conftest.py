@@ -96,10 +96,12 @@ decode           bf16 forward at 1/4/16/64/256/512 tokens, E128 top-8 d2048  98 
 moe              all seven (``--bench-suite moe``)                          ~361  ~26
 kernel_mv_max_n  pallas/xla/dense fwd_bwd d8 o16, 64k..8M (jumping)         ~10   ~1.5
 kernel_mv_peak   pallas/xla/dense x 4k/64k x fwd/fwd_bwd, subprocess each   12    ~1.5
-kernel_mv        5 impls x n 1k..1M x (dim, out) x fwd/fwd_bwd; (8, 16) at  212   ~4
+kernel_mv        5 impls x n 1k..1M x (dim, out) x fwd/fwd_bwd; (8, 16) at  224   ~4
                  every n first; 262k and 1M only (8, 16) and (3, 1), and
                  only the matrix-free impls (pallas, xla, keops); plus the
-                 precisions (high/highest at d8 o16, all at d20 o100)
+                 precisions (high/highest at d8 o16, all at d20 o100) and
+                 kernel_mv's Matérn kernels (pallas, 64k d8 o16, default
+                 and highest, beside the Gaussian rows)
 kde_density      3 impls x 1k/16k/64k x dim 2/8 x fwd/fwd_bwd               36    ~0.7
 kernel_mv_tiles  6 tiles x 64k x out 1/16 x fwd/fwd_bwd                     24    ~0.5
 kernel_mv_       Pallas launches (block_p x block_l x warps x stages) at    91    ~5

@@ -40,7 +40,7 @@ SAME_NAME = [
     "touched_experts", "touched_weight_bytes",
     # RBF
     "n", "m", "dim", "out", "batch", "block_q", "block_k", "block_o", "pairs_per_s",
-    "max_n", "precision", "fwd_backend",
+    "max_n", "precision", "profile", "fwd_backend",
     # RBF launch sweep
     "path", "kernel", "block_p", "block_l", "num_warps", "num_stages", "default_launch",
     "bwd_backend",
