@@ -57,17 +57,19 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "bench_budget_s": ("float64", "time budget of the call, s"),
     "bench_part": ("str", "which part of a split suite the file holds, e.g. 1/3"),
     # What was measured.
-    "family": ("str", "moe, rbf or nn"),
+    "family": ("str", "moe, rbf, gp (Gaussian processes) or nn"),
     "suite": ("str", "benchmark suite (MoE: layer, decoder, pieces, blockm, maxtok, "
                      "maxtok_summary, ep; RBF: kernel_mv, kde_density, kernel_mv_tiles, "
                      "kernel_mv_launches, kernel_mv_crossover, kernel_mv_peak, kernel_mv_max_n; "
+                     "GP: gp, gp_fit; "
                      "NN: transformer, "
                      "diffusion, moe, ssm, unet)"),
     "impl": ("str", "implementation (NN suites: attention variant or SSM cell)"),
     "dispatch": ("str", "MoE token dispatch: sorted, gather, fused, fused_gsum"),
     "routing": ("str", "MoE routing: dropless, capacity, dense"),
     "dtype": ("str", "float32 or bfloat16"),
-    "op": ("str", "forward, train_step, fwd+bwd (MoE pieces); fwd, fwd_bwd (RBF)"),
+    "op": ("str", "forward, train_step, fwd+bwd (MoE pieces); fwd, fwd_bwd (RBF); mll_grad "
+                  "(the log marginal likelihood with its gradient), fit (GP)"),
     "piece": ("str", "train-step piece (suite pieces)"),
     "part": ("str", "what an expert-parallel row (suite ep) times: link (a plain all-to-all "
                     "or all-gather of the exchange's bytes), step (the train step) or exchange "
@@ -101,9 +103,9 @@ COLUMNS: dict[str, tuple[str, str]] = {
                        "with, 'rule=option' joined by commas (suite variants; missing: the "
                        "rules' picks)"),
     "slab_elems": ("Int64", "scatter slab size in elements (slab sweep runs; 0: one slab)"),
-    "n": ("Int64", "RBF query points"),
+    "n": ("Int64", "RBF query points; GP training points"),
     "m": ("Int64", "RBF data points"),
-    "dim": ("Int64", "RBF input dimension"),
+    "dim": ("Int64", "RBF and GP input dimension"),
     "out": ("Int64", "RBF value columns"),
     "batch": ("Int64", "batch size"),
     "block_q": ("Int64", "RBF query tile"),
@@ -111,7 +113,8 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "block_o": ("Int64", "RBF value-column tile"),
     "path": ("str", "RBF launch sweep: the distance path whose kernels it launches, fast "
                     "(expansion) or exact (differences)"),
-    "kernel": ("str", "RBF launch sweep: the kernel family, fwd (the forward launch) or bwd "
+    "kernel": ("str", "GP: the covariance kernel (rbf, ...); RBF launch sweep: the kernel "
+                      "family, fwd (the forward launch) or bwd "
                       "(the dq and dk launches, timed as fwd_bwd)"),
     "block_p": ("Int64", "RBF launch sweep: program tile (rows of the point set a program "
                          "owns)"),
@@ -120,6 +123,9 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "num_stages": ("Int64", "RBF launch sweep: Triton pipeline stages"),
     "default_launch": ("boolean", "RBF launch sweep: the launch rbf_kernel_mv picks by "
                                   "default for this problem on this GPU"),
+    "num_probes": ("Int64", "GP: probe vectors of the log-determinant and trace estimates"),
+    "tol": ("float64", "GP: CG's relative residual tolerance"),
+    "preconditioner_rank": ("Int64", "GP: rank of the pivoted-Cholesky preconditioner"),
     "repeat": ("Int64", "repeat index (crossover probe)"),
     "resolution": ("Int64", "image side (NN unet)"),
     "model_dim": ("Int64", "model width (NN suites)"),
@@ -168,6 +174,13 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "bytes": ("Int64", "bytes that leave each GPU in one trip of the token copies (suite ep "
                        "link and exchange rows)"),
     "gbps": ("float64", "link bandwidth: bytes / median / 1e9, GB/s (suite ep link rows)"),
+    "evals_per_s": ("float64", "GP: log-likelihood evaluations (with gradient) per second: "
+                               "1 / median"),
+    "cg_iterations": ("Int64", "GP: CG iterations of the evaluation (the most any column ran)"),
+    "steps": ("Int64", "GP fit: optimiser steps run"),
+    "fit_s": ("float64", "GP fit: wall time of the steps, compile included, s"),
+    "converged": ("boolean", "GP fit: the stopping rule was met (every hyperparameter within "
+                             "10% of the generating one)"),
     # Memory.
     "peak_mb": ("float64", "device peak_bytes_in_use, MiB"),
     "xla_temp_mb": ("float64", "XLA temp buffer size of the compiled call, MiB"),
@@ -194,6 +207,11 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "rel_err_out_vs_one_device": ("float64", "suite ep, step rows on several GPUs: output "
                                              "relative error against the same layer on one "
                                              "device"),
+    "mll": ("float64", "GP: the log marginal likelihood computed (float32)"),
+    "mll_reference": ("float64", "GP: the float64 dense Cholesky value on the same data"),
+    "rel_err_mll": ("float64", "GP: |mll - mll_reference| / |mll_reference|"),
+    "rel_err_grad": ("float64", "GP: norm-wise relative error of the gradient with respect "
+                                "to the log-hyperparameters, against the float64 dense one"),
     "rel_err_ref": ("str", "what the relative errors compare against"),
     "finite": ("boolean", "outputs were finite (NN suites)"),
     # Outcome.
@@ -217,7 +235,8 @@ CASE_COLUMNS = [
     "tokens", "tokens_per_device", "d_model", "d_hidden", "experts", "top_k", "shared_hidden",
     "skew", "block_m", "recompute", "variant", "slab_elems", "n", "m", "dim", "out", "batch",
     "block_q", "block_k", "block_o", "path", "kernel", "block_p", "block_l", "num_warps",
-    "num_stages", "repeat", "resolution", "model_dim", "params", "summary",
+    "num_stages", "num_probes", "tol", "preconditioner_rank", "repeat", "resolution",
+    "model_dim", "params", "summary",
 ]
 
 # Columns whose values are integers (possibly missing); seed files store some as floats.

@@ -34,9 +34,9 @@ Options (each also read from the environment variable in brackets):
 
 - ``--bench-suite NAME`` [``TILAX_BENCH_SUITES``, comma separated]: repeatable; suite names
   ``layer decoder pieces blockm maxtok kernel_mv kde_density kernel_mv_tiles
-  kernel_mv_launches kernel_mv_peak kernel_mv_max_n ep``, short names ``kde tiles launches
-  peak max_n``, groups ``moe rbf ladders all`` (``ep``, on every local GPU, only by name: it
-  is in no group).
+  kernel_mv_launches kernel_mv_peak kernel_mv_max_n gp gp_fit ep guide_gp``, short names
+  ``kde tiles launches peak max_n``, groups ``moe rbf ladders all`` (``ep``, on every local
+  GPU, ``gp_fit`` and ``guide_gp`` only by name: they are in no group).
 - ``--bench-mode smoke|quick|full|auto`` [``TILAX_BENCH_MODE``], or ``--bench-quick`` /
   ``--bench-smoke``. ``auto`` (default): full on a GPU when the run asks for results
   (``--benchmark-json``) or suites (``--bench-suite``), smoke otherwise (so a plain
@@ -61,8 +61,8 @@ unseen; about a minute on 2 cores), ``quick`` (every suite at one or two realist
 Budget and order: each selected suite is given a share of ``--bench-budget`` in proportion to
 ``SUITE_WEIGHTS`` (the minutes column below: maxtok 3, layer 10, decoder 6, pieces 0.5, blockm
 0.5, kernel_mv_max_n 1.5, kernel_mv_peak 1.5, kernel_mv 4, kde_density 0.7, kernel_mv_tiles
-0.5, kernel_mv_launches 5, ep 3). A suite's share is reserved for it until its last row
-has run; a row may use its own suite's share plus whatever no other suite is still owed
+0.5, kernel_mv_launches 5, ep 3, gp 6, gp_fit 8). A suite's share is reserved for it until
+its last row has run; a row may use its own suite's share plus whatever no other suite is still owed
 (shares of finished suites, time they left unused), so the run stays within the budget and no
 suite starves another. Rows run by priority: the ladders first (priority 0, while the
 parent's memory pool is small; each ladder searches within an even part of its suite's share,
@@ -113,8 +113,13 @@ ep               expert parallelism on n local GPUs (``bench_ep``): E8 top2   44
                  experts), all_gather (also in 2 and 4 chunks) and
                  all_to_all exchange, the exchange alone, and the links (a
                  plain all-to-all and all-gather of the same bytes) first
-guide_gp         the RBF guide's Gaussian-process lengthscale step, run as   1     ~1
-                 the page runs it (``bench_guides``; by name only)
+guide_gp         the kernel-sums guide's Gaussian-process lengthscale step,  1     ~1
+                 run as the page runs it (``bench_guides``; by name only)
+gp               ``tilax.gp.mll`` + gradient at n 16k/65k/262k/1M, D 8      16    ~8
+                 (``bench_gp``), beside GPyTorch + KeOps, tinygp and the
+                 dense Cholesky reference where they fit; in ``all``
+gp_fit           Adam on the MLL at 1M points until the hyperparameters     1     ~8
+                 are within 10% of the generating ones (by name only)
 ===============  =========================================================  ====  =======
 
 Measured on the H200 (commit 4cab2a4): the layer suite's 32k and 4k rows took 185 s, its 131k,
@@ -159,6 +164,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 from pathlib import Path  # noqa: E402
 
 import bench_ep  # noqa: E402
+import bench_gp  # noqa: E402
 import bench_guides  # noqa: E402
 import bench_moe  # noqa: E402
 import bench_rbf  # noqa: E402
@@ -179,14 +185,18 @@ from bench_rows import append_row, check_extra_info, write_header  # noqa: E402
 MOE_SUITES = ("layer", "decoder", "pieces", "blockm", "maxtok", "variants")
 RBF_SUITES = ("kernel_mv", "kde_density", "kernel_mv_tiles", "kernel_mv_launches",
               "kernel_mv_peak", "kernel_mv_max_n")
+# Gaussian processes (``bench_gp``): gp in ``all``; the million-point fit by name only (it takes
+# most of a device call by itself).
+GP_SUITES = ("gp",)
+GP_FIT_SUITES = ("gp_fit",)
 # Multi-device suites: asked for by name only (their rows need every local GPU; a one-GPU
 # run stores them as "unavailable" rows).
 MULTI_DEVICE_SUITES = ("ep",)
 # Guide timings (``bench_guides``): asked for by name only, like the multi-device suites.
 GUIDE_SUITES = ("guide_gp",)
-BY_NAME = MOE_SUITES + RBF_SUITES + MULTI_DEVICE_SUITES + GUIDE_SUITES
+BY_NAME = MOE_SUITES + RBF_SUITES + GP_SUITES + GP_FIT_SUITES + MULTI_DEVICE_SUITES + GUIDE_SUITES
 SUITE_GROUPS = {
-    "all": MOE_SUITES + RBF_SUITES,
+    "all": MOE_SUITES + RBF_SUITES + GP_SUITES,
     "moe": MOE_SUITES,
     "rbf": RBF_SUITES,
     "ladders": ("maxtok", "kernel_mv_peak", "kernel_mv_max_n"),
@@ -211,7 +221,7 @@ MODE_SETTINGS = {
 SUITE_WEIGHTS = {
     "maxtok": 3.0, "layer": 10.0, "decoder": 6.0, "pieces": 0.5, "blockm": 0.5, "variants": 3.0,
     "kernel_mv_max_n": 1.5, "kernel_mv_peak": 1.5, "kernel_mv": 4.0, "kde_density": 0.7,
-    "kernel_mv_tiles": 0.5, "kernel_mv_launches": 5.0, "ep": 3.0,
+    "kernel_mv_tiles": 0.5, "kernel_mv_launches": 5.0, "ep": 3.0, "gp": 6.0, "gp_fit": 8.0,
 }
 STATE = pytest.StashKey[State]()
 ROWS = pytest.StashKey[Path | None]()
@@ -355,6 +365,8 @@ def suite_params(suite: str, mode: str) -> list:
         return bench_ep.suite_cases(suite, mode)
     if suite in GUIDE_SUITES:
         return bench_guides.suite_cases(suite, mode)
+    if suite in GP_SUITES + GP_FIT_SUITES:
+        return bench_gp.suite_cases(suite, mode)
     return bench_rbf.suite_cases(suite, mode)
 
 

@@ -15,6 +15,7 @@ PAGES = [
     "moe_decoder",
     "moe_ep",
     "rbf",
+    "gp",
     "nn_suites",
     "raw_data",
 ]
