@@ -11,6 +11,8 @@ Suites (``extra_info["suite"]``):
   ``jax.value_and_grad``) and ``dense`` (``tilax.gp.reference.dense_mll``, tilax's own dense
   Cholesky), the dense ones where ``DENSE_COPIES`` matrices of ``n x n`` fit on the device (a
   skipped row with "does not fit" beyond).
+- ``gp_rank``: ``tilax.gp.mll`` at the preconditioner ranks of ``RANK_SWEEP`` at 65 536 and
+  262 144 points: the CG iterations and time that choose ``MLL_SETTINGS``' rank.
 - ``gp_fit``: Adam on the log marginal likelihood at ``n = 1 048 576`` from ``FIT_START`` until
   every hyperparameter is within ``FIT_TOLERANCE`` (10%) of the generating one; the row's time
   is the fit's wall time, with its steps, final hyperparameters and every step's values. A fit
@@ -61,13 +63,14 @@ DATA_CHUNK = 65536  # rows of x per chunk of the feature draw ([chunk, F] floats
 SIZES = (16384, 65536, 262144, 1048576)
 #: The kernels of the ``gp`` suite; each peer maps a name to its own kernel class below.
 KERNELS = ("rbf",)
-MLL_IMPLS = ("tilax", "gpytorch_keops", "tinygp", "dense")
+# torch's rows first at each n: JAX's memory pool keeps what the dense rows grew it to.
+MLL_IMPLS = ("gpytorch_keops", "tilax", "tinygp", "dense")
 DENSE_IMPLS = ("tinygp", "dense")
 #: float32 ``n x n`` arrays a dense MLL-with-gradient holds at its peak (the covariance, its
 #: Cholesky factor, and the backward pass's solves of the factor): an estimate for skipping.
 DENSE_COPIES = 6
 REFERENCE_GRAD_COPIES = 6  # float64 n x n arrays of the reference's value and gradient
-REFERENCE_VALUE_COPIES = 3  # ... of its value alone (kernel matrix, covariance, factor)
+REFERENCE_VALUE_COPIES = 4  # ... of its value alone (distances, covariance, factor, workspace)
 #: tilax.gp.mll's settings in the suite, shared by the GPyTorch peer (its settings of the same
 #: names: cg_tolerance, max_cg_iterations, num_trace_samples, max_preconditioner_size,
 #: max_lanczos_quadrature_iterations): tilax's defaults except tol (0.01 instead of 1e-3) and
@@ -103,15 +106,20 @@ class GpCase:
     precision: str | None = "highest"
     priority: int = 40
     seed: int = 0
+    suite: str = "gp"  # or "gp_rank"
 
     family = "gp"
-    suite = "gp"
     op = "mll_grad"
     dtype = "float32"
+    # A row's own limit (the session's --bench-row-limit applies where lower): with a raised
+    # session limit, a million-point row's timed rounds are cut to what fits 400 s after its
+    # compile and warm-up calls, at least one (see bench_harness.Runner.capped_plan).
+    row_limit_s = 400.0
 
     @property
     def id(self) -> str:
-        return f"gp-{self.impl}-{self.kernel}-n{self.n}-d{self.dim}-mll_grad"
+        rank = f"-r{self.preconditioner_rank}" if self.suite == "gp_rank" else ""
+        return f"{self.suite}-{self.impl}-{self.kernel}-n{self.n}-d{self.dim}{rank}-mll_grad"
 
     @property
     def iterative(self) -> bool:
@@ -119,7 +127,7 @@ class GpCase:
         return self.impl in ("tilax", "gpytorch_keops")
 
     def extra_info(self) -> dict[str, Any]:
-        info = {"family": "gp", "suite": "gp", "impl": self.impl, "dtype": self.dtype,
+        info = {"family": "gp", "suite": self.suite, "impl": self.impl, "dtype": self.dtype,
                 "op": self.op, "n": self.n, "dim": self.dim, "kernel": self.kernel,
                 "hyperparameters": dict(GENERATING), "data": data_description(self.seed)}
         if self.iterative:
@@ -201,7 +209,10 @@ class FitCase:
     kernel: str = "rbf"
     dim: int = DIM
     start: tuple[float, ...] = tuple(FIT_START[k] for k in PARAM_NAMES)  # PARAM_NAMES' order
-    learning_rate: float = 0.1
+    # From FIT_START, Adam with the exact (dense) gradient met the rule after 29 steps at
+    # learning rate 0.2 (46 at 0.1, 23 at 0.3; n = 2048 on a CPU): 0.2 keeps the million-point
+    # fit inside one device call.
+    learning_rate: float = 0.2
     max_steps: int = 300
     time_limit_s: float = 480.0
     num_probes: int = FIT_SETTINGS["num_probes"]
@@ -259,8 +270,25 @@ def fit_cases(mode: str) -> list[FitCase]:
     return [FitCase(65536 if mode == "quick" else 1048576)]
 
 
+#: The preconditioner ranks of the ``gp_rank`` sweep: CG's iterations fall with the rank (on
+#: a CPU at n = 8 192, tol 0.01: 33 at rank 50, 18 at 100, 13 at 200, 6 at 400) while the
+#: preconditioner's cost grows; the sweep measures where the sum is least at scale.
+RANK_SWEEP = (50, 100, 200, 400, 800)
+
+
+def rank_cases(mode: str) -> list[GpCase]:
+    """The ``gp_rank`` suite: ``tilax.gp.mll`` at each preconditioner rank, the suite's other
+    settings, 65 536 and 262 144 points (smoke: two ranks at 64 points)."""
+    if mode == "smoke":
+        return [GpCase("tilax", 64, preconditioner_rank=rank, lanczos_iters=10, suite="gp_rank",
+                       priority=46) for rank in (4, 16)]
+    sizes = (65536,) if mode == "quick" else (65536, 262144)
+    return [GpCase("tilax", n, preconditioner_rank=rank, suite="gp_rank", priority=46 + index)
+            for index, n in enumerate(sizes) for rank in RANK_SWEEP]
+
+
 def suite_cases(suite: str, mode: str) -> list:
-    return {"gp": mll_cases, "gp_fit": fit_cases}[suite](mode)
+    return {"gp": mll_cases, "gp_fit": fit_cases, "gp_rank": rank_cases}[suite](mode)
 
 
 # ----------------------------------------------------------------------------- data
@@ -498,7 +526,8 @@ class GpytorchWorkload:
         # d theta / d raw = sigmoid(raw) for theta = softplus(raw) (+ a constant bound)
         grads = {name: float((raw.grad / torch.sigmoid(raw.detach())).sum())
                  for name, raw in self.raw.items()}
-        keops = self.gpytorch.kernels.keops.keops_kernel._use_keops(self.x, self.x)
+        with self._settings():  # whether GPyTorch's KeOps kernel ran KeOps at these settings
+            keops = self.gpytorch.kernels.keops.keops_kernel._use_keops(self.x, self.x)
         return numerics(self.case, self.state, self.data, float(out), grads,
                         {"keops_used": bool(keops)})
 

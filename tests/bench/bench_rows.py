@@ -32,7 +32,7 @@ RBF_SUITES = {
     "kernel_mv", "kde_density", "kernel_mv_tiles", "kernel_mv_launches", "kernel_mv_crossover",
     "kernel_mv_peak", "kernel_mv_max_n", "guide_gp",
 }
-GP_SUITES = {"gp", "gp_fit"}
+GP_SUITES = {"gp", "gp_fit", "gp_rank"}
 GP_IMPLS = {"tilax", "dense", "tinygp", "gpytorch_keops"}
 GP_PARAMS = {"lengthscale", "outputscale", "noise"}
 # (tokamax_autotuned: a peer of stored rows, removed from the grids)
@@ -234,10 +234,10 @@ def _gp_problems(info: dict, failed: bool, need) -> list[str]:
         problems.append(f"gp suite {suite!r}")
     if impl not in GP_IMPLS:
         problems.append(f"gp impl {impl!r}")
-    if op != {"gp": "mll_grad", "gp_fit": "fit"}.get(suite, op):
+    if op != {"gp": "mll_grad", "gp_rank": "mll_grad", "gp_fit": "fit"}.get(suite, op):
         problems.append(f"gp op {op!r} in suite {suite!r}")
     need("n", "dim", "kernel")
-    if suite == "gp" and not failed:
+    if suite in ("gp", "gp_rank") and not failed:
         need("mll", "grad", "evals_per_s")
         if not _is_number(info.get("mll")):
             problems.append(f"mll {info.get('mll')!r}")

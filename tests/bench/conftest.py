@@ -34,9 +34,9 @@ Options (each also read from the environment variable in brackets):
 
 - ``--bench-suite NAME`` [``TILAX_BENCH_SUITES``, comma separated]: repeatable; suite names
   ``layer decoder pieces blockm maxtok kernel_mv kde_density kernel_mv_tiles
-  kernel_mv_launches kernel_mv_peak kernel_mv_max_n gp gp_fit ep guide_gp``, short names
+  kernel_mv_launches kernel_mv_peak kernel_mv_max_n gp gp_fit gp_rank ep guide_gp``, short names
   ``kde tiles launches peak max_n``, groups ``moe rbf ladders all`` (``ep``, on every local
-  GPU, ``gp_fit`` and ``guide_gp`` only by name: they are in no group).
+  GPU, ``gp_fit``, ``gp_rank`` and ``guide_gp`` only by name: they are in no group).
 - ``--bench-mode smoke|quick|full|auto`` [``TILAX_BENCH_MODE``], or ``--bench-quick`` /
   ``--bench-smoke``. ``auto`` (default): full on a GPU when the run asks for results
   (``--benchmark-json``) or suites (``--bench-suite``), smoke otherwise (so a plain
@@ -61,8 +61,8 @@ unseen; about a minute on 2 cores), ``quick`` (every suite at one or two realist
 Budget and order: each selected suite is given a share of ``--bench-budget`` in proportion to
 ``SUITE_WEIGHTS`` (the minutes column below: maxtok 3, layer 10, decoder 6, pieces 0.5, blockm
 0.5, kernel_mv_max_n 1.5, kernel_mv_peak 1.5, kernel_mv 4, kde_density 0.7, kernel_mv_tiles
-0.5, kernel_mv_launches 5, ep 3, gp 6, gp_fit 8). A suite's share is reserved for it until
-its last row has run; a row may use its own suite's share plus whatever no other suite is still owed
+0.5, kernel_mv_launches 5, ep 3). A suite's share is reserved for it until its last row
+has run; a row may use its own suite's share plus whatever no other suite is still owed
 (shares of finished suites, time they left unused), so the run stays within the budget and no
 suite starves another. Rows run by priority: the ladders first (priority 0, while the
 parent's memory pool is small; each ladder searches within an even part of its suite's share,
@@ -115,11 +115,13 @@ ep               expert parallelism on n local GPUs (``bench_ep``): E8 top2   44
                  plain all-to-all and all-gather of the same bytes) first
 guide_gp         the kernel-sums guide's Gaussian-process lengthscale step,  1     ~1
                  run as the page runs it (``bench_guides``; by name only)
-gp               ``tilax.gp.mll`` + gradient at n 16k/65k/262k/1M, D 8      16    ~8
+gp               ``tilax.gp.mll`` + gradient at n 16k/65k/262k/1M, D 8      16    ~6
                  (``bench_gp``), beside GPyTorch + KeOps, tinygp and the
                  dense Cholesky reference where they fit; in ``all``
 gp_fit           Adam on the MLL at 1M points until the hyperparameters     1     ~8
                  are within 10% of the generating ones (by name only)
+gp_rank          ``tilax.gp.mll`` at preconditioner ranks 50..800, 65k and   10    ~5
+                 262k points (by name only)
 ===============  =========================================================  ====  =======
 
 Measured on the H200 (commit 4cab2a4): the layer suite's 32k and 4k rows took 185 s, its 131k,
@@ -135,6 +137,8 @@ the part fits well inside, so that no row is left as a budget skip::
     --bench-suite launches                          # ~5 min (budget 450: one call)
     --bench-suite launches -k fast                  # or in two parts: ~2.5 min
     --bench-suite launches -k exact                 # ~2 min (more if many launches spill)
+    --bench-suite gp -k "n16384 or n65536" --bench-row-limit 300   # then n262144, n1048576
+    --bench-suite gp_fit --bench-budget 560         # the fit stops itself after 480 s
 
 The files of one commit on one GPU are one run on the report site; ``bench_rows.py merge``
 can still join files into one.
@@ -185,16 +189,16 @@ from bench_rows import append_row, check_extra_info, write_header  # noqa: E402
 MOE_SUITES = ("layer", "decoder", "pieces", "blockm", "maxtok", "variants")
 RBF_SUITES = ("kernel_mv", "kde_density", "kernel_mv_tiles", "kernel_mv_launches",
               "kernel_mv_peak", "kernel_mv_max_n")
-# Gaussian processes (``bench_gp``): gp in ``all``; the million-point fit by name only (it takes
-# most of a device call by itself).
+# Gaussian processes (``bench_gp``): gp in ``all``; the million-point fit (it takes most of a
+# device call by itself) and the preconditioner-rank sweep by name only.
 GP_SUITES = ("gp",)
-GP_FIT_SUITES = ("gp_fit",)
+GP_BY_NAME = ("gp_fit", "gp_rank")
 # Multi-device suites: asked for by name only (their rows need every local GPU; a one-GPU
 # run stores them as "unavailable" rows).
 MULTI_DEVICE_SUITES = ("ep",)
 # Guide timings (``bench_guides``): asked for by name only, like the multi-device suites.
 GUIDE_SUITES = ("guide_gp",)
-BY_NAME = MOE_SUITES + RBF_SUITES + GP_SUITES + GP_FIT_SUITES + MULTI_DEVICE_SUITES + GUIDE_SUITES
+BY_NAME = MOE_SUITES + RBF_SUITES + GP_SUITES + GP_BY_NAME + MULTI_DEVICE_SUITES + GUIDE_SUITES
 SUITE_GROUPS = {
     "all": MOE_SUITES + RBF_SUITES + GP_SUITES,
     "moe": MOE_SUITES,
@@ -222,6 +226,7 @@ SUITE_WEIGHTS = {
     "maxtok": 3.0, "layer": 10.0, "decoder": 6.0, "pieces": 0.5, "blockm": 0.5, "variants": 3.0,
     "kernel_mv_max_n": 1.5, "kernel_mv_peak": 1.5, "kernel_mv": 4.0, "kde_density": 0.7,
     "kernel_mv_tiles": 0.5, "kernel_mv_launches": 5.0, "ep": 3.0, "gp": 6.0, "gp_fit": 8.0,
+    "gp_rank": 5.0,
 }
 STATE = pytest.StashKey[State]()
 ROWS = pytest.StashKey[Path | None]()
@@ -365,7 +370,7 @@ def suite_params(suite: str, mode: str) -> list:
         return bench_ep.suite_cases(suite, mode)
     if suite in GUIDE_SUITES:
         return bench_guides.suite_cases(suite, mode)
-    if suite in GP_SUITES + GP_FIT_SUITES:
+    if suite in GP_SUITES + GP_BY_NAME:
         return bench_gp.suite_cases(suite, mode)
     return bench_rbf.suite_cases(suite, mode)
 

@@ -134,11 +134,25 @@ def test_a_fit_that_meets_the_rule_is_a_measured_row_with_its_time():
 
 @pytest.mark.bench_contract
 def test_a_fit_stopped_short_is_a_failed_row_that_keeps_its_steps():
-    info = run_fit(bench_gp.FitCase(64, max_steps=2, **bench_gp.SMOKE_SETTINGS))
+    case = bench_gp.FitCase(64, max_steps=2, **bench_gp.SMOKE_SETTINGS)
+    info = run_fit(case)
     assert info["error"].startswith("stopped: the hyperparameters were not within 10%")
     assert info["steps"] == 2 and info["converged"] is False
     assert [step["step"] for step in info["trajectory"]] == [1, 2]
     # Adam moves every log-hyperparameter by about the learning rate on its first step
     first = info["trajectory"][0]
     for name in bench_gp.PARAM_NAMES:
-        assert abs(np.log(first[name] / bench_gp.FIT_START[name])) == pytest.approx(0.1, rel=0.05)
+        step = abs(np.log(first[name] / bench_gp.FIT_START[name]))
+        assert step == pytest.approx(case.learning_rate, rel=0.05)
+
+
+def test_the_rank_sweep_varies_the_rank_alone():
+    cases = bench_gp.rank_cases("full")
+    assert {(case.n, case.preconditioner_rank) for case in cases} == {
+        (n, rank) for n in (65536, 262144) for rank in bench_gp.RANK_SWEEP}
+    assert {(case.impl, case.suite, case.tol, case.num_probes) for case in cases} == {
+        ("tilax", "gp_rank", 0.01, 16)}
+    assert len({case.id for case in cases}) == len(cases)
+    info = dict(cases[0].extra_info(), compile_s=1.0, mll=-1.0, evals_per_s=1.0,
+                cg_iterations=9, grad=dict.fromkeys(bench_gp.PARAM_NAMES, 0.5))
+    assert check_extra_info(info) == [] and info["suite"] == "gp_rank"
