@@ -466,31 +466,31 @@ class GpytorchWorkload:
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.device == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        x = torch.from_numpy(np.asarray(data[0])).to(self.device)
-        y = torch.from_numpy(np.asarray(data[1])).to(self.device)
+        x = torch.from_numpy(np.array(data[0])).to(self.device)
+        y = torch.from_numpy(np.array(data[1])).to(self.device)
         name, kwargs = GPYTORCH_KERNELS[case.kernel]
         base = getattr(gpytorch.kernels.keops, name)(**kwargs)
 
         class ExactGP(gpytorch.models.ExactGP):
             def __init__(self, likelihood):
                 super().__init__(x, y, likelihood)
-                self.mean = gpytorch.means.ZeroMean()
-                self.covariance = gpytorch.kernels.ScaleKernel(base)
+                self.mean_module = gpytorch.means.ZeroMean()
+                self.covar_module = gpytorch.kernels.ScaleKernel(base)
 
             def forward(self, points):
                 return gpytorch.distributions.MultivariateNormal(
-                    self.mean(points), self.covariance(points))
+                    self.mean_module(points), self.covar_module(points))
 
         self.likelihood = gpytorch.likelihoods.GaussianLikelihood()
         self.model = ExactGP(self.likelihood).to(self.device)
-        self.model.covariance.base_kernel.lengthscale = GENERATING["lengthscale"]
-        self.model.covariance.outputscale = GENERATING["outputscale"]
+        self.model.covar_module.base_kernel.lengthscale = GENERATING["lengthscale"]
+        self.model.covar_module.outputscale = GENERATING["outputscale"]
         self.model.likelihood.noise = GENERATING["noise"]
         self.model.train()
         self.mll = gpytorch.mlls.ExactMarginalLogLikelihood(self.likelihood, self.model)
         self.x, self.y = x, y
-        self.raw = {"lengthscale": self.model.covariance.base_kernel.raw_lengthscale,
-                    "outputscale": self.model.covariance.raw_outputscale,
+        self.raw = {"lengthscale": self.model.covar_module.base_kernel.raw_lengthscale,
+                    "outputscale": self.model.covar_module.raw_outputscale,
                     "noise": self.model.likelihood.noise_covar.raw_noise}
 
     def _settings(self):
