@@ -120,7 +120,7 @@ gp               ``tilax.gp.mll`` + gradient at n 16k/65k/262k/1M, D 8      16  
                  dense Cholesky reference where they fit; in ``all``
 gp_fit           Adam on the MLL at 1M points until the hyperparameters     1     ~8
                  are within 10% of the generating ones (by name only)
-gp_rank          ``tilax.gp.mll`` at preconditioner ranks 50..800, 65k and   10    ~5
+gp_rank          ``tilax.gp.mll`` at preconditioner ranks 50..1600, 65k and  12    ~5
                  262k points (by name only)
 ===============  =========================================================  ====  =======
 
