@@ -217,11 +217,17 @@ def bench(session: nox.Session) -> None:
 # tokamax's Requires-Dist minus those (its xprof is not needed by tokamax.ragged_dot: the bench
 # stands in for it); typing-extensions rides along because pydantic needs a newer one than the
 # host may have. tokamax 0.0.17 is the first that runs on the host's jax 0.11.2 (0.0.12 fails
-# there). pykeops/keopscore are source releases built into wheels.
+# there). pykeops/keopscore are source releases built into wheels. The GP peers
+# (tests/bench/bench_gp.py): GPyTorch and linear_operator (their scipy and mpmath are on the
+# host, beside jax and torch; scikit-learn is imported only by kernels the bench does not use),
+# tinygp and its equinox, whose jaxtyping needs wadler-lindig (jaxtyping pinned with it: the
+# host's may be older than equinox's).
 WHEELHOUSE_DOWNLOADS = [
     "tokamax==0.0.17", "einshape==1.0", "qwix==0.1.8", "immutabledict==4.3.1",
     "tensorboardx==2.6.5", "pydantic==2.14.4", "pydantic-core==2.50.5",
     "annotated-types==0.8.0", "typing-inspection==0.4.5", "typing-extensions==4.16.0",
+    "gpytorch==1.15.2", "linear-operator==0.6.1", "tinygp==0.3.1", "equinox==0.13.8",
+    "jaxtyping==0.3.11", "wadler-lindig==0.1.8",
 ]
 WHEELHOUSE_BUILDS = ["pykeops==2.3", "keopscore==2.3"]
 

@@ -55,7 +55,9 @@ def _impl_label(row) -> str:
     if row.family != "moe":
         # a precision other than the default is another way to compute: its own label
         precision = f" ({row.precision})" if isinstance(row.precision, str) else ""
-        return (impl or row.suite) + precision
+        # so is another kernel than the Gaussian (kernel_mv's Matérn kernels)
+        profile = f" {row.profile}" if isinstance(row.profile, str) else ""
+        return (impl or row.suite) + profile + precision
     if row.routing == "dense":
         return "dense routing" if impl in ("", "auto", "dense") else f"dense routing ({impl})"
     name = f"{impl}/{row.dispatch}" if isinstance(row.dispatch, str) else impl

@@ -57,16 +57,18 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "bench_budget_s": ("float64", "time budget of the call, s"),
     "bench_part": ("str", "which part of a split suite the file holds, e.g. 1/3"),
     # What was measured.
-    "family": ("str", "moe, rbf or nn"),
+    "family": ("str", "moe, rbf, gp (Gaussian processes) or nn"),
     "suite": ("str", "benchmark suite (MoE: layer, decoder, pieces, blockm, maxtok, "
-                     "maxtok_summary, ep, variants, decode; RBF: kernel_mv, kde_density, "
-                     "kernel_mv_tiles, kernel_mv_launches, kernel_mv_crossover, kernel_mv_peak, "
-                     "kernel_mv_max_n; NN: transformer, diffusion, moe, ssm, unet)"),
+                     "maxtok_summary, ep, variants, decode, fp8_convergence; RBF: "
+                     "kernel_mv, kde_density, kernel_mv_tiles, kernel_mv_launches, "
+                     "kernel_mv_crossover, kernel_mv_peak, kernel_mv_max_n; GP: gp, "
+                     "gp_rank, gp_fit; NN: transformer, diffusion, moe, ssm, unet)"),
     "impl": ("str", "implementation (NN suites: attention variant or SSM cell)"),
     "dispatch": ("str", "MoE token dispatch: sorted, gather, fused, fused_gsum"),
     "routing": ("str", "MoE routing: dropless, capacity, dense"),
     "dtype": ("str", "float32 or bfloat16"),
-    "op": ("str", "forward, train_step, fwd+bwd (MoE pieces); fwd, fwd_bwd (RBF)"),
+    "op": ("str", "forward, train_step, fwd+bwd (MoE pieces); fwd, fwd_bwd (RBF); mll_grad "
+                  "(the log marginal likelihood with its gradient), fit (GP)"),
     "piece": ("str", "train-step piece (suite pieces)"),
     "part": ("str", "what an expert-parallel row (suite ep) times: link (a plain all-to-all "
                     "or all-gather of the exchange's bytes), step (the train step) or exchange "
@@ -80,6 +82,8 @@ COLUMNS: dict[str, tuple[str, str]] = {
                     "mesh)"),
     "devices": ("Int64", "GPUs the call ran on (suite ep)"),
     "precision": ("str", "RBF dot precision"),
+    "profile": ("str", "RBF kernel_mv rows: the stationary kernel (kernel_mv's kernel: "
+                       "matern12, matern32, matern52); missing: the Gaussian, rbf"),
     "fwd_backend": ("str", "RBF pallas rows: backend of the forward kernel (triton, mosaic, "
                     "interpret)"),
     "bwd_backend": ("str", "RBF pallas fwd_bwd rows: backend of the gradient sweeps (triton, "
@@ -109,9 +113,9 @@ COLUMNS: dict[str, tuple[str, str]] = {
                       "score_func, balance_bias, expert_groups/group_top_k, routed_scale), "
                       "e.g. 'sigmoid bias groups 8/4 scale 2.5' (missing: softmax top-k)"),
     "slab_elems": ("Int64", "scatter slab size in elements (slab sweep runs; 0: one slab)"),
-    "n": ("Int64", "RBF query points"),
+    "n": ("Int64", "RBF query points; GP training points"),
     "m": ("Int64", "RBF data points"),
-    "dim": ("Int64", "RBF input dimension"),
+    "dim": ("Int64", "RBF and GP input dimension"),
     "out": ("Int64", "RBF value columns"),
     "batch": ("Int64", "batch size"),
     "block_q": ("Int64", "RBF query tile"),
@@ -119,7 +123,8 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "block_o": ("Int64", "RBF value-column tile"),
     "path": ("str", "RBF launch sweep: the distance path whose kernels it launches, fast "
                     "(expansion) or exact (differences)"),
-    "kernel": ("str", "RBF launch sweep: the kernel family, fwd (the forward launch) or bwd "
+    "kernel": ("str", "GP: the covariance kernel (rbf, ...); RBF launch sweep: the kernel "
+                      "family, fwd (the forward launch) or bwd "
                       "(the dq and dk launches, timed as fwd_bwd)"),
     "block_p": ("Int64", "RBF launch sweep: program tile (rows of the point set a program "
                          "owns)"),
@@ -128,6 +133,9 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "num_stages": ("Int64", "RBF launch sweep: Triton pipeline stages"),
     "default_launch": ("boolean", "RBF launch sweep: the launch rbf_kernel_mv picks by "
                                   "default for this problem on this GPU"),
+    "num_probes": ("Int64", "GP: probe vectors of the log-determinant and trace estimates"),
+    "tol": ("float64", "GP: CG's relative residual tolerance"),
+    "preconditioner_rank": ("Int64", "GP: rank of the pivoted-Cholesky preconditioner"),
     "repeat": ("Int64", "repeat index (crossover probe)"),
     "resolution": ("Int64", "image side (NN unet)"),
     "model_dim": ("Int64", "model width (NN suites)"),
@@ -185,6 +193,13 @@ COLUMNS: dict[str, tuple[str, str]] = {
                                       "read at least (suite decode)"),
     "touched_weight_gbps": ("float64", "touched_weight_bytes / median / 1e9, GB/s (suite "
                                        "decode)"),
+    "evals_per_s": ("float64", "GP: log-likelihood evaluations (with gradient) per second: "
+                               "1 / median"),
+    "cg_iterations": ("Int64", "GP: CG iterations of the evaluation (the most any column ran)"),
+    "steps": ("Int64", "GP fit: optimiser steps run"),
+    "fit_s": ("float64", "GP fit: wall time of the steps, compile included, s"),
+    "converged": ("boolean", "GP fit: the stopping rule was met (every hyperparameter within "
+                             "10% of the generating one)"),
     # Memory.
     "peak_mb": ("float64", "device peak_bytes_in_use, MiB"),
     "xla_temp_mb": ("float64", "XLA temp buffer size of the compiled call, MiB"),
@@ -211,6 +226,11 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "rel_err_out_vs_one_device": ("float64", "suite ep, step rows on several GPUs: output "
                                              "relative error against the same layer on one "
                                              "device"),
+    "mll": ("float64", "GP: the log marginal likelihood computed (float32)"),
+    "mll_reference": ("float64", "GP: the float64 dense Cholesky value on the same data"),
+    "rel_err_mll": ("float64", "GP: |mll - mll_reference| / |mll_reference|"),
+    "rel_err_grad": ("float64", "GP: norm-wise relative error of the gradient with respect "
+                                "to the log-hyperparameters, against the float64 dense one"),
     "rel_err_ref": ("str", "what the relative errors compare against"),
     "finite": ("boolean", "outputs were finite (NN suites)"),
     # Outcome.
@@ -230,11 +250,13 @@ COLUMN_NAMES = list(COLUMNS)
 # repeats of one case (repeats.py collapses them into one row).
 CASE_COLUMNS = [
     "code", "family", "suite", "impl", "dispatch", "routing", "dtype", "op", "piece", "part",
-    "exchange", "exchange_chunks", "mesh", "devices", "precision", "fwd_backend", "bwd_backend",
+    "exchange", "exchange_chunks", "mesh", "devices", "precision", "profile", "fwd_backend",
+    "bwd_backend",
     "tokens", "tokens_per_device", "d_model", "d_hidden", "experts", "top_k", "shared_hidden",
     "skew", "block_m", "recompute", "quantize", "deterministic", "activation", "variant",
     "router", "slab_elems", "n", "m", "dim", "out", "batch", "block_q", "block_k", "block_o",
-    "path", "kernel", "block_p", "block_l", "num_warps", "num_stages", "repeat", "resolution",
+    "path", "kernel", "block_p", "block_l", "num_warps", "num_stages", "num_probes", "tol",
+    "preconditioner_rank", "repeat", "resolution",
     "model_dim", "params", "summary",
 ]
 

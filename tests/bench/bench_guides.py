@@ -1,12 +1,13 @@
-"""Guide timings (suite ``guide_gp``): the RBF guide's Gaussian-process lengthscale fit, timed
-as the guide's own code runs it, so that the guide quotes a stored time per step.
+"""Guide timings (suite ``guide_gp``): the kernel-sums guide's Gaussian-process lengthscale
+fit, timed as the guide's own code runs it, so that the guide quotes a stored time per step.
 
-The case runs every runnable block of docs/guides/rbf.md in one namespace, as a reader who
-copies them would (the page picks its sizes from the device: 20 000 training points on a GPU,
-1 000 on a CPU), then times one step of the fit, ``nll_gradient(log_lengthscale, solution)``:
-one conjugate-gradient solve warm-started from the fit's last solution plus the product with
-the kernel's lengthscale gradient (the optimiser's update is negligible beside it). The row
-carries the page's training-set size (``n``) and the solve's iteration count.
+The case runs every runnable block of docs/guides/kernel-sums.md in one namespace, as a reader
+who copies them would (the page picks its sizes from the device: 20 000 training points on a
+GPU, 1 000 on a CPU; its ``tilax.gp`` section a million points on a GPU), then times one
+step of the fit, ``nll_gradient(log_lengthscale, solution)``: one conjugate-gradient solve
+warm-started from the fit's last solution plus the product with the kernel's lengthscale
+gradient (the optimiser's update is negligible beside it). The row carries the page's
+training-set size (``n``) and the solve's iteration count.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 DOCS_TESTS = Path(__file__).resolve().parents[1] / "docs"
-GUIDE = "guides/rbf.md"
+GUIDE = "guides/kernel-sums.md"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -87,7 +87,7 @@ def _raised_at(exc: BaseException) -> str:
     if not frames:
         return ""
     frame = frames[-1]
-    where = "/".join(Path(frame.filename).parts[-2:])  # e.g. guides/rbf.md
+    where = "/".join(Path(frame.filename).parts[-2:])  # e.g. guides/kernel-sums.md
     return f"raised at {where}:{frame.lineno}: {frame.line or ''}".rstrip(": ")
 
 

@@ -357,7 +357,7 @@ def layer_cases(mode: str) -> list[MoECase]:
         return (_layer_cases("layer", LAYER_CORE[:1] + LAYER_CORE[2:], [32768], BOTH_DTYPES,
                              BOTH_OPS, SEED_LAYER, 10)
                 + router_cases([16384], DEEPSEEK_ROUTER, SEED_DECODER, ROUTER_IMPLS, 12))
-    return (
+    return _first_of_each_id(
         # the DeepSeek-style router against the same shape's softmax router, then the rest
         router_cases([16384, 131072], DEEPSEEK_ROUTER, SEED_DECODER, ROUTER_IMPLS, 8)
         +
@@ -377,6 +377,14 @@ def layer_cases(mode: str) -> list[MoECase]:
             12, activation=activation)]
         + deterministic_cases()
     )
+
+
+def _first_of_each_id(cases: list[MoECase]) -> list[MoECase]:
+    """``cases`` without repeats of an id (a case two groups both need, such as the E64
+    softmax train step beside the DeepSeek router and beside the deterministic mode), each
+    where it first comes."""
+    seen = set()
+    return [case for case in cases if not (case.id in seen or seen.add(case.id))]
 
 
 # MoEConfig.activation values other than the default with layer-suite rows

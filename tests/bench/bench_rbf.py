@@ -4,7 +4,11 @@ Suites (``extra_info["suite"]``, the seed file's family names):
 
 - ``kernel_mv``: ``tilax.rbf_kernel_mv`` impls pallas / xla / dense and the peers torch_dense
   (PyTorch, the full kernel matrix) and keops (KeOps LazyTensor), ``n = m`` from 1k to 1M,
-  ``(dim, out)`` in (2, 1), (8, 16), (32, 16), (3, 1); ``fwd`` and ``fwd_bwd``.
+  ``(dim, out)`` in (2, 1), (8, 16), (32, 16), (3, 1); ``fwd`` and ``fwd_bwd``. Beside the
+  Gaussian headline rows, in the same process, ``tilax.kernel_mv``'s Matérn kernels
+  (``profile``: matern12, matern32, matern52) on the Pallas path at 65k, d8 o16 (default
+  precision, and ``"highest"`` in full mode): their time over the Gaussian kernel's is read off
+  one file (``matern_cases``).
 - ``kde_density``: ``tilax.rbf_kde_density`` impls pallas / xla / dense, dims 2 and 8.
 - ``kernel_mv_tiles``: the Pallas tile sweep (block_q, block_k, block_o).
 - ``kernel_mv_launches``: the launch sweep of each Pallas kernel family (program tile, loop
@@ -28,6 +32,7 @@ Peers (torch, KeOps) are checked the same way through torch autograd.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import itertools
 import math
@@ -65,6 +70,7 @@ class RbfCase:
     numerics: bool = True
     priority: int = 50
     seed: int = 0
+    profile: str | None = None  # tilax.kernel_mv's kernel; None: the Gaussian (rbf_kernel_mv)
 
     family = "rbf"
     dtype = "float32"
@@ -80,6 +86,8 @@ class RbfCase:
             parts.append(f"o{self.out}")
         if self.block_q is not None:
             parts.append(f"bq{self.block_q}-bk{self.block_k}-bo{self.block_o}")
+        if self.profile is not None:
+            parts.append(self.profile)
         if self.precision is not None:
             parts.append(self.precision)
         parts.append(self.op)
@@ -91,7 +99,7 @@ class RbfCase:
             "op": self.op, "n": self.n, "m": self.keys, "dim": self.dim, "out": self.out,
             "batch": self.batch, "precision": self.precision,
         }
-        for name in ("block_q", "block_k", "block_o"):
+        for name in ("block_q", "block_k", "block_o", "profile"):
             if getattr(self, name) is not None:
                 info[name] = getattr(self, name)
         if self.impl == "pallas" and self.suite != "kde_density":
@@ -109,7 +117,7 @@ class RbfCase:
         cfg = rbf_config.default_config(
             backend, self.precision, batch=self.batch, n=self.n, m=self.keys,
             out=self.out or 1, dim=self.dim, block_q=self.block_q, block_k=self.block_k,
-            block_o=self.block_o,
+            block_o=self.block_o, kernel=self.profile or "rbf",
         )  # fmt: skip
         return cfg.fast or cfg.exact
 
@@ -206,7 +214,24 @@ def kernel_mv_cases(mode: str) -> list[RbfCase]:
                     priority = 10 if (dim, out) == (8, 16) else 12
                     priority += 3 if impl == "keops" else 0
                     cases.append(RbfCase("kernel_mv", impl, op, n, dim, out, priority=priority))
-    return cases + precision_cases(mode)
+    return cases + matern_cases(mode) + precision_cases(mode)
+
+
+MATERN = ("matern12", "matern32", "matern52")
+
+
+def matern_cases(mode: str) -> list[RbfCase]:
+    """``tilax.kernel_mv``'s Matérn kernels on the Pallas path, at the headline shape and the
+    Gaussian headline rows' priority (the same process and file): their forward time within
+    1.3x of the Gaussian kernel's at 65k is the target, read off one file. Smoke: one
+    Matérn-1/2 fwd_bwd row (CPU, interpret mode)."""
+    if mode == "smoke":
+        return [RbfCase("kernel_mv", "pallas", "fwd_bwd", 64, 8, 16, priority=10,
+                        profile="matern12")]
+    precisions = (None,) if mode == "quick" else (None, "highest")
+    return [RbfCase("kernel_mv", "pallas", op, 65536, 8, 16, precision=precision,
+                    priority=10 if precision is None else 11, profile=profile)
+            for precision in precisions for profile in MATERN for op in BOTH_OPS]
 
 
 # The precisions besides the default: "high" and "highest" on the headline shape, and every
@@ -595,14 +620,37 @@ def masked_cotangent(g: np.ndarray, rows: int) -> np.ndarray:
 # ----------------------------------------------------------------------------- reference
 
 
-def _reference_chunk(u, w, v, g):
+#: ``c`` of ``z = c r`` per Matérn kernel (tilax.kernel_mv's).
+MATERN_RATES = {"matern12": 1.0, "matern32": math.sqrt(3.0), "matern52": math.sqrt(5.0)}
+
+
+def _profile(profile: str | None, half_sq):
+    """Kernel values and pair weights ``phi = -dk/ds`` of ``s = r^2 / 2`` (float64; for
+    Matérn-1/2 ``phi = 0`` at ``r = 0``, tilax.kernel_mv's convention)."""
+    import jax.numpy as jnp
+
+    if profile is None:
+        kernel = jnp.exp(-half_sq)
+        return kernel, kernel
+    r = jnp.sqrt(2.0 * half_sq)
+    z = MATERN_RATES[profile] * r
+    decay = jnp.exp(-z)
+    if profile == "matern12":
+        return decay, jnp.where(r > 0, decay / jnp.where(r > 0, r, 1.0), 0.0)
+    if profile == "matern32":
+        return (1 + z) * decay, 3 * decay
+    return (1 + z + z * z / 3) * decay, 5 / 3 * (1 + z) * decay
+
+
+def _reference_chunk(u, w, v, g, profile=None):
     """Float64 kernel sum and its gradients for one key chunk, in scaled coordinates
-    ``u = q / l``, ``w = k / l`` (no autodiff: closed-form, chunk-local)."""
+    ``u = q / l``, ``w = k / l`` (no autodiff: closed-form, chunk-local); ``profile`` a
+    Matérn kernel or ``None`` (the Gaussian)."""
     import jax.numpy as jnp
 
     half_sq = 0.5 * (jnp.sum(u * u, 1)[:, None] + jnp.sum(w * w, 1)[None, :]) - u @ w.T
-    kernel = jnp.exp(-jnp.maximum(half_sq, 0.0))
-    a = kernel * (g @ v.T)  # d loss / d log-kernel of each pair
+    kernel, weight = _profile(profile, jnp.maximum(half_sq, 0.0))
+    a = weight * (g @ v.T)  # d loss / d (-s) of each pair
     row_a, col_a = jnp.sum(a, 1), jnp.sum(a, 0)
     a_w = a @ w
     d_u = a_w - u * row_a[:, None]
@@ -634,7 +682,7 @@ def reference(case: RbfCase, inputs: RbfInputs) -> dict:
             g = jnp.asarray(inputs.g[:rows], f64)
         u = jnp.asarray(inputs.q[:rows], f64) / scale
         chunk = max(1, min(case.keys, REFERENCE_CHUNK_ELEMENTS // rows))
-        step = jax.jit(_reference_chunk)
+        step = jax.jit(functools.partial(_reference_chunk, profile=case.profile))
         out = d_u = d_l = 0.0
         d_w, d_v = [], []
         for start in range(0, case.keys, chunk):
@@ -665,7 +713,9 @@ def numerics_info(case: RbfCase, state, inputs: RbfInputs, out, masked_grads) ->
     if not case.numerics:
         return {}
     rows = min(case.n, NUMERICS_ROWS)
-    ref = state.references.get(_inputs_key(case), lambda: reference(case, inputs))
+    # (the inputs are shared across kernels; each kernel has its own reference)
+    ref = state.references.get((*_inputs_key(case), case.profile),
+                               lambda: reference(case, inputs))  # fmt: skip
     if case.op == "fwd":
         return {"rel_err": rel_err(np.asarray(out)[:rows], ref["out"])}
     grads = masked_grads()
@@ -686,6 +736,10 @@ def tilax_op(case: RbfCase):
              if getattr(case, name) is not None}
     if case.suite == "kde_density":
         return lambda q, k, h: tilax.rbf_kde_density(q, k, h, impl=case.impl, **tiles)
+    if case.profile is not None:
+        return lambda q, k, v, scale: tilax.kernel_mv(q, k, v, scale, kernel=case.profile,
+                                                      impl=case.impl, precision=case.precision,
+                                                      **tiles)  # fmt: skip
     return lambda q, k, v, scale: tilax.rbf_kernel_mv(q, k, v, scale, impl=case.impl,
                                                       precision=case.precision, **tiles)
 

@@ -32,6 +32,9 @@ RBF_SUITES = {
     "kernel_mv", "kde_density", "kernel_mv_tiles", "kernel_mv_launches", "kernel_mv_crossover",
     "kernel_mv_peak", "kernel_mv_max_n", "guide_gp",
 }
+GP_SUITES = {"gp", "gp_fit", "gp_rank"}
+GP_IMPLS = {"tilax", "dense", "tinygp", "gpytorch_keops"}
+GP_PARAMS = {"lengthscale", "outputscale", "noise"}
 # (tokamax_autotuned: a peer of stored rows, removed from the grids)
 MOE_IMPLS = {"pallas", "triton", "mosaic", "blocked", "ragged_dot", "tokamax",
              "tokamax_autotuned", "torch_grouped_mm",
@@ -226,8 +229,40 @@ def check_extra_info(info: dict) -> list[str]:
                 isinstance(rel_err, dict) and set(rel_err) <= RBF_GRAD_KEYS and rel_err
             ):
                 problems.append(f"fwd_bwd rel_err {rel_err!r}")
+    elif family == "gp":
+        problems += _gp_problems(info, failed, need)
     else:
         problems.append(f"family {family!r}")
+    return problems
+
+
+def _gp_problems(info: dict, failed: bool, need) -> list[str]:
+    """The Gaussian-process rows (``bench_gp``): an MLL-with-gradient evaluation or a fit."""
+    problems = []
+    suite, impl, op = info.get("suite"), info.get("impl"), info.get("op")
+    if suite not in GP_SUITES:
+        problems.append(f"gp suite {suite!r}")
+    if impl not in GP_IMPLS:
+        problems.append(f"gp impl {impl!r}")
+    if op != {"gp": "mll_grad", "gp_rank": "mll_grad", "gp_fit": "fit"}.get(suite, op):
+        problems.append(f"gp op {op!r} in suite {suite!r}")
+    need("n", "dim", "kernel")
+    if suite in ("gp", "gp_rank") and not failed:
+        need("mll", "grad", "evals_per_s")
+        if not _is_number(info.get("mll")):
+            problems.append(f"mll {info.get('mll')!r}")
+        if not (isinstance(info.get("grad"), dict) and set(info["grad"]) == GP_PARAMS):
+            problems.append(f"grad {info.get('grad')!r}")
+        if impl == "tilax":
+            need("cg_iterations", "num_probes", "tol", "preconditioner_rank")
+    if suite == "gp_fit":
+        need("generating", "start", "stopping_rule")
+        if "trajectory" in info:  # the fit ran (it may have stopped short: a failed row)
+            need("steps", "fit_s", "converged", "final")
+            if not failed and info.get("converged") is not True:
+                problems.append("a measured fit row must have converged")
+        elif not failed:
+            problems.append("missing 'trajectory'")
     return problems
 
 

@@ -34,9 +34,9 @@ Options (each also read from the environment variable in brackets):
 
 - ``--bench-suite NAME`` [``TILAX_BENCH_SUITES``, comma separated]: repeatable; suite names
   ``layer decoder pieces blockm maxtok kernel_mv kde_density kernel_mv_tiles
-  kernel_mv_launches kernel_mv_peak kernel_mv_max_n ep``, short names ``kde tiles launches
-  peak max_n``, groups ``moe rbf ladders all`` (``ep``, on every local GPU, only by name: it
-  is in no group).
+  kernel_mv_launches kernel_mv_peak kernel_mv_max_n gp gp_fit gp_rank ep guide_gp``, short names
+  ``kde tiles launches peak max_n``, groups ``moe rbf ladders all`` (``ep``, on every local
+  GPU, ``gp_fit``, ``gp_rank`` and ``guide_gp`` only by name: they are in no group).
 - ``--bench-mode smoke|quick|full|auto`` [``TILAX_BENCH_MODE``], or ``--bench-quick`` /
   ``--bench-smoke``. ``auto`` (default): full on a GPU when the run asks for results
   (``--benchmark-json``) or suites (``--bench-suite``), smoke otherwise (so a plain
@@ -96,10 +96,12 @@ decode           bf16 forward at 1/4/16/64/256/512 tokens, E128 top-8 d2048  98 
 moe              all seven (``--bench-suite moe``)                          ~361  ~26
 kernel_mv_max_n  pallas/xla/dense fwd_bwd d8 o16, 64k..8M (jumping)         ~10   ~1.5
 kernel_mv_peak   pallas/xla/dense x 4k/64k x fwd/fwd_bwd, subprocess each   12    ~1.5
-kernel_mv        5 impls x n 1k..1M x (dim, out) x fwd/fwd_bwd; (8, 16) at  212   ~4
+kernel_mv        5 impls x n 1k..1M x (dim, out) x fwd/fwd_bwd; (8, 16) at  224   ~4
                  every n first; 262k and 1M only (8, 16) and (3, 1), and
                  only the matrix-free impls (pallas, xla, keops); plus the
-                 precisions (high/highest at d8 o16, all at d20 o100)
+                 precisions (high/highest at d8 o16, all at d20 o100) and
+                 kernel_mv's Matérn kernels (pallas, 64k d8 o16, default
+                 and highest, beside the Gaussian rows)
 kde_density      3 impls x 1k/16k/64k x dim 2/8 x fwd/fwd_bwd               36    ~0.7
 kernel_mv_tiles  6 tiles x 64k x out 1/16 x fwd/fwd_bwd                     24    ~0.5
 kernel_mv_       Pallas launches (block_p x block_l x warps x stages) at    91    ~5
@@ -117,8 +119,15 @@ ep               expert parallelism on n local GPUs (``bench_ep``): E8 top2   44
                  experts), all_gather (also in 2 and 4 chunks) and
                  all_to_all exchange, the exchange alone, and the links (a
                  plain all-to-all and all-gather of the same bytes) first
-guide_gp         the RBF guide's Gaussian-process lengthscale step, run as   1     ~1
-                 the page runs it (``bench_guides``; by name only)
+guide_gp         the kernel-sums guide's Gaussian-process lengthscale step,  1     ~1
+                 run as the page runs it (``bench_guides``; by name only)
+gp               ``tilax.gp.mll`` + gradient at n 16k/65k/262k/1M, D 8      16    ~6
+                 (``bench_gp``), beside GPyTorch + KeOps, tinygp and the
+                 dense Cholesky reference where they fit; in ``all``
+gp_fit           Adam on the MLL at 1M points until the hyperparameters     1     ~8
+                 are within 10% of the generating ones (by name only)
+gp_rank          ``tilax.gp.mll`` at preconditioner ranks 50..1600, 65k and  12    ~5
+                 262k points (by name only)
 fp8_convergence  a small MoE language model trained twice, bf16 and          2     ~3
                  ``quantize="fp8"``, same seeds and data, 1000 steps; the
                  loss curves in extra_info, then one step timed
@@ -140,6 +149,8 @@ the part fits well inside, so that no row is left as a budget skip::
     --bench-suite launches                          # ~5 min (budget 450: one call)
     --bench-suite launches -k fast                  # or in two parts: ~2.5 min
     --bench-suite launches -k exact                 # ~2 min (more if many launches spill)
+    --bench-suite gp -k "n16384 or n65536" --bench-row-limit 300   # then n262144, n1048576
+    --bench-suite gp_fit --bench-budget 560         # the fit stops itself after 480 s
 
 The files of one commit on one GPU are one run on the report site; ``bench_rows.py merge``
 can still join files into one.
@@ -170,6 +181,7 @@ from pathlib import Path  # noqa: E402
 
 import bench_ep  # noqa: E402
 import bench_fp8_convergence  # noqa: E402
+import bench_gp  # noqa: E402
 import bench_guides  # noqa: E402
 import bench_moe  # noqa: E402
 import bench_rbf  # noqa: E402
@@ -190,6 +202,10 @@ from bench_rows import append_row, check_extra_info, write_header  # noqa: E402
 MOE_SUITES = ("layer", "decoder", "pieces", "blockm", "maxtok", "variants", "decode")
 RBF_SUITES = ("kernel_mv", "kde_density", "kernel_mv_tiles", "kernel_mv_launches",
               "kernel_mv_peak", "kernel_mv_max_n")
+# Gaussian processes (``bench_gp``): gp in ``all``; the million-point fit (it takes most of a
+# device call by itself) and the preconditioner-rank sweep by name only.
+GP_SUITES = ("gp",)
+GP_BY_NAME = ("gp_fit", "gp_rank")
 # Multi-device suites: asked for by name only (their rows need every local GPU; a one-GPU
 # run stores them as "unavailable" rows).
 MULTI_DEVICE_SUITES = ("ep",)
@@ -197,9 +213,10 @@ MULTI_DEVICE_SUITES = ("ep",)
 GUIDE_SUITES = ("guide_gp",)
 # Training runs (``bench_fp8_convergence``): asked for by name only.
 CONVERGENCE_SUITES = ("fp8_convergence",)
-BY_NAME = MOE_SUITES + RBF_SUITES + MULTI_DEVICE_SUITES + GUIDE_SUITES + CONVERGENCE_SUITES
+BY_NAME = (MOE_SUITES + RBF_SUITES + GP_SUITES + GP_BY_NAME + MULTI_DEVICE_SUITES
+           + GUIDE_SUITES + CONVERGENCE_SUITES)
 SUITE_GROUPS = {
-    "all": MOE_SUITES + RBF_SUITES,
+    "all": MOE_SUITES + RBF_SUITES + GP_SUITES,
     "moe": MOE_SUITES,
     "rbf": RBF_SUITES,
     "ladders": ("maxtok", "kernel_mv_peak", "kernel_mv_max_n"),
@@ -225,7 +242,8 @@ SUITE_WEIGHTS = {
     "maxtok": 3.0, "layer": 10.0, "decoder": 6.0, "pieces": 0.5, "blockm": 0.5, "variants": 3.0,
     "decode": 4.0,
     "kernel_mv_max_n": 1.5, "kernel_mv_peak": 1.5, "kernel_mv": 4.0, "kde_density": 0.7,
-    "kernel_mv_tiles": 0.5, "kernel_mv_launches": 5.0, "ep": 3.0,
+    "kernel_mv_tiles": 0.5, "kernel_mv_launches": 5.0, "ep": 3.0, "gp": 6.0, "gp_fit": 8.0,
+    "gp_rank": 5.0,
 }
 STATE = pytest.StashKey[State]()
 ROWS = pytest.StashKey[Path | None]()
@@ -371,6 +389,8 @@ def suite_params(suite: str, mode: str) -> list:
         return bench_guides.suite_cases(suite, mode)
     if suite in CONVERGENCE_SUITES:
         return bench_fp8_convergence.suite_cases(suite, mode)
+    if suite in GP_SUITES + GP_BY_NAME:
+        return bench_gp.suite_cases(suite, mode)
     return bench_rbf.suite_cases(suite, mode)
 
 

@@ -68,7 +68,8 @@ def test_side_file_survives_a_torn_last_line_and_merges(tmp_path):
 # in xdist workers (tests/bench/conftest.py deselects the rows there), so this is where
 # ``nox -s tests`` runs them.
 BENCH_ROW_FILES = ["tests/bench/test_bench_moe.py", "tests/bench/test_bench_rbf.py",
-                   "tests/bench/test_bench_ep.py", "tests/bench/test_bench_guides.py"]
+                   "tests/bench/test_bench_ep.py", "tests/bench/test_bench_guides.py",
+                   "tests/bench/test_bench_gp.py"]
 
 
 @pytest.fixture(scope="module")
@@ -116,6 +117,9 @@ def test_smoke_run_writes_contract_rows(smoke_run):
     kernel = rows["test_kernel_mv[kernel_mv-xla-n64-d3-o1-fwd_bwd]"]
     assert set(kernel["rel_err"]) == {"dq", "dk", "dv", "dlengthscale"}
     assert max(kernel["rel_err"].values()) < 1e-4
+    gp = rows["test_gp[gp-tilax-rbf-n64-d8-mll_grad]"]
+    assert gp["cg_iterations"] >= 1 and gp["rel_err_mll"] < 0.1
+    assert rows["test_gp[gp-dense-rbf-n64-d8-mll_grad]"]["rel_err_mll"] < 1e-5
     ladder = [b for b in document["benchmarks"] if b["extra_info"]["suite"] == "kernel_mv_max_n"]
     assert [b["extra_info"].get("max_n") for b in ladder] == [None, None, 128]
     for row in ladder:  # the child's timings, as the row's stats

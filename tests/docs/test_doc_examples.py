@@ -38,7 +38,8 @@ NOT_A_READERS_ENVIRONMENT = ("TILAX_", "JAX_", "XLA_")
 
 # Pages that must keep at least one runnable block: losing the marker must not silently turn
 # the examples of these pages into untested text.
-PAGES_WITH_EXAMPLES = ("getting-started.md", "guides/moe.md", "guides/rbf.md", "guides/gp.md")
+PAGES_WITH_EXAMPLES = ("getting-started.md", "guides/moe.md", "guides/kernel-sums.md",
+                       "guides/gp.md")
 
 
 def pages_with_runnable_blocks() -> list[Path]:

@@ -88,3 +88,52 @@ def lengthscale_grad_scale(q, k, lengthscale, dq, dk):
     terms += np.abs((k - center) * dk).reshape(-1, k.shape[-1]).sum(0)
     terms = terms / np.asarray(lengthscale)
     return terms if np.ndim(lengthscale) else terms.sum()
+
+
+# ------------------------------------------------------------------------------------------
+# The stationary kernels of tilax.kernel_mv, in plain NumPy float64 (values and analytic
+# gradients; no JAX, no autodiff)
+
+#: ``c`` of ``z = c r`` per Matérn kernel.
+MATERN_RATES = {"matern12": 1.0, "matern32": np.sqrt(3.0), "matern52": np.sqrt(5.0)}
+
+
+def stationary_profile(kernel: str, r: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(k(r), phi(r))`` in float64, ``phi = -dk/ds`` with ``s = r^2 / 2`` (``-k'(r) / r``),
+    and the documented convention ``phi = 0`` at ``r = 0`` for Matérn-1/2."""
+    r = np.asarray(r, np.float64)
+    if kernel == "rbf":
+        value = np.exp(-0.5 * r * r)
+        return value, value
+    # Beyond float64's exp (r = inf included) every Matérn value and weight is 0.
+    z = np.minimum(MATERN_RATES[kernel] * r, 1e4)
+    decay = np.exp(-z)
+    if kernel == "matern12":
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return decay, np.where(r > 0, decay / np.where(r > 0, r, 1.0), 0.0)
+    if kernel == "matern32":
+        return (1.0 + z) * decay, 3.0 * decay
+    return (1.0 + z + z * z / 3.0) * decay, (5.0 / 3.0) * (1.0 + z) * decay
+
+
+def stationary_kernel_mv(kernel, q, k, v, lengthscale, cotangent):
+    """``out = K @ v`` and the gradients of ``sum(out * cotangent)`` w.r.t. ``q``, ``k``,
+    ``v`` and the lengthscale (its shape: scalar or ``[D]``), in NumPy float64, for
+    ``q: [..., N, D]``, ``k: [..., M, D]``, ``v: [..., M, O]``.
+
+    With ``e = (q_i - k_j) / l`` and ``A_ij = phi_ij (g_i . v_j)``: ``dq_i = -sum_j A_ij e_ij
+    / l``, ``dk_j = sum_i A_ij e_ij / l``, ``dv_j = sum_i K_ij g_i``,
+    ``dl_d = sum_ij A_ij e_ijd^2 / l_d``.
+    """
+    q, k, v, g = (np.asarray(a, np.float64) for a in (q, k, v, cotangent))
+    scale = np.asarray(lengthscale, np.float64)
+    e = (q[..., :, None, :] - k[..., None, :, :]) / scale
+    r = np.sqrt(np.sum(e * e, axis=-1))
+    value, phi = stationary_profile(kernel, r)
+    out = np.einsum("...nm,...mo->...no", value, v)
+    a = phi * np.einsum("...no,...mo->...nm", g, v)
+    dq = -np.einsum("...nm,...nmd->...nd", a, e) / scale
+    dk = np.einsum("...nm,...nmd->...md", a, e) / scale
+    dv = np.einsum("...nm,...no->...mo", value, g)
+    dl = np.einsum("...nm,...nmd->...d", a, e * e).reshape(-1, q.shape[-1]).sum(0) / scale
+    return out, [dq, dk, dv, dl if scale.ndim else np.sum(dl)]

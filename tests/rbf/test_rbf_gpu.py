@@ -469,3 +469,85 @@ def test_mosaic_gradient_sweeps(block_l):
     scale = lengthscale_grad_scale(q, k, lengthscale, np.asarray(want[0]), np.asarray(want[1]))
     error = np.abs(np.asarray(got[3], np.float64) - np.asarray(want[3], np.float64))
     assert np.all(error <= TOLERANCE["default"] * scale)
+
+
+# ------------------------------------------------------------------------------------------
+# tilax.kernel_mv's Matérn kernels (tilax.rbf.profiles) on the same kernels
+
+
+def matern_value_and_grads(kernel, q, k, v, lengthscale, cotangent, **kwargs):
+    @jax.jit
+    def run(q, k, v, lengthscale, cotangent):
+        def fn(*args):
+            return tilax.kernel_mv(*args, kernel=kernel, impl="pallas", **kwargs)
+
+        out, vjp = jax.vjp(fn, q, k, v, lengthscale)
+        return out, vjp(cotangent)
+
+    return run(q, k, v, lengthscale, cotangent)
+
+
+@pytest.mark.parametrize("kernel", ["matern12", "matern32", "matern52"])
+@pytest.mark.parametrize("precision", [None, "highest"])
+def test_matern_kernel_mv_matches_float64(kernel, precision):
+    """Moderate sizes (the Triton kernels, or the Mosaic GPU ones where chosen) against the
+    NumPy float64 oracle, coincident pairs included."""
+    from rbf_oracle import stationary_kernel_mv
+
+    q, k, v, lengthscale, cot = make_inputs(3, (), 1500, 1100, 8, 16)
+    k[:100] = q[:100]
+    got, grads = matern_value_and_grads(kernel, q, k, v, lengthscale, cot, precision=precision)
+    ref, ref_grads = stationary_kernel_mv(kernel, q, k, v, lengthscale, cot)
+    tolerance = TOLERANCE[precision or "default"]
+    assert rel_err(got, ref) < tolerance, rel_err(got, ref)
+    for name, grad, expected in zip(("dq", "dk", "dv", "dl"), grads, ref_grads, strict=True):
+        assert np.all(np.isfinite(np.asarray(grad))), name
+        assert rel_err(grad, expected) < 5 * tolerance, (name, rel_err(grad, expected))
+
+
+@pytest.mark.parametrize("kernel", ["matern12", "matern32", "matern52"])
+def test_matern_mosaic_kernels_at_a_size_that_chooses_them(kernel):
+    """At N = M = 40000 the Matérn kernels run the Mosaic GPU kernels of both paths (the
+    matern_launches rule): the default's fast forward and sweep (data within the kernel's fast
+    budget: lengthscales ten times the data's spread) against ``"highest"``'s exact ones on the
+    same data, keys not a multiple of the tile, coincident pairs included."""
+    from tilax.rbf import numerics
+
+    if _pallas.mosaic_unavailable_reason() is not None:
+        pytest.skip(_pallas.mosaic_unavailable_reason())
+    q, k, v, lengthscale, cot = make_inputs(8, (), 40000, 40037, 8, 16)
+    k[:500] = q[:500]
+    lengthscale = lengthscale * (100.0 if kernel == "matern12" else 10.0)
+    qs, ks = numerics.centered_scaled(jnp.asarray(q), jnp.asarray(k), jnp.asarray(lengthscale))
+    assert bool(numerics.fast_distance_ok(qs, ks, None, kernel))
+    for precision in (None, "highest"):
+        config = rbf_config.default_config("triton", precision, batch=1, n=40000, m=40037,
+                                           out=16, dim=8, kernel=kernel)  # fmt: skip
+        path = config.fast or config.exact
+        assert path.kernel == kernel
+        assert path.fwd.backend == path.dq.backend == path.dk.backend == "mosaic", precision
+    fast, fast_grads = matern_value_and_grads(kernel, q, k, v, lengthscale, cot)
+    exact, exact_grads = matern_value_and_grads(kernel, q, k, v, lengthscale, cot,
+                                                precision="highest")  # fmt: skip
+    assert rel_err(fast, exact) < TOLERANCE["default"]
+    for name, got, want in zip(("dq", "dk", "dv"), fast_grads, exact_grads, strict=False):
+        assert np.all(np.isfinite(np.asarray(got))), name
+        assert rel_err(got, want) < 5 * TOLERANCE["default"], name
+    scale = lengthscale_grad_scale(q, k, lengthscale, np.asarray(exact_grads[0]),
+                                   np.asarray(exact_grads[1]))  # fmt: skip
+    error = np.abs(np.asarray(fast_grads[3], np.float64) - np.asarray(exact_grads[3], np.float64))
+    assert np.all(error <= 5 * TOLERANCE["default"] * scale)
+
+
+@pytest.mark.parametrize("kernel", ["matern12", "matern52"])
+def test_matern_values_in_unit_interval_on_the_gpu(kernel):
+    """The exp unit's approximate ``exp2`` and ``rsqrt``: every kernel value in [0, 1] (rows of
+    the kernel matrix, as K @ one-hot columns), at tiny, unit and huge lengthscales."""
+    rng = np.random.default_rng(12)
+    x = jnp.asarray(rng.normal(size=(2048, 4)).astype(np.float32))
+    eye = jnp.eye(2048, 64, dtype=jnp.float32)
+    for scale in (1e-3, 1.0, 1e3):
+        for precision in (None, "highest"):
+            got = np.asarray(tilax.kernel_mv(x, x, eye, jnp.float32(scale), kernel=kernel,
+                                             impl="pallas", precision=precision))  # fmt: skip
+            assert got.min() >= 0.0 and got.max() <= 1.0, (scale, precision)

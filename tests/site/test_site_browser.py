@@ -149,7 +149,7 @@ def test_raw_data_link_downloads_the_stored_bytes(browser, server):
 # The hand-written pages (docs/), as the built site names them.
 DOC_PAGES = [
     "index.html", "getting-started.html", "guides/moe.html", "guides/scaling.html",
-    "guides/rbf.html", "guides/benchmarks.html", "contributing.html", "api/index.html",
+    "guides/kernel-sums.html", "guides/benchmarks.html", "contributing.html", "api/index.html",
     "api/moe.html", "api/rbf.html", "methodology.html", "performance/rbf.html",
     "performance/moe.html", "reports/schema.html",
 ]

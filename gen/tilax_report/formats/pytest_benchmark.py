@@ -20,7 +20,7 @@ from ._common import FormatError, as_list, as_mapping, require, split_rel_err, s
 
 NAME = "pytest_benchmark"
 
-FAMILIES = ("moe", "rbf")
+FAMILIES = ("moe", "rbf", "gp")
 REQUIRED = ["family", "suite", "impl", "dtype", "op"]
 FULL_SHA = re.compile(r"[0-9a-f]{40}")
 # extra_info keys copied under the same name.
@@ -40,12 +40,15 @@ SAME_NAME = [
     "touched_experts", "touched_weight_bytes",
     # RBF
     "n", "m", "dim", "out", "batch", "block_q", "block_k", "block_o", "pairs_per_s",
-    "max_n", "precision", "fwd_backend",
+    "max_n", "precision", "profile", "fwd_backend",
     # RBF launch sweep
     "path", "kernel", "block_p", "block_l", "num_warps", "num_stages", "default_launch",
     "bwd_backend",
     # Ladder summaries
     "limit_kind", "max_is_lower_bound", "stopped_by",
+    # Gaussian processes (suites gp, gp_fit)
+    "mll", "mll_reference", "rel_err_mll", "rel_err_grad", "cg_iterations", "num_probes", "tol",
+    "preconditioner_rank", "evals_per_s", "steps", "fit_s", "converged",
 ]
 # extra_info keys read into other columns (or, for child_times_s, into round_ms when the stats
 # carry no per-round data: a ladder step's child process times its calls itself).
@@ -58,12 +61,13 @@ MACHINE = [
 ]
 # Derived from the (ignored) stats of a row that timed nothing, so dropped there.
 TIMING_DERIVED = ("flops", "tflops", "pairs_per_s", "tokens_per_s", "gbps",
-                  "touched_weight_gbps")
+                  "touched_weight_gbps", "evals_per_s")
 SUMMARY_SUITES = ("maxtok_summary",)
-REL_ERR_REF = {"moe": "float32 dense", "rbf": "float64 reference"}
+REL_ERR_REF = {"moe": "float32 dense", "rbf": "float64 reference",
+               "gp": "float64 dense Cholesky"}
 _REL_ERR_COLUMNS = (
     "rel_err", "rel_err_dq", "rel_err_dk", "rel_err_dv", "rel_err_dlengthscale",
-    "rel_err_out", "rel_err_grad_x", "rel_err_grad_params",
+    "rel_err_out", "rel_err_grad_x", "rel_err_grad_params", "rel_err_mll", "rel_err_grad",
 )
 
 

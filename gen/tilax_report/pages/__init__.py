@@ -16,6 +16,7 @@ PAGES = [
     "moe_decode",
     "moe_ep",
     "rbf",
+    "gp",
     "nn_suites",
     "raw_data",
 ]

@@ -75,8 +75,8 @@ def _case_text(frame: pd.DataFrame) -> pd.Series:
                 if not pd.isna(getattr(row, name))]
         knobs = [f"{name} {getattr(row, name)}" for name in
                  ("piece", "part", "exchange", "devices", "block_m", "block_q", "block_k",
-                  "block_o", "precision", "repeat", "path", "kernel", "block_p", "block_l",
-                  "num_warps", "num_stages")
+                  "block_o", "precision", "profile", "repeat", "path", "kernel", "block_p",
+                  "block_l", "num_warps", "num_stages")
                  if not pd.isna(getattr(row, name))]
         bits = [row.suite, row.label, row.config, f"{row.dtype} {row.op}", *size, *knobs]
         parts.append(" · ".join(str(b) for b in bits if isinstance(b, str) and b))

@@ -277,7 +277,9 @@ def mll(
         of the observation noise. Exactly these keys.
       x: training inputs ``[n, D]``.
       y: training targets ``[n]``.
-      kernel: the kernel ``k``: ``"rbf"`` (``exp(-0.5 |(x - x') / lengthscale|^2)``).
+      kernel: the kernel ``k`` of ``r = |(x - x') / lengthscale|``: ``"rbf"``
+        (``exp(-r^2 / 2)``), ``"matern12"``, ``"matern32"`` or ``"matern52"`` (the Matérn
+        kernels of ``tilax.kernel_mv``).
       key: a JAX random key for the probe vectors.
       num_probes: number of probe vectors (default 16) for the log-determinant and the trace.
       tol: CG stops a column when its residual is below ``tol`` times its right-hand side's

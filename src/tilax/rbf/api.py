@@ -1,6 +1,7 @@
 """Public RBF entry points: input validation and the choice of implementation.
 
-``rbf_kernel_mv`` and ``rbf_kde_density`` validate their inputs (a ``TypeError`` or
+``kernel_mv`` (the stationary kernels of ``tilax.rbf.profiles``; ``rbf_kernel_mv`` is its
+Gaussian kernel) and ``rbf_kde_density`` validate their inputs (a ``TypeError`` or
 ``ValueError`` naming the argument, its shape and what was expected), pick an implementation
 (``impl``) and call it: ``tilax.rbf.reference`` for ``"xla"`` and ``"dense"``,
 ``tilax.rbf.forward_mode`` over ``tilax.rbf.vjp`` (launch settings from ``tilax.rbf.config``)
@@ -19,7 +20,7 @@ import numpy as np
 from jax.typing import ArrayLike
 
 from tilax import _pallas
-from tilax.rbf import config, forward_mode, numerics, reference
+from tilax.rbf import config, forward_mode, numerics, profiles, reference
 
 IMPLS = ("auto", "pallas", "xla", "dense")
 PRECISIONS = config.PRECISIONS
@@ -227,6 +228,88 @@ def rbf_kernel_mv(
       (1000, 4)
       >>> grad_l = jax.grad(lambda l: tilax.rbf_kernel_mv(q, k, v, l).sum())(1.0)
     """
+    return kernel_mv(q, k, v, lengthscale, kernel="rbf", impl=impl, precision=precision,
+                     block_q=block_q, block_k=block_k, block_o=block_o)
+
+
+def kernel_mv(
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    lengthscale: ArrayLike,
+    *,
+    kernel: str = "rbf",
+    impl: str = "auto",
+    precision: str | None = None,
+    block_q: int | None = None,
+    block_k: int | None = None,
+    block_o: int | None = None,
+) -> jax.Array:
+    r"""Stationary kernel matrix times values, without materialising the kernel matrix.
+
+    Computes ``out[..., i, o] = sum_j k(r_ij) * v[j, o]`` with
+    ``r_ij = ||(q[i] - k[j]) / l||`` (``l`` scalar or per dimension) and the kernel ``k``:
+
+    * ``"rbf"`` (default): ``exp(-r^2 / 2)``, exactly ``rbf_kernel_mv``;
+    * ``"matern12"``: ``exp(-r)`` (the exponential kernel);
+    * ``"matern32"``: ``(1 + sqrt(3) r) exp(-sqrt(3) r)``;
+    * ``"matern52"``: ``(1 + sqrt(5) r + 5 r^2 / 3) exp(-sqrt(5) r)``.
+
+    The contract of ``rbf_kernel_mv`` holds for every kernel: batch dimensions, scalar or ARD
+    lengthscales, values in ``[0, 1]`` at any positive lengthscale, reverse mode by the Pallas
+    backward kernels (``impl="pallas"``), forward mode and higher orders by plain XLA, the same
+    ``impl``, ``precision`` and tile arguments.
+
+    Gradients at coincident points (``r = 0``) are finite: the Matérn-3/2 and 5/2 kernels are
+    differentiable there; the Matérn-1/2 kernel is a cone, whose gradient in ``q``, ``k`` and
+    the lengthscale at ``r = 0`` is taken to be 0 (the subgradient of the symmetric cone), and a
+    pair closer than ``r_0 ~ 1e-15`` lengthscales (but not coincident) contributes its gradient
+    scaled by ``r / r_0`` (so that no gradient overflows; ``tilax.rbf.profiles``). On the fast
+    precisions' expansion, which cannot tell pairs closer than its rounding error from
+    coincident ones, Matérn-1/2 distances below ``2^-12`` lengthscales are taken as ``2^-12``
+    (values within ``2^-12`` of 1, gradients of such pairs scaled by ``r / 2^-12``).
+    Second and higher derivatives are exact away from ``r = 0`` (the Matérn-1/2 and 3/2 kernels
+    have none there).
+
+    Precision: as in ``rbf_kernel_mv``. ``"highest"`` is float32-accurate for every kernel,
+    wherever the data sit. The fast precisions use the expansion of squared distances while
+    the kernel's worst-case relative value error stays within the precision's budget: the
+    Gaussian kernel's bound ``b = (7 D + 31) 2^-25 rho^2`` becomes ``5 b / 3`` (Matérn-5/2),
+    ``3 b`` (Matérn-3/2) and ``sqrt(2 b)`` (Matérn-1/2, whose value has an unbounded slope in
+    ``r^2`` at 0: a squared distance off by ``b`` moves ``r`` by up to ``sqrt(2 b)``). At the
+    default precision and ``D = 8`` the fast path then holds up to ``rho`` of about 39
+    (Gaussian), 30 (Matérn-5/2), 22 (Matérn-3/2) and only 1.7 (Matérn-1/2); beyond, the
+    kernels compute distances from differences, as ``"highest"`` does, at about its speed.
+
+    Args:
+      q: queries, shape ``[..., N, D]``.
+      k: keys, shape ``[..., M, D]`` (same leading batch dimensions and ``D`` as ``q``).
+      v: values, shape ``[..., M, O]``.
+      lengthscale: positive, finite scalar, or shape ``[D]`` (ARD). Its gradient has its shape.
+      kernel: ``"rbf"``, ``"matern12"``, ``"matern32"`` or ``"matern52"``.
+      impl: as in ``rbf_kernel_mv`` (``"auto"``: Pallas on GPU, XLA on CPU and for float64).
+      precision: as in ``rbf_kernel_mv``, with the kernel's value error bound (above).
+      block_q: as in ``rbf_kernel_mv``.
+      block_k: as in ``rbf_kernel_mv``.
+      block_o: as in ``rbf_kernel_mv``.
+
+    Returns:
+      ``[..., N, O]`` in the result dtype of ``q``, ``k`` and ``v``, as ``rbf_kernel_mv``.
+
+    Raises:
+      TypeError: as ``rbf_kernel_mv``.
+      ValueError: an unknown ``kernel``, and every case of ``rbf_kernel_mv``.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, tilax
+      >>> x = jax.random.normal(jax.random.key(0), (1000, 3))
+      >>> v = jax.random.normal(jax.random.key(1), (1000, 2))
+      >>> out = tilax.kernel_mv(x, x, v, jnp.array([0.5, 1.0, 2.0]), kernel="matern52")
+      >>> out.shape
+      (1000, 2)
+      >>> grad_l = jax.grad(lambda l: tilax.kernel_mv(x, x, v, l, kernel="matern12").sum())(1.0)
+    """
+    kernel = profiles.check_kernel(kernel)
     q = _as_float_array("q", q)
     k = _as_float_array("k", k)
     v = _as_float_array("v", v)
@@ -256,12 +339,12 @@ def rbf_kernel_mv(
     if m == 0 or n == 0 or out_dim == 0 or math.prod(batch_shape) == 0:
         return jnp.zeros((*batch_shape, n, out_dim), out_dtype)
     if impl == "dense":
-        return reference.kernel_mv_dense(q, k, v, lengthscale, precision=precision)
+        return reference.kernel_mv_dense(q, k, v, lengthscale, precision=precision, kernel=kernel)
     if impl == "xla":
-        return reference.kernel_mv_xla(q, k, v, lengthscale, precision=precision)
+        return reference.kernel_mv_xla(q, k, v, lengthscale, precision=precision, kernel=kernel)
     cfg = config.default_config(
         _pallas.resolve_backend("pallas"), precision, batch=math.prod(batch_shape), n=n, m=m,
-        out=out_dim, dim=dim, block_q=block_q, block_k=block_k, block_o=block_o,
+        out=out_dim, dim=dim, block_q=block_q, block_k=block_k, block_o=block_o, kernel=kernel,
     )  # fmt: skip
     batch = math.prod(batch_shape)
     out = forward_mode.kernel_mv(

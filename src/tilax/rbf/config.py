@@ -38,6 +38,7 @@ import functools
 import jax.numpy as jnp
 
 from tilax import _pallas
+from tilax.rbf import profiles
 from tilax.rbf.numerics import Difference, Distance, Expansion, difference_dims
 
 PRECISIONS = ("highest", "high", "default")
@@ -110,7 +111,9 @@ class PathConfig:
     """The launches of one distance path: ``fwd`` (programs over query tiles, loop over keys;
     the KDE's log-sum-exp too), ``dq`` (the same roles) and ``dk`` (programs over *key* tiles,
     loop over queries; also dv), with the backend, the dot modes and the width ``cols`` the
-    value and cotangent columns are padded to (a multiple of every launch's ``block_o``)."""
+    value and cotangent columns are padded to (a multiple of every launch's ``block_o``), and
+    the kernel profile its kernels apply (``tilax.rbf.profiles``: ``"rbf"``, the Gaussian, or a
+    Matérn kernel; the ``matern_launches`` rule)."""
 
     backend: _pallas.Backend
     modes: DotModes
@@ -118,6 +121,7 @@ class PathConfig:
     fwd: Launch
     dq: Launch
     dk: Launch
+    kernel: str = "rbf"
 
     def query_rows(self, n: int, *, backward: bool) -> int:
         """``n`` padded to every query tile of the pass."""
@@ -143,6 +147,11 @@ class PallasConfig:
     precision: str
     fast: PathConfig | None
     exact: PathConfig
+
+    @property
+    def kernel(self) -> str:
+        """The kernel profile both paths apply (``PathConfig.kernel``)."""
+        return self.exact.kernel
 
 
 # ------------------------------------------------------------------------------------------
@@ -342,6 +351,16 @@ RULES: tuple[LaunchRule, ...] = (
         unmeasured="one commit, two processes: h200-20261201-d156166-exact-mosaic-bwd.json "
         "(fwd_bwd 35.1 ms) and h200-20261201-d156166-kmv-highest.json (the Triton sweeps, "
         "50.7 ms).",
+    ),
+    LaunchRule(
+        "matern_launches",
+        "the Matérn kernels (kernel_mv's kernel='matern12', 'matern32', 'matern52') run the "
+        "Gaussian kernel's kernels and launches, every row above as for kernel='rbf': the "
+        "profile changes only each pair's arithmetic (an rsqrt beside the exp2, a few FMA-pipe "
+        "instructions), not the tiles' memory or tensor-core work",
+        None,
+        unmeasured="the Gaussian rows' launches stand for them; no stored run times a Matérn "
+        "kernel yet (the rbf bench suite's kernel_mv-*-matern* rows at N = 65536 will).",
     ),
 )
 
@@ -765,6 +784,7 @@ def default_config(
     block_o: int | None = None,
     device: Device | None = None,
     op: str = "kernel_mv",
+    kernel: str = "rbf",
 ) -> PallasConfig:
     """The settings ``rbf_kernel_mv`` (``op="kernel_mv"``) or ``rbf_kde_density``
     (``op="kde"``) use unless told otherwise, by the rows of ``RULES``.
@@ -778,10 +798,15 @@ def default_config(
     ``block_q``/``block_k`` set the query/key tiles of all kernels, ``block_o`` the value tile
     (shared memory may still shrink them). Where ``device.mosaic``, the ``mosaic_*`` rules put
     launches on the Mosaic GPU kernels. ``device``: the facts planned for (default
-    ``Device.here()``; the backend stays ``backend``).
+    ``Device.here()``; the backend stays ``backend``). ``kernel``: the kernel profile of
+    ``op="kernel_mv"`` (``tilax.rbf.profiles.KERNELS``), on the same launches (the
+    ``matern_launches`` rule); the KDE is Gaussian.
     """
     if op not in ("kernel_mv", "kde"):
         raise ValueError(f"op must be 'kernel_mv' or 'kde', not {op!r}")
+    if kernel not in profiles.KERNELS or (op == "kde" and kernel != "rbf"):
+        raise ValueError(f"kernel must be one of {profiles.KERNELS} ('rbf' for op='kde'), "
+                         f"not {kernel!r}")
     precision = precision or "default"
     device = device or Device.here()
     common = dict(op=op, batch=batch, n=n, m=m, out=out, dim=dim, block_q=block_q,
@@ -790,4 +815,7 @@ def default_config(
     if precision in FAST_MODES:
         fast = _path_config(FAST_MODES[precision], backend, "fast", **common)
     exact = _path_config(EXACT_MODES[precision], backend, "exact", **common)
+    if kernel != "rbf":  # the matern_launches rule: the Gaussian kernel's launches
+        fast = fast and dataclasses.replace(fast, kernel=kernel)
+        exact = dataclasses.replace(exact, kernel=kernel)
     return PallasConfig(precision=precision, fast=fast, exact=exact)

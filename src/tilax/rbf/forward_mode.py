@@ -43,7 +43,7 @@ def _xla_sum(op: str, cfg: PallasConfig):
     """The plain-XLA sum of ``op`` at ``cfg``'s precision, with the Pallas sum's arguments."""
     precision = None if cfg.precision == "default" else cfg.precision
     if op == "mv":
-        return functools.partial(reference.kernel_mv_xla, precision=precision)
+        return functools.partial(reference.kernel_mv_xla, precision=precision, kernel=cfg.kernel)
     return lambda query, data, w, h: reference.kde_log_sum_xla(query, data, h, w,
                                                                precision=precision)  # fmt: skip
 

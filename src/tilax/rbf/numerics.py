@@ -43,6 +43,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from tilax._pallas import Backend
+from tilax.rbf import profiles
 
 LOG2E = 1.0 / math.log(2.0)
 LN2 = math.log(2.0)
@@ -224,13 +225,19 @@ def spread_ratio(qs: jax.Array, ks: jax.Array) -> jax.Array:
     return jnp.sqrt(jnp.max(jnp.sum(qs * qs, axis=-1))) + jnp.sqrt(jnp.max(jnp.sum(ks * ks, -1)))
 
 
-def fast_distance_ok(qs: jax.Array, ks: jax.Array, precision: str | None) -> jax.Array:
+def fast_distance_ok(qs: jax.Array, ks: jax.Array, precision: str | None,
+                     kernel: str = "rbf") -> jax.Array:
     """Whether the expansion of centred, scaled ``qs``, ``ks`` is within ``precision``'s budget.
 
-    False for a non-finite ratio (scaled points that overflow), so such data take the exact path.
+    The budget bounds the relative error of a kernel value: the expansion's bound on the
+    exponent's error, converted for ``kernel`` by ``profiles.value_error_bound`` (the Gaussian
+    kernel's is the bound itself). False for a non-finite ratio (scaled points that overflow),
+    so such data take the exact path.
     """
     unit_roundoff = float(jnp.finfo(qs.dtype).eps) / 2
     bound = expansion_error_bound(qs.shape[-1], spread_ratio(qs, ks), unit_roundoff)
+    if kernel != "rbf":
+        bound = profiles.value_error_bound(kernel, bound)
     return bound <= FAST_DISTANCE_BUDGET[precision or "default"]
 
 

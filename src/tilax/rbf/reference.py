@@ -14,7 +14,9 @@ Distances follow ``tilax.rbf.numerics``: ``precision="highest"`` sums squared co
 differences ``((q_d - k_d) / l_d)^2`` (exact at any scale); the other precisions use the expansion
 ``|a|^2 + |b|^2 - 2 a.b`` of centred, scaled points (one ``HIGHEST`` matrix product, clamped at
 0) while its error bound is within budget, and the differences beyond it. Kernel values are
-always in ``[0, 1]``.
+always in ``[0, 1]``. ``kernel_mv_*`` take the kernel profile as ``kernel``
+(``tilax.rbf.profiles.half_sq_kernel``: the Gaussian ``exp(-s)`` by default, or a Matérn kernel,
+differentiable by its ``custom_jvp``); the KDE is Gaussian.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from tilax.rbf import numerics
+from tilax.rbf import numerics, profiles
 
 # Elements of one chunk's pair arrays in the chunked path (64 MiB in float32).
 CHUNK_ELEMENTS = 1 << 24
@@ -90,13 +92,13 @@ def _map_query_chunks(fn, queries, chunk: int):
     return lax.slice_in_dim(out, 0, n, axis=len(lead))
 
 
-def _by_distance_path(q, k, lengthscale, precision, *, fast, exact):
+def _by_distance_path(q, k, lengthscale, precision, *, fast, exact, kernel="rbf"):
     """``fast(qs, ks)`` (centred, scaled points) where the expansion is within its budget for
-    ``precision``, else ``exact(q, k)``; always ``exact`` for ``"highest"``."""
+    ``precision`` and ``kernel``, else ``exact(q, k)``; always ``exact`` for ``"highest"``."""
     if not numerics.uses_expansion(precision):
         return exact(q, k)
     qs, ks = numerics.centered_scaled(q, k, lengthscale)
-    ok = numerics.fast_distance_ok(qs, ks, precision)
+    ok = numerics.fast_distance_ok(qs, ks, precision, kernel)
     # Under vmap both branches run: the fast one gets finite points, so its unused gradient is 0.
     qs, ks = jnp.where(ok, qs, 0.0), jnp.where(ok, ks, 0.0)
     return lax.cond(ok, lambda: fast(qs, ks), lambda: exact(q, k))
@@ -104,30 +106,32 @@ def _by_distance_path(q, k, lengthscale, precision, *, fast, exact):
 
 # Jitted (also when called eagerly): the distance switch is a lax.cond, which would otherwise
 # compile both of its branches again at every call.
-@functools.partial(jax.jit, static_argnames=("precision",))
-def kernel_mv_dense(q, k, v, lengthscale, *, precision=None):
-    """``exp(-0.5 ||(q_i - k_j)/l||^2) @ v`` through the materialised ``[..., N, M]`` matrix."""
+@functools.partial(jax.jit, static_argnames=("precision", "kernel"))
+def kernel_mv_dense(q, k, v, lengthscale, *, precision=None, kernel="rbf"):
+    """``k(||(q_i - k_j)/l||) @ v`` through the materialised ``[..., N, M]`` matrix (``kernel``
+    a ``tilax.rbf.profiles`` name; the Gaussian ``exp(-0.5 r^2)`` by default)."""
     dtype, out_dtype = numerics.compute_dtype(q, k, v), jnp.result_type(q, k, v)
     q, k, values = q.astype(dtype), k.astype(dtype), v.astype(dtype)
     lengthscale = jnp.asarray(lengthscale).astype(dtype)
 
     def product(half_sq):
-        return jnp.einsum("...nm,...mo->...no", jnp.exp(-half_sq), values,
+        return jnp.einsum("...nm,...mo->...no", profiles.half_sq_kernel(kernel, half_sq), values,
                           precision=_product_precision(precision))  # fmt: skip
 
     out = _by_distance_path(
         q, k, lengthscale, precision,
         fast=lambda qs, ks: product(_expansion_half_sq(qs, ks)),
-        exact=lambda q, k: product(_exact_half_sq(q, k, lengthscale)),
+        exact=lambda q, k: product(_exact_half_sq(q, k, lengthscale)), kernel=kernel,
     )  # fmt: skip
     return out.astype(out_dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("precision", "chunk"))
-def kernel_mv_xla(q, k, v, lengthscale, *, precision=None, chunk=None):
-    """``rbf_kernel_mv`` in chunks of queries: memory ``O((N + M) * chunk)`` forward and backward.
+@functools.partial(jax.jit, static_argnames=("precision", "chunk", "kernel"))
+def kernel_mv_xla(q, k, v, lengthscale, *, precision=None, chunk=None, kernel="rbf"):
+    """``kernel_mv`` in chunks of queries: memory ``O((N + M) * chunk)`` forward and backward.
 
-    ``chunk`` defaults to ``default_chunk`` (pair arrays of ~16M values).
+    ``chunk`` defaults to ``default_chunk`` (pair arrays of ~16M values); ``kernel`` as in
+    ``kernel_mv_dense``.
     """
     dtype, out_dtype = numerics.compute_dtype(q, k, v), jnp.result_type(q, k, v)
     q, k, values = q.astype(dtype), k.astype(dtype), v.astype(dtype)
@@ -136,7 +140,7 @@ def kernel_mv_xla(q, k, v, lengthscale, *, precision=None, chunk=None):
     batch = math.prod(q.shape[:-2])
 
     def product(half_sq):
-        return jnp.einsum("...nm,...mo->...no", jnp.exp(-half_sq), values,
+        return jnp.einsum("...nm,...mo->...no", profiles.half_sq_kernel(kernel, half_sq), values,
                           precision=_product_precision(precision))  # fmt: skip
 
     def fast(qs, ks):
@@ -149,7 +153,7 @@ def kernel_mv_xla(q, k, v, lengthscale, *, precision=None, chunk=None):
             lambda block: product(_exact_half_sq(block, k, lengthscale)), q, rows
         )
 
-    out = _by_distance_path(q, k, lengthscale, precision, fast=fast, exact=exact)
+    out = _by_distance_path(q, k, lengthscale, precision, fast=fast, exact=exact, kernel=kernel)
     return out.astype(out_dtype)
 
 

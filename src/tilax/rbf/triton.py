@@ -35,6 +35,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from tilax._pallas import Backend, pallas_call
+from tilax.rbf import profiles
 from tilax.rbf.numerics import (
     DIM_CHUNK,
     FLOAT32_MAX,
@@ -169,6 +170,28 @@ class _Pairs:
         )  # fmt: skip
         return result
 
+    def rsqrt(self, x):
+        """``1 / sqrt(x)``: on a GPU one ``rsqrt.approx.ftz`` (the exp unit, like ``exp2``)."""
+        if self.backend == "interpret":
+            return lax.rsqrt(x)
+        [result] = pltriton.elementwise_inline_asm(
+            "rsqrt.approx.ftz.f32 $0, $1;", args=[x], constraints="=f,f", pack=1,
+            result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)],
+        )  # fmt: skip
+        return result
+
+    def values(self, profile: str, t):
+        """The kernel values of exponents ``t`` (``profiles.kernel_values``; ``exp2(t)`` for
+        the Gaussian kernel)."""
+        return profiles.kernel_values(profile, t, exp2=self.exp2, rsqrt=self.rsqrt,
+                                      fast=isinstance(self.distance, Expansion))
+
+    def values_and_weights(self, profile: str, t):
+        """``(kernel values, pair weights)`` of exponents ``t``
+        (``profiles.values_and_weights``: one array twice for the Gaussian kernel)."""
+        return profiles.values_and_weights(profile, t, exp2=self.exp2, rsqrt=self.rsqrt,
+                                           fast=isinstance(self.distance, Expansion))
+
     def fma(self, a, b, c):
         """``a * b + c``, rounded once on a GPU. Pallas's Triton lowering emits the multiply and
         the add apart, separately rounded (ncu on the H200: not one fused instruction in the
@@ -236,17 +259,17 @@ def _valid_columns(j, block_l: int, valid_l: int) -> jax.Array:
 
 
 # --------------------------------------------------------------------------------------------
-# out[i] = sum_l exp2(t[i, l]) v_l
+# out[i] = sum_l k(t[i, l]) v_l, k the kernel profile (exp2 for the Gaussian kernel)
 
 
-def _kernel_matmul_kernel(x_ref, y_ref, *refs, pairs, names, valid_l, block_l, values):
+def _kernel_matmul_kernel(x_ref, y_ref, *refs, pairs, names, valid_l, block_l, values, profile):
     optional, (v_ref, out_ref) = _split_refs(refs, names)
     points = pairs.program_points(x_ref)
     scales = pairs.scales(optional.get("scale"))
 
     def body(j, acc, masked, tile):
         rows = tile.rows
-        p = pairs.exp2(pairs.exponent(points, scales, tile))
+        p = pairs.values(profile, pairs.exponent(points, scales, tile))
         if masked:
             p = jnp.where(_valid_columns(j, block_l, valid_l), p, 0.0)
         return acc + dot(split(p, values), split(v_ref[rows, :], values), values, pairs.backend)
@@ -271,8 +294,11 @@ def kernel_matmul(
     scale: jax.Array | None = None,
     num_warps: int | None = 4,
     num_stages: int | None = 2,
+    profile: str = "rbf",
 ) -> jax.Array:
-    """``out[b, i, :] = sum_{l < valid_l} exp2(t[b, i, l]) * v[b, l, :]``, float32 ``[B, P, O]``.
+    """``out[b, i, :] = sum_{l < valid_l} k(t[b, i, l]) * v[b, l, :]``, float32 ``[B, P, O]``,
+    with ``k`` the kernel ``profile`` of the base-2 exponent (``tilax.rbf.profiles``; the
+    Gaussian kernel's ``exp2(t)`` by default).
 
     ``x``, ``y``: points in ``distance``'s layout (module docstring) with ``P``, ``L`` multiples
     of ``block_p``, ``block_l``; ``v: [B, L, O]`` float32 (or bfloat16 for a ``"bf16"`` values
@@ -285,7 +311,7 @@ def kernel_matmul(
     names, optional, optional_specs = _row_vectors(block_p, num_l, dict(scale=scale))
     kernel = functools.partial(
         _kernel_matmul_kernel, pairs=_Pairs(distance, backend), names=names, valid_l=valid_l,
-        block_l=block_l, values=values,
+        block_l=block_l, values=values, profile=profile,
     )  # fmt: skip
     return pallas_call(
         kernel,
@@ -304,20 +330,22 @@ def kernel_matmul(
 
 
 # --------------------------------------------------------------------------------------------
-# Gradient sums: with A[i, l] = exp2(t[i, l]) * coefficient[i, l],
+# Gradient sums: with A[i, l] = phi(t[i, l]) * coefficient[i, l] (phi the profile's pair
+# weight, tilax.rbf.profiles; exp2 for the Gaussian kernel),
 #   Expansion:  sums[i] = sum_l A[i, l] y_l              (augmented columns, a dot)
 #   Difference: sums[d, i] = sum_l A[i, l] e_d[i, l]    (e_d the scaled difference x_d - y_d)
 #               squares[d, i] = sum_l A[i, l] e_d[i, l]^2   (with_squares, per dimension)
 #               rows: sum_l A[i, l] (with_rowsum), then sum_l A[i, l] t[i, l] (with_squares,
 #               shared scale): the lengthscale's gradient, pair by pair
-# and optionally pw[i] = sum_l exp2(t[i, l]) w_l. Difference kernels of more than DIM_CHUNK
-# dimensions split the per-dimension sums over a grid axis of DIM_CHUNK-dimension chunks (each
-# program recomputes the exponents): a program holds 2 DIM_CHUNK + 2 row accumulators at most.
+# and optionally pw[i] = sum_l k(t[i, l]) w_l (k the kernel values). Difference kernels of
+# more than DIM_CHUNK dimensions split the per-dimension sums over a grid axis of
+# DIM_CHUNK-dimension chunks (each program recomputes the exponents): a program holds
+# 2 DIM_CHUNK + 2 row accumulators at most.
 
 
 def _kernel_matmul_grad_kernel(
     x_ref, y_ref, *refs, pairs, names, outputs, with_uw, with_rowsum, with_squares, valid_l,
-    block_l, block_o, values, coords,
+    block_l, block_o, values, coords, profile,
 ):  # fmt: skip
     optional, refs = _split_refs(refs, names)
     u_ref, w_ref = refs[:2] if with_uw else (None, None)
@@ -351,10 +379,12 @@ def _kernel_matmul_grad_kernel(
             if x_offset is not None:
                 t = t + x_offset[:, None]
             t = jnp.minimum(t, EXPONENT_LIMIT)
-        p = pairs.exp2(t)
+        p, weights = pairs.values_and_weights(profile, t)
         if masked:
-            p = jnp.where(_valid_columns(j, block_l, valid_l), p, 0.0)
-        a, new_pw = p, []
+            valid = _valid_columns(j, block_l, valid_l)
+            p = jnp.where(valid, p, 0.0)
+            weights = p if profile == "rbf" else jnp.where(valid, weights, 0.0)
+        a, new_pw = weights, []
         if with_uw:
             p_parts = split(p, values) if "pw" in out else None
             uw = None  # not zeros: 0.0 + x costs an add per pair (it is not x for x = -0.0)
@@ -443,13 +473,16 @@ def kernel_matmul_grad(
     coords: str = "ieee",
     num_warps: int | None = 4,
     num_stages: int | None = 2,
+    profile: str = "rbf",
 ) -> dict[str, jax.Array]:
     """The pair sums of the backward passes, in one sweep over ``y`` (see the section comment).
 
     The coefficient of pair ``(i, l)`` is the product of those given: ``u_i . w_l``
     (``u: [B, P, O]``, ``w: [B, L, O]``, ``O`` a multiple of ``block_o``), ``x_coef[i]``
     (``[B, P]``) and ``y_coef[l]`` (``[B, L]``). Exponents get ``y_offset[l] + x_offset[i]``
-    (``[B, L]``, ``[B, P]``). Returns ``{"sums": ...}``: ``[B, P, W]`` for :class:`Expansion`,
+    (``[B, L]``, ``[B, P]``). ``profile``: the kernel profile (``tilax.rbf.profiles``) whose
+    pair weights form ``A`` and whose values form ``pw``; without offsets. Returns
+    ``{"sums": ...}``: ``[B, P, W]`` for :class:`Expansion`,
     ``[B, dim, P]`` for :class:`Difference`, which also returns ``"squares"`` (``[B, dim, P]``,
     ``with_squares`` per dimension) and ``"rows"`` (``[B, S, P]``: the row sums, then the
     shared scale's squares); with ``with_pw`` (needs ``u``, ``w``; one dimension chunk) also
@@ -495,7 +528,7 @@ def kernel_matmul_grad(
         _kernel_matmul_grad_kernel, pairs=_Pairs(distance, backend), names=names,
         outputs=tuple(outputs), with_uw=with_uw, with_rowsum=with_rowsum,
         with_squares=with_squares, valid_l=valid_l, block_l=block_l, block_o=block_o,
-        values=values, coords=coords,
+        values=values, coords=coords, profile=profile,
     )  # fmt: skip
     results = pallas_call(
         kernel,

@@ -13,6 +13,11 @@ made of Pallas kernels too:
 ``precision="highest"`` always runs the exact path; the other precisions run the fast one
 while its error bound is within budget, else the exact one (a ``lax.cond`` on the data).
 
+The kernels apply the config's kernel profile (``PathConfig.kernel``, ``tilax.rbf.profiles``):
+the Gaussian ``exp2(t)`` of the base-2 exponent, or a Matérn kernel; every formula below holds
+for each with ``K`` in ``A`` replaced by the profile's pair weight ``phi = -dk/ds`` (``K``
+itself for the Gaussian), ``K`` elsewhere (``dv``) its values.
+
 Backward of ``out = K @ v`` with cotangent ``g`` and ``A = K * (g @ v.T)``:
 ``dq_i = sum_j A_ij (k_j - q_i) / l^2``, ``dk_j = sum_i A_ij (q_i - k_j) / l^2``,
 ``dv = K.T @ g``: one kernel over query tiles (dq) and one over key tiles (dk and, while the
@@ -254,6 +259,7 @@ def _kernel_mv_fast_fwd(qs, ks, v, path: PathConfig):
     out = _run(
         "rbf_kernel_mv", kernel, path, path.fwd, dict(x=x, y=y, v=values),
         distance=distance, valid_l=m, block_o=path.fwd.block_o, values=path.modes.values,
+        profile=path.kernel,
     )  # fmt: skip
     return out[:, :n, :out_dim], (qs, ks, v)
 
@@ -262,7 +268,7 @@ def _mv_grad_sweeps(path: PathConfig, distance, x, y, g_pad, v_pad, n, m, dim, s
     """(query sums, key sums, dv) of ``rbf_kernel_mv``'s backward pass, both paths (the exact
     path's query sums carry the lengthscale's pair-by-pair squares too)."""
     modes = path.modes
-    dots = dict(distance=distance, values=modes.values, coords=modes.coords)
+    dots = dict(distance=distance, values=modes.values, coords=modes.coords, profile=path.kernel)
 
     r = _run(
         "rbf_kernel_mv", _kernels("triton").kernel_matmul_grad, path, path.dq,
@@ -280,7 +286,7 @@ def _mv_grad_sweeps(path: PathConfig, distance, x, y, g_pad, v_pad, n, m, dim, s
     dv = _run(
         "rbf_kernel_mv", _kernels("triton").kernel_matmul, path, path.dk,
         dict(x=y, y=x, v=g_pad, scale=scale), distance=distance, valid_l=n,
-        block_o=path.dk.block_o, values=modes.values,
+        block_o=path.dk.block_o, values=modes.values, profile=path.kernel,
     )  # fmt: skip
     return r, c, dv
 
@@ -298,7 +304,8 @@ def _mosaic_grad_sweep(path: PathConfig, qs, ks, g, v):
     g_pad = value_operand(g, rows_q, path.cols, "bf16")
     v_pad = value_operand(v, rows_k, path.cols, "bf16")  # zero rows: padded keys add 0
     sums = _run("rbf_kernel_mv", _kernels("mosaic.grad").pair_sums, path, path.dk,
-                dict(x=y_parts, y=x_parts, coords=x, own=y, u=v_pad, w=g_pad), valid_l=n)
+                dict(x=y_parts, y=x_parts, coords=x, own=y, u=v_pad, w=g_pad), valid_l=n,
+                profile=path.kernel)
     return sums["loop_sums"], sums["sums"], sums["pw"]
 
 
@@ -350,7 +357,7 @@ def _kernel_mv_exact_fwd(q, k, v, lengthscale, path: PathConfig):
     out = _run(
         "rbf_kernel_mv", kernel, path, path.fwd,
         dict(x=xq, y=xk, v=values, scale=scale), distance=distance, valid_l=m,
-        block_o=path.fwd.block_o, values=path.modes.values,
+        block_o=path.fwd.block_o, values=path.modes.values, profile=path.kernel,
     )  # fmt: skip
     return out[:, :n, :out_dim], (q, k, v, lengthscale)
 
@@ -362,7 +369,7 @@ def _mosaic_exact_pair_sums(path: PathConfig, distance, xq, xk, g_pad, v_pad, n,
     lengthscale's squares among the key sums."""
     c = _run("rbf_kernel_mv", _kernels("mosaic.exact_grad").pair_sums, path, path.dk,
              dict(x=xk, y=xq, u=v_pad, w=g_pad, scale=scale), distance=distance, valid_l=n,
-             with_squares=True)
+             with_squares=True, profile=path.kernel)
     # Per warp, unscaled, keys minus queries: the query sweep's sums are minus their total.
     query_sums = -jnp.sum(c["loop_sums"], axis=2)
     if distance.per_dimension:
@@ -527,7 +534,7 @@ def _switch(cfg: PallasConfig, q, k, scale, fast, exact):
     if cfg.fast is None:
         return exact()
     qs, ks = numerics.centered_scaled(q, k, scale)
-    ok = numerics.fast_distance_ok(qs, ks, cfg.precision)
+    ok = numerics.fast_distance_ok(qs, ks, cfg.precision, cfg.kernel)
 
     def fast_branch():
         # Under vmap both branches run: the fast one gets finite points, so its unused

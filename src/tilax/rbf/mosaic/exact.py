@@ -34,6 +34,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from tilax import _pallas
+from tilax.rbf import profiles
 from tilax.rbf.mosaic.common import (
     BLOCK_P,
     COMPUTE_WARPGROUPS,
@@ -85,8 +86,10 @@ def kernel_matmul(
     backend: str = "mosaic",
     num_warps: int | None = None,
     num_stages: int | None = None,
+    profile: str = "rbf",
 ) -> jax.Array:
-    """``out[b, i, :] = sum_{l < valid_l} exp2(t[b, i, l]) v[b, l, :]``, float32 ``[B, P, O]``,
+    """``out[b, i, :] = sum_{l < valid_l} k(t[b, i, l]) v[b, l, :]``, float32 ``[B, P, O]``
+    (``k`` the kernel ``profile``, ``exp2`` for the Gaussian kernel: ``tilax.rbf.profiles``),
     with ``t = -sum_d (r_d (x[b, d, i] - y[b, d, l]))^2`` (``r = scale``, ``[D]``) or, for a
     shared scale (``scale: [1]``), ``-r^2 sum_d (x - y)^2``; the signature of
     ``tilax.rbf.triton.kernel_matmul`` for a :class:`~tilax.rbf.numerics.Difference`
@@ -147,7 +150,7 @@ def kernel_matmul(
                     t = (-e) * e if t is None else t - e * e
                 if not per_dimension:
                     t = t * lax.broadcast_in_dim(scales[0], shape, (0,))
-                p = jnp.exp2(t)
+                p = profiles.kernel_values(profile, t)
                 if masked:
                     column = plgpu.broadcasted_iota(jnp.int32, shape, 1,
                                                     layout=plgpu.Layout.WGMMA)

@@ -37,6 +37,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from tilax import _pallas
+from tilax.rbf import profiles
 from tilax.rbf.mosaic.common import (
     BLOCK_P,
     COMPUTE_WARPGROUPS,
@@ -187,8 +188,11 @@ def pair_sums(
     backend: str | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    profile: str = "rbf",
 ) -> dict[str, jax.Array]:
-    """The sums in the module docstring, programs over the rows of ``x`` (keys), a loop over the
+    """The sums in the module docstring (for another kernel ``profile`` than the Gaussian,
+    ``exp2`` is its values in ``pw`` and its pair weights in ``A``: ``tilax.rbf.profiles``),
+    programs over the rows of ``x`` (keys), a loop over the
     tiles of ``y`` (queries), ``u: [B, P, O]`` the keys' values and ``w: [B, L, O]`` the
     cotangents (``A_il = exp2(t_il) (u_i . w_l)``).
 
@@ -220,7 +224,8 @@ def pair_sums(
     operands = (x, y, *split3(u.astype(jnp.float32)),
                 *split3(w.astype(jnp.float32)))
     launch = functools.partial(_launch_pair_sums, per_dimension=per_dimension,
-                               squares_out=squares_out, rows_out=rows_out, valid_l=valid_l)
+                               squares_out=squares_out, rows_out=rows_out, valid_l=valid_l,
+                               profile=profile)
 
     def sweep(*operands):
         batch_ = operands[0].shape[0]
@@ -236,7 +241,7 @@ def pair_sums(
     return out
 
 
-def _launch_pair_sums(refs, *, per_dimension, squares_out, rows_out, valid_l):
+def _launch_pair_sums(refs, *, per_dimension, squares_out, rows_out, valid_l, profile):
     """``pair_sums``'s kernel on the Refs of ``run_state``: ``x, y``, the three parts of ``u``
     and of ``w``, then the zeroed ``loop_sums, sums, stats, pw``."""
     batch, width, num_p = refs[0].shape
@@ -320,13 +325,15 @@ def _launch_pair_sums(refs, *, per_dimension, squares_out, rows_out, valid_l):
                         t = (-e) * e if t is None else t - e * e
                     if not per_dimension:
                         t = t * by_rows(scales[0])
-                    kernel_values = jnp.exp2(t)
+                    kernel_values, weights = profiles.values_and_weights(profile, t)
                     if masked:
                         column = plgpu.broadcasted_iota(jnp.int32, shape, 1,
                                                         layout=plgpu.Layout.WGMMA)
-                        kernel_values = jnp.where(column + tile * block_l < valid_l,
-                                                  kernel_values, 0.0)
-                    return t, kernel_values, kernel_values * uw_ref[...]
+                        valid = column + tile * block_l < valid_l
+                        kernel_values = jnp.where(valid, kernel_values, 0.0)
+                        weights = (kernel_values if profile == "rbf"
+                                   else jnp.where(valid, weights, 0.0))
+                    return t, kernel_values, weights * uw_ref[...]
 
                 t, kernel_values, a = pl.run_scoped(kernel_and_cotangents,
                                                     plgpu.ACC(shape, jnp.float32))

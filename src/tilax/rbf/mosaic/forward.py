@@ -24,6 +24,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from tilax import _pallas
+from tilax.rbf import profiles
 from tilax.rbf.mosaic.common import (
     BLOCK_P,
     COMPUTE_WARPGROUPS,
@@ -68,11 +69,14 @@ def kernel_matmul(
     scale: jax.Array | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    profile: str = "rbf",
 ) -> jax.Array:
-    """``out[b, i, :] = sum_{l < valid_l} exp2(x[b, i] . y[b, l]) v[b, l, :]``, float32
-    ``[B, P, O]``; the signature of ``tilax.rbf.triton.kernel_matmul`` (``backend``, ``scale``,
-    ``num_warps`` and ``num_stages`` are not used: one backend, no residual scale, three
-    warpgroups, ``KEY_STAGES``)."""
+    """``out[b, i, :] = sum_{l < valid_l} k(x[b, i] . y[b, l]) v[b, l, :]``, float32
+    ``[B, P, O]``, ``k`` the kernel ``profile`` of the base-2 exponent (``exp2`` for the
+    Gaussian kernel; ``tilax.rbf.profiles``); the signature of
+    ``tilax.rbf.triton.kernel_matmul`` (``backend``, ``scale``, ``num_warps`` and
+    ``num_stages`` are not used: one backend, no residual scale, three warpgroups,
+    ``KEY_STAGES``)."""
     del backend, num_warps, num_stages
     batch, num_p, width = x.shape
     num_l, num_o = v.shape[1], v.shape[2]
@@ -104,12 +108,14 @@ def kernel_matmul(
             return lax.rem(step, jnp.array(steps, step.dtype))
 
         def kernel_values(t, kv_step, masked):
-            """``exp2(t)`` in bfloat16 for the values dot; in the last tile, keys at or beyond
-            ``valid_l`` masked by index. No clamp at 0 (a float32 ``min`` per pair costs 4% of
-            the kernel): within the default fast budget an exponent's rounding error leaves
-            ``exp2(t)`` below ``1 + 2^-8``, which bfloat16 rounds to 1
-            (``numerics.FAST_DISTANCE_BUDGET``)."""
-            p = jnp.exp2(t)
+            """The kernel values (``exp2(t)`` for the Gaussian kernel) in bfloat16 for the
+            values dot; in the last tile, keys at or beyond ``valid_l`` masked by index. No
+            clamp at 0 (a float32 ``min`` per pair costs 4% of the kernel): within the default
+            fast budget an exponent's rounding error leaves ``exp2(t)`` below ``1 + 2^-8``,
+            which bfloat16 rounds to 1 (``numerics.FAST_DISTANCE_BUDGET``); a Matérn value
+            is at most 1 up to the exp unit's rounding, which bfloat16 rounds away too (no
+            clamp at 1: ``clamp=False``)."""
+            p = profiles.kernel_values(profile, t, clamp=False, fast=True)
             if masked:
                 column = plgpu.broadcasted_iota(jnp.int32, (rows, block_l), 1,
                                                 layout=plgpu.Layout.WGMMA)

@@ -39,6 +39,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from tilax import _pallas
+from tilax.rbf import profiles
 from tilax.rbf.mosaic.common import (
     BLOCK_P,
     COMPUTE_WARPGROUPS,
@@ -98,8 +99,11 @@ def pair_sums(
     backend: str | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    profile: str = "rbf",
 ) -> dict[str, jax.Array]:
-    """The sums above, float32: ``{"sums": [B, P, C], "pw": [B, P, O], "loop_sums": [B, L, C]}``
+    """The sums above (for another kernel ``profile`` than the Gaussian, ``exp2`` is its
+    values in ``pw`` and its pair weights in ``A``: ``tilax.rbf.profiles``), float32:
+    ``{"sums": [B, P, C], "pw": [B, P, O], "loop_sums": [B, L, C]}``
     for ``x: [B, P, W]``, ``y: [B, L, W]`` (TF32 parts, float32), ``coords: [B, L, C]``,
     ``own: [B, P, C]`` (float32), ``u: [B, P, O]`` and ``w: [B, L, O]`` (bfloat16). ``P`` is a
     multiple of ``BLOCK_P`` (the program tile, ``block_p``), ``L`` of ``block_l``; loop rows at
@@ -123,7 +127,8 @@ def pair_sums(
                 jnp.concatenate(split(own.astype(jnp.float32), "bf16x2"), -1),
                 u.astype(jnp.bfloat16), w.astype(jnp.bfloat16))
 
-    sweep = batch_folding(functools.partial(_sweep, valid_l=valid_l, block_l=block_l))
+    sweep = batch_folding(functools.partial(_sweep, valid_l=valid_l, block_l=block_l,
+                                            profile=profile))
     loop_sums, sums, pw = sweep(*operands)
     return {"sums": sums, "pw": pw, "loop_sums": loop_sums}
 
@@ -135,7 +140,7 @@ def _lo_plus_hi(sums: jax.Array) -> jax.Array:
     return sums[:, half:] + sums[:, :half]
 
 
-def _sweep(x, y, c_parts, o_parts, u, w, *, valid_l: int, block_l: int):
+def _sweep(x, y, c_parts, o_parts, u, w, *, valid_l: int, block_l: int, profile: str):
     """``pair_sums``'s kernel on its operands (coordinates as bfloat16 ``[hi | lo]``):
     ``(loop_sums, sums, pw)``."""
     batch, num_p, width = x.shape
@@ -185,23 +190,28 @@ def _sweep(x, y, c_parts, o_parts, u, w, *, valid_l: int, block_l: int):
                     # float32 kernel value exceeds 1 by less than its error bound (2^-8), and
                     # its bfloat16 rounding (dv's) is at most 1 (numerics.FAST_DISTANCE_BUDGET);
                     # a min per pair cost 2% of the sweep.
-                    kernel_values = jnp.exp2(t)
+                    # (Matérn values: no clamp at 1 either, their bfloat16 rounding is at most
+                    # 1; the float32 pair weights are not values.)
+                    kernel_values, weights = profiles.values_and_weights(
+                        profile, t, clamp=False, fast=True)
                     if masked:
                         column = plgpu.broadcasted_iota(jnp.int32, (rows, block_l), 1,
                                                         layout=plgpu.Layout.WGMMA)
-                        kernel_values = jnp.where(column + tile * block_l < valid_l,
-                                                  kernel_values, 0.0)
+                        valid = column + tile * block_l < valid_l
+                        kernel_values = jnp.where(valid, kernel_values, 0.0)
+                        weights = (kernel_values if profile == "rbf"
+                                   else jnp.where(valid, weights, 0.0))
                     p16 = lax.optimization_barrier(kernel_values.astype(jnp.bfloat16))
                     # dv's product runs while the pair weights are formed and stored (2% faster
                     # than issuing it with the other sums' products on the H200).
                     plgpu.wgmma(pw_ref, p16, w_smem.at[slot])
                     uw = plgpu.wgmma_accumulator_load(uw_ref, wait_n=1)
-                    return kernel_values, uw
+                    return weights, uw
 
-                kernel_values, uw = pl.run_scoped(
+                weights, uw = pl.run_scoped(
                     scores, plgpu.ACC((rows, block_l), jnp.float32),
                     plgpu.ACC((rows, block_l), jnp.float32))
-                a16 = lax.optimization_barrier(rounded_bfloat16(kernel_values * uw))
+                a16 = lax.optimization_barrier(rounded_bfloat16(weights * uw))
                 # This step's loop-sum dots of the last step are done (waited for below).
                 a_smem[...] = a16
                 plgpu.commit_smem()
