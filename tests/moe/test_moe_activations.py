@@ -244,8 +244,9 @@ def test_expert_parallel_matches_one_device(activation, impl, dispatch_name, exc
 # With the other options: DeepSeek-style routing and deterministic sums
 
 # sigmoid scores, a balance bias, 2 groups of 2 experts with 1 kept, a routed scale
-DEEPSEEK = dict(score_func="sigmoid", balance_bias=True, expert_groups=2, group_top_k=1,
-                routed_scale=2.5)
+DEEPSEEK = dict(
+    score_func="sigmoid", balance_bias=True, expert_groups=2, group_top_k=1, routed_scale=2.5
+)
 
 
 def _deepseek_inputs(config):
@@ -262,8 +263,9 @@ def _deepseek_inputs(config):
 def test_deepseek_routing_with_deterministic_sums_on_xla(activation, impl):
     """The activation with the router's options and fixed-order sums: the float32 reference
     layer's output (reference.moe_oracle: routing and activation from their definitions)."""
-    config = tilax.MoEConfig(**DIMS, activation=activation, impl=impl, dtype=jnp.float32,
-                             deterministic=True, **DEEPSEEK)
+    config = tilax.MoEConfig(
+        **DIMS, activation=activation, impl=impl, dtype=jnp.float32, deterministic=True, **DEEPSEEK
+    )
     params, x, _ = _deepseek_inputs(config)
     y, _ = jax.jit(tilax.moe_apply)(params, x, config)
     assert peak_rel_err(y, reference.moe_oracle(params, x, config)) < 1e-5
@@ -276,14 +278,15 @@ def test_deepseek_routing_with_deterministic_sums_on_pallas(activation, dispatch
     """The Triton kernels (interpret mode) of the activation under DeepSeek-style routing with
     fixed-order sums (``fused_gsum`` combining as ``fused``; the deterministic backward): the
     output and every gradient of the same layer on XLA."""
-    options = dict(**DIMS, activation=activation, dtype=jnp.float32, deterministic=True,
-                   **DEEPSEEK)
-    config = tilax.MoEConfig(**options, impl="pallas", dispatch=dispatch_name, block_m=16,
-                             block_n=16, block_k=16)
+    options = dict(**DIMS, activation=activation, dtype=jnp.float32, deterministic=True, **DEEPSEEK)
+    config = tilax.MoEConfig(
+        **options, impl="pallas", dispatch=dispatch_name, block_m=16, block_n=16, block_k=16
+    )
     params, x, cotangent = _deepseek_inputs(config)
     y, grads = layer_train_step(params, x, cotangent, config)
-    y_ref, grads_ref = layer_train_step(params, x, cotangent,
-                                        tilax.MoEConfig(**options, impl="blocked"))
+    y_ref, grads_ref = layer_train_step(
+        params, x, cotangent, tilax.MoEConfig(**options, impl="blocked")
+    )
     assert peak_rel_err(y, y_ref) < 1e-5, "output"
     flat_ref = jax.tree_util.tree_flatten_with_path(grads_ref)[0]
     flat = jax.tree.leaves(grads)

@@ -140,14 +140,20 @@ def test_decode_kernels_follow_the_activation(activation, num_tokens):
     y, _ = tilax.moe_apply(params, x, config)
     routed = tilax.moe.router.route(x, params["router"], top_k, True)
     expected = experts_oracle(
-        x, params.get("w_gate"), params["w_up"], params["w_down"], routed.expert_ids,
-        routed.weights, activation=activation,
+        x,
+        params.get("w_gate"),
+        params["w_up"],
+        params["w_down"],
+        routed.expert_ids,
+        routed.weights,
+        activation=activation,
     )
     assert rel_err(y, expected) < 1e-5
     # and not SwiGLU's result on the same up/down weights: the epilogue is the activation's
     if activation == "geglu":
-        swiglu = experts_oracle(x, params["w_gate"], params["w_up"], params["w_down"],
-                                routed.expert_ids, routed.weights)
+        swiglu = experts_oracle(
+            x, params["w_gate"], params["w_up"], params["w_down"], routed.expert_ids, routed.weights
+        )
         assert rel_err(y, swiglu) > 1e-2
 
 

@@ -325,8 +325,7 @@ def _experts_and_grads(impl, case, activation="swiglu"):
 
 @pytest.mark.parametrize(
     "impl, activation",
-    [("ragged_dot", "swiglu"), ("blocked", "swiglu"), ("ragged_dot", "geglu"),
-     ("blocked", "gelu")],
+    [("ragged_dot", "swiglu"), ("blocked", "swiglu"), ("ragged_dot", "geglu"), ("blocked", "gelu")],
 )
 def test_fp8_experts_forward_and_backward_follow_the_recipe(impl, activation, experts_case):
     y, grads = _experts_and_grads(impl, experts_case, activation)
@@ -410,8 +409,9 @@ def test_fp8_layer_follows_the_activation(activation):
     params = tilax.moe_init(jax.random.key(0), config)
     x = jax.random.normal(jax.random.key(1), (128, 256)).astype(jnp.bfloat16)
     y8, _ = tilax.moe_apply(params, x, config)
-    y, _ = tilax.moe_apply(params, x, _fp8_config(activation=activation, shared_hidden=128,
-                                                  quantize=None))
+    y, _ = tilax.moe_apply(
+        params, x, _fp8_config(activation=activation, shared_hidden=128, quantize=None)
+    )
     assert 1e-2 < rel_err(y8, y) < 0.1
     _, grads = _value_and_grads(params, x, config)
     assert ("w_gate" in grads[0]) == (activation != "gelu")

@@ -95,8 +95,7 @@ def _activation_grads(activation, d_act, gate, up):
     """``(d_gate, d_up)`` of the activation (``activations.hidden_backward``) in float32,
     returned in ``up.dtype``; ``d_gate`` is ``None`` when not gated."""
     gate32 = None if gate is None else gate.astype(F32)
-    grads = dict(activations.hidden_backward(activation, gate32, up.astype(F32),
-                                             d_act.astype(F32)))
+    grads = dict(activations.hidden_backward(activation, gate32, up.astype(F32), d_act.astype(F32)))
     d_gate = None if gate is None else grads["gate"].astype(up.dtype)
     return d_gate, grads["up"].astype(up.dtype)
 
