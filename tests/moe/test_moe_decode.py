@@ -1,8 +1,9 @@
 """The decode path (``tilax.moe.decode``, ``impl="decode"``): its schedule against a NumPy
 enumeration, its Triton kernels in the Pallas interpreter against a float64 NumPy oracle (at
 1, 3 and 16 tokens, experts without tokens, a token routed to most experts, an expert whose
-rows take several chunks, capacity drops), its gradient (the training kernels' under the
-custom VJP), and the rule that makes ``impl="auto"`` take it for small batches on GPUs."""
+rows take several chunks, capacity drops, the other expert activations and their Triton
+lowering), its gradient (the training kernels' under the custom VJP), and the rule that makes
+``impl="auto"`` take it for small batches on GPUs."""
 
 import dataclasses
 
@@ -155,6 +156,33 @@ def test_decode_kernels_follow_the_activation(activation, num_tokens):
             x, params["w_gate"], params["w_up"], params["w_down"], routed.expert_ids, routed.weights
         )
         assert rel_err(y, swiglu) > 1e-2
+
+
+@pytest.mark.parametrize("activation", ["geglu", "gelu"])
+def test_decode_kernels_lower_for_cuda(activation):
+    """The Pallas Triton lowering of the activation's epilogue (interpret mode skips it): both
+    decode kernels, the gate/up one named after the activation."""
+    from jax import export
+
+    triton_call = "__gpu$xla.gpu.triton"
+    config = tilax.MoEConfig(
+        d_model=256, d_hidden=512, num_experts=8, top_k=2, impl="decode", activation=activation
+    )
+    params = tilax.moe_init(jax.random.key(0), config)
+    x = jax.ShapeDtypeStruct((4, config.d_model), config.dtype)
+    with _pallas.assume_device(**H200, compute_capability=(9, 0)):
+        try:
+            module = export.export(
+                jax.jit(lambda p, x: tilax.moe_apply(p, x, config)[0]),
+                platforms=["cuda"],
+                disabled_checks=[export.DisabledSafetyCheck.custom_call(triton_call)],
+            )(params, x).mlir_module()
+        except RuntimeError as err:
+            if "No supported GPU devices found" in str(err):
+                pytest.skip(f"jax {jax.__version__} lowers Pallas Triton only with a GPU")
+            raise
+    assert module.count(triton_call) == 2
+    assert f"moe_decode_gate_up_{activation}" in module
 
 
 @pytest.mark.kernels
