@@ -21,7 +21,7 @@ import pandas as pd
 from . import verdict
 
 RUN_KEYS = ["run", "device"]
-MOE_CONFIG = ["d_model", "d_hidden", "experts", "top_k", "shared_hidden", "skew"]
+MOE_CONFIG = ["d_model", "d_hidden", "experts", "top_k", "shared_hidden", "skew", "activation"]
 MOE_CASE = [*MOE_CONFIG, "dtype", "op", "tokens"]
 RBF_CONFIG = ["dim", "out", "batch"]
 RBF_CASE = ["suite", *RBF_CONFIG, "op", "n", "m"]
@@ -85,6 +85,11 @@ def _config_label(row) -> str:
         # not record skew; its decoder cases count as balanced).
         if not pd.isna(row.skew) and row.skew:
             parts.append(f"skew {row.skew:g}")
+        # SwiGLU experts are the default (and every run before the option): only another
+        # activation is named, so its rows are a config of their own
+        activation = getattr(row, "activation", None)
+        if isinstance(activation, str) and activation != "swiglu":
+            parts.append(activation)
         # Another router (sigmoid scores, bias, groups) is another layer: its own config.
         if isinstance(row.router, str) and row.router:
             parts.append(row.router)

@@ -104,6 +104,8 @@ COLUMNS: dict[str, tuple[str, str]] = {
                         "none, the experts in dtype)"),
     "deterministic": ("boolean", "MoE: bitwise repeatable train step, no order-dependent sums "
                                  "(MoEConfig.deterministic)"),
+    "activation": ("str", "MoE: the experts' activation (MoEConfig.activation; missing: swiglu, "
+                          "the default)"),
     "variant": ("str", "MoE: the options of tilax.moe.rules' variant rules the row was traced "
                        "with, 'rule=option' joined by commas (suite variants; missing: the "
                        "rules' picks)"),
@@ -251,9 +253,9 @@ CASE_COLUMNS = [
     "exchange", "exchange_chunks", "mesh", "devices", "precision", "profile", "fwd_backend",
     "bwd_backend",
     "tokens", "tokens_per_device", "d_model", "d_hidden", "experts", "top_k", "shared_hidden",
-    "skew", "block_m", "recompute", "quantize", "deterministic", "variant", "router",
-    "slab_elems", "n", "m", "dim", "out", "batch", "block_q", "block_k", "block_o", "path",
-    "kernel", "block_p", "block_l", "num_warps", "num_stages", "num_probes", "tol",
+    "skew", "block_m", "recompute", "quantize", "deterministic", "activation", "variant",
+    "router", "slab_elems", "n", "m", "dim", "out", "batch", "block_q", "block_k", "block_o",
+    "path", "kernel", "block_p", "block_l", "num_warps", "num_stages", "num_probes", "tol",
     "preconditioner_rank", "repeat", "resolution",
     "model_dim", "params", "summary",
 ]

@@ -6,7 +6,10 @@ Suites (``extra_info["suite"]``) mirror the stored seed files:
   skewed routing (skew 0.9) at 32k; every impl x dispatch x routing; float32 and bfloat16;
   ``forward`` and ``train_step``. The peers (``tokamax``, ``torch_grouped_mm``,
   ``torch_grouped_mm_compile``: see ``bench_tokamax`` and ``bench_torch_moe``) run bfloat16
-  only, the one dtype their grouped matmuls take. And the DeepSeek-style router on the E64
+  only, the one dtype their grouped matmuls take. The other expert activations
+  (``MoEConfig.activation``: ``geglu``, ``gelu``; rows carry ``activation`` and its name in
+  theirs) run the 131k bfloat16 train step on Mosaic GPU (sorted, the H200's default) and
+  Triton, beside the SwiGLU rows of the same process. And the DeepSeek-style router on the E64
   decoder's shape (:data:`DEEPSEEK_ROUTER`: sigmoid scores, the balance bias, 8 groups of 8
   experts with 4 kept, top-8, ``routed_scale`` 2.5, the shared expert) beside the same shape's
   softmax router, bfloat16 train steps at 16k and 131k tokens in one process: tilax's default
@@ -84,6 +87,7 @@ class MoECase:
     block_m: int | None = None
     recompute: bool = False  # MoEConfig.recompute, the memory-saving option
     deterministic: bool = False  # MoEConfig.deterministic, bitwise repeatable results
+    activation: str = "swiglu"  # MoEConfig.activation
     # options of tilax.moe.rules' variant rules, ``(rule, option)`` pairs taken with
     # ``rules.choose`` while the row's function is traced (the ``variants`` suite)
     variants: tuple[tuple[str, Any], ...] = ()
@@ -120,6 +124,8 @@ class MoECase:
             parts.append("recompute")
         if self.deterministic:
             parts.append("deterministic")
+        if self.activation != "swiglu":
+            parts.append(self.activation)
         parts += [f"{rule}={option}" for rule, option in self.variants]
         if self.router_label():  # e.g. sigmoid-bias-groups8of4-scale2.5
             parts.append(self.router_label().replace("groups ", "groups").replace(
@@ -167,6 +173,8 @@ class MoECase:
             info["recompute"] = True
         if self.deterministic:
             info["deterministic"] = True
+        if self.activation != "swiglu":  # missing: the default (every run before the option)
+            info["activation"] = self.activation
         if self.variants:
             info["variant"] = ",".join(f"{rule}={option}" for rule, option in self.variants)
         if self.router_label():
@@ -225,8 +233,10 @@ class MoECase:
 
 def layer_flops(case: MoECase) -> int:
     t, d = case.tokens, case.d_model
-    forward = 2 * t * d * case.experts + 6 * t * case.top_k * d * case.d_hidden
-    forward += 6 * t * d * case.shared_hidden
+    # three products of d x hidden per expert (gate, up, down); two for the not-gated gelu
+    products = 2 if case.activation == "gelu" else 3
+    forward = 2 * t * d * case.experts + 2 * products * t * case.top_k * d * case.d_hidden
+    forward += 2 * products * t * d * case.shared_hidden
     return forward * (3 if case.op == "train_step" else 1)
 
 
@@ -264,7 +274,8 @@ def reference_chunk_tokens(case: MoECase) -> int:
 # ----------------------------------------------------------------------------- case lists
 
 
-def _layer_cases(suite, impls, tokens, dtypes, ops, shape, priority, skew=0.0):
+def _layer_cases(suite, impls, tokens, dtypes, ops, shape, priority, skew=0.0,
+                 activation="swiglu"):
     """Cases shape-major (tokens, dtype, impl, op) so inputs and references are reused."""
     cases = []
     for t in tokens:
@@ -275,7 +286,7 @@ def _layer_cases(suite, impls, tokens, dtypes, ops, shape, priority, skew=0.0):
                 for op in ops:
                     cases.append(MoECase(
                         suite=suite, impl=impl, dispatch=dispatch, routing=routing, dtype=dtype,
-                        op=op, tokens=t, skew=skew, priority=priority,
+                        op=op, tokens=t, skew=skew, priority=priority, activation=activation,
                         numerics=wants_numerics(routing),
                         **shape,
                     ))
@@ -359,6 +370,11 @@ def layer_cases(mode: str) -> list[MoECase]:
                        BOTH_DTYPES, BOTH_OPS, SEED_WIDE, 31)
         + _layer_cases("layer", (P_SORTED, P_FUSED, P_GSUM, CAPACITY, RAGGED, TOKAMAX), [32768],
                        ["bfloat16"], BOTH_OPS, SEED_LAYER, 32, skew=0.9)
+        # the other activations' cost, against the SwiGLU rows of the same process: the
+        # default impl (Mosaic GPU, sorted, on the H200) and Triton
+        + [case for activation in ACTIVATIONS_MEASURED for case in _layer_cases(
+            "layer", (MOSAIC[0], TRITON), [131072], ["bfloat16"], ["train_step"], SEED_LAYER,
+            12, activation=activation)]
         + deterministic_cases()
     )
 
@@ -369,6 +385,10 @@ def _first_of_each_id(cases: list[MoECase]) -> list[MoECase]:
     where it first comes."""
     seen = set()
     return [case for case in cases if not (case.id in seen or seen.add(case.id))]
+
+
+# MoEConfig.activation values other than the default with layer-suite rows
+ACTIVATIONS_MEASURED = ("geglu", "gelu")
 
 
 # MoEConfig.deterministic's train step beside the default, in the same file: the backends
@@ -484,7 +504,7 @@ def moe_config(case: MoECase, *, dtype=None, routing=None, impl=None, dispatch=N
 
     kwargs: dict[str, Any] = dict(
         d_model=case.d_model, d_hidden=case.d_hidden, num_experts=case.experts,
-        top_k=case.top_k, shared_hidden=case.shared_hidden,
+        top_k=case.top_k, shared_hidden=case.shared_hidden, activation=case.activation,
         dtype=dtype if dtype is not None else _jnp_dtype(case.dtype),
     )
     if case.router_label():
@@ -550,7 +570,8 @@ def make_inputs(case: MoECase) -> MoEInputs:
 
 def _inputs_key(case: MoECase) -> tuple:
     return ("moe", case.tokens, case.d_model, case.d_hidden, case.experts, case.top_k,
-            case.shared_hidden, case.skew, case.dtype, case.seed, case.router_label())
+            case.shared_hidden, case.skew, case.dtype, case.seed, case.router_label(),
+            case.activation)
 
 
 def layer_apply_fn(case: MoECase):

@@ -236,6 +236,18 @@ def test_an_rbf_precision_other_than_the_default_is_its_own_implementation():
     assert list(table["label"]) == ["pallas", "pallas (highest)"]
 
 
+def test_another_activation_is_its_own_config_and_never_ranked_against_swiglu():
+    rows = [{"run": "a", "device": "GPU A", "impl": "mosaic", "median_ms": 2.0},
+            {"run": "a", "device": "GPU A", "impl": "triton", "median_ms": 3.0},
+            {"run": "a", "device": "GPU A", "impl": "mosaic", "median_ms": 1.0,
+             "activation": "gelu"}]
+    table = tiny_table(rows)
+    assert list(table["config"]) == ["E8 top-2 d512 h1024"] * 2 + ["E8 top-2 d512 h1024 gelu"]
+    ranked = analysis.rank_within_run(table, analysis.MOE_CASE)
+    # the gelu row, alone in its case, is ranked against nothing: mosaic wins on SwiGLU's 2.0
+    assert list(ranked["fastest"]) == ["mosaic/sorted"] and list(ranked["ratio"]) == [1.5]
+
+
 def test_another_router_is_its_own_config():
     decoder = {"run": "a", "device": "GPU A", "impl": "mosaic", "experts": 64, "top_k": 8,
                "d_model": 512, "d_hidden": 128, "shared_hidden": 1024, "median_ms": 1.0}

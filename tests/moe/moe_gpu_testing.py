@@ -94,7 +94,8 @@ def _math_only(config, dims, dtype):
     """``config`` without its kernel choices: what the inputs and the oracle depend on."""
     router = {name: getattr(config, name) for name in ROUTER_FIELDS}
     return tilax.MoEConfig(**dims, dtype=dtype, routing=config.routing,
-                           capacity_factor=config.capacity_factor, **router)
+                           capacity_factor=config.capacity_factor,
+                           activation=config.activation, **router)
 
 
 DISPATCHES = ["sorted", "gather", "fused", "fused_gsum"]

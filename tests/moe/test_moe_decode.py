@@ -1,8 +1,9 @@
 """The decode path (``tilax.moe.decode``, ``impl="decode"``): its schedule against a NumPy
 enumeration, its Triton kernels in the Pallas interpreter against a float64 NumPy oracle (at
 1, 3 and 16 tokens, experts without tokens, a token routed to most experts, an expert whose
-rows take several chunks, capacity drops), its gradient (the training kernels' under the
-custom VJP), and the rule that makes ``impl="auto"`` take it for small batches on GPUs."""
+rows take several chunks, capacity drops, the other expert activations and their Triton
+lowering), its gradient (the training kernels' under the custom VJP), and the rule that makes
+``impl="auto"`` take it for small batches on GPUs."""
 
 import dataclasses
 
@@ -20,19 +21,31 @@ from tilax.moe.base import RoutedCopies
 H200 = dict(platform="gpu", device_kind="NVIDIA H200", mosaic_unavailable_reason=None, sm_count=132)
 
 
-def experts_oracle(x, w_gate, w_up, w_down, expert_ids, weights, kept=None) -> np.ndarray:
-    """float64 ``y[t] = sum_j kept * weights[t, j] * SwiGLU_{expert_ids[t, j]}(x[t])``."""
-    x, w_gate, w_up, w_down, weights = (
-        np.asarray(a, np.float64) for a in (x, w_gate, w_up, w_down, weights)
-    )
+def _np_gelu(v):
+    """The tanh-approximate gelu in float64."""
+    return 0.5 * v * (1 + np.tanh(np.sqrt(2 / np.pi) * (v + 0.044715 * v**3)))
+
+
+def experts_oracle(
+    x, w_gate, w_up, w_down, expert_ids, weights, kept=None, activation="swiglu"
+) -> np.ndarray:
+    """float64 ``y[t] = sum_j kept * weights[t, j] * expert_{expert_ids[t, j]}(x[t])``: the
+    SwiGLU expert, or the GeGLU one, or ``gelu(x @ w_up) @ w_down`` (``w_gate`` unused)."""
+    x, w_up, w_down, weights = (np.asarray(a, np.float64) for a in (x, w_up, w_down, weights))
     expert_ids = np.asarray(expert_ids)
     kept = np.ones(expert_ids.shape, bool) if kept is None else np.asarray(kept)
     y = np.zeros_like(x)
     for t in range(x.shape[0]):
         for j, e in enumerate(expert_ids[t]):
             if kept[t, j]:
-                gate, up = x[t] @ w_gate[e], x[t] @ w_up[e]
-                y[t] += weights[t, j] * ((gate / (1 + np.exp(-gate)) * up) @ w_down[e])
+                up = x[t] @ w_up[e]
+                if activation == "gelu":
+                    hidden = _np_gelu(up)
+                else:
+                    gate = x[t] @ np.asarray(w_gate[e], np.float64)
+                    f = gate / (1 + np.exp(-gate)) if activation == "swiglu" else _np_gelu(gate)
+                    hidden = f * up
+                y[t] += weights[t, j] * (hidden @ w_down[e])
     return y
 
 
@@ -112,6 +125,82 @@ def test_decode_layer_matches_the_oracle(num_tokens, num_experts, top_k):
     )
     assert rel_err(y, expected) < 1e-5
     assert int(aux["expert_counts"].sum()) == num_tokens * top_k
+
+
+@pytest.mark.parametrize("activation,num_tokens", [
+    ("gelu", 1),  # not gated: the kernel's one accumulator, no w_gate
+    pytest.param("geglu", 5, marks=pytest.mark.kernels),
+])  # fmt: skip
+def test_decode_kernels_follow_the_activation(activation, num_tokens):
+    """The gate/up kernel's epilogue computes ``MoEConfig.activation`` (activations.hidden)."""
+    num_experts, top_k, d, h = 8, 2, 32, 48
+    config = _config(d, h, num_experts, top_k, activation=activation)
+    params = tilax.moe_init(jax.random.key(num_tokens), config)
+    assert ("w_gate" in params) == (activation != "gelu")
+    x = jax.random.normal(jax.random.key(7), (num_tokens, d), jnp.float32)
+    y, _ = tilax.moe_apply(params, x, config)
+    routed = tilax.moe.router.route(x, params["router"], top_k, True)
+    expected = experts_oracle(
+        x,
+        params.get("w_gate"),
+        params["w_up"],
+        params["w_down"],
+        routed.expert_ids,
+        routed.weights,
+        activation=activation,
+    )
+    assert rel_err(y, expected) < 1e-5
+    # and not SwiGLU's result on the same up/down weights: the epilogue is the activation's
+    if activation == "geglu":
+        swiglu = experts_oracle(
+            x, params["w_gate"], params["w_up"], params["w_down"], routed.expert_ids, routed.weights
+        )
+        assert rel_err(y, swiglu) > 1e-2
+
+
+@pytest.mark.parametrize("activation", ["geglu", "gelu"])
+def test_decode_kernels_lower_for_cuda(activation):
+    """The Pallas Triton lowering of the activation's epilogue (interpret mode skips it): both
+    decode kernels, the gate/up one named after the activation."""
+    from jax import export
+
+    triton_call = "__gpu$xla.gpu.triton"
+    config = tilax.MoEConfig(
+        d_model=256, d_hidden=512, num_experts=8, top_k=2, impl="decode", activation=activation
+    )
+    params = tilax.moe_init(jax.random.key(0), config)
+    x = jax.ShapeDtypeStruct((4, config.d_model), config.dtype)
+    with _pallas.assume_device(**H200, compute_capability=(9, 0)):
+        try:
+            module = export.export(
+                jax.jit(lambda p, x: tilax.moe_apply(p, x, config)[0]),
+                platforms=["cuda"],
+                disabled_checks=[export.DisabledSafetyCheck.custom_call(triton_call)],
+            )(params, x).mlir_module()
+        except RuntimeError as err:
+            if "No supported GPU devices found" in str(err):
+                pytest.skip(f"jax {jax.__version__} lowers Pallas Triton only with a GPU")
+            raise
+    assert module.count(triton_call) == 2
+    assert f"moe_decode_gate_up_{activation}" in module
+
+
+@pytest.mark.kernels
+def test_gelu_gradients_are_the_training_paths():
+    """The not-gated activation through the custom VJP: the training kernels' gradients (no
+    ``w_gate``), equal to the plain-XLA layer's."""
+    num_tokens, d, h, num_experts, top_k = 3, 16, 16, 4, 2
+    config = _config(d, h, num_experts, top_k, activation="gelu")
+    reference = dataclasses.replace(config, impl="blocked")
+    params = tilax.moe_init(jax.random.key(2), config)
+    x = jax.random.normal(jax.random.key(3), (num_tokens, d))
+
+    def loss(cfg):
+        return jax.grad(lambda p: jnp.sum(jnp.sin(tilax.moe_apply(p, x, cfg)[0])))
+
+    grads = jax.jit(loss(config))(params)
+    assert "w_gate" not in grads
+    assert rel_err(grads, loss(reference)(params)) < 1e-5
 
 
 @pytest.mark.kernels

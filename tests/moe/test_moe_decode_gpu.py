@@ -8,7 +8,8 @@ Run on the GPU host with XLA's autotuning off (as test_moe_gpu.py)::
 
 Token counts from 1 to 512 (odd ones too), both bench shapes of the decode suite at 16 tokens
 (their real tiles: 128-row tiles, 64-128-column strips), bfloat16, float16 and float32, capacity
-drops, and a train step at a small batch (the custom VJP's training kernels).
+drops, the other expert activations (GeGLU, not-gated gelu), and a train step at a small batch
+(the custom VJP's training kernels).
 """
 
 import jax
@@ -42,6 +43,14 @@ def test_fine_grained_decoder_with_shared_expert(tokens):
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
 def test_other_dtypes(dtype):
     compare_forward(LAYER, 37, dtype, impl="decode")
+
+
+@pytest.mark.parametrize("activation", ["geglu", "gelu"])
+def test_other_activations(activation):
+    """The decode kernels' epilogue follows MoEConfig.activation (gelu: no w_gate), and a
+    train step through them runs the training kernels of that activation."""
+    compare_forward(DECODER, 16, "bfloat16", impl="decode", activation=activation)
+    compare(LAYER, 16, "bfloat16", impl="decode", activation=activation)
 
 
 def test_capacity_routing():

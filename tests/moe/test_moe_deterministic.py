@@ -281,7 +281,7 @@ def test_mosaic_swiglu_backward_row_sums_are_the_scatter_adds():
     scale = jnp.asarray(rng.random(rows), jnp.float32)
     with _pallas.assume_device(sm_count=2), gpu_interpreter():
         outs = [
-            mosaic_gmm.gmm_swiglu_bwd(
+            mosaic_gmm.gmm_activation_bwd(
                 dy,
                 w_down,
                 gate,

@@ -87,43 +87,60 @@ def bf16(x):
     return np.asarray(x, np.float32).astype(BF16).astype(np.float64)
 
 
-def np_silu(g):
-    return g / (1 + np.exp(-g))
+def np_nonlinearity(activation, g):
+    """``(f(g), f'(g))`` in float64 from the definitions: ``silu`` for ``"swiglu"``, the tanh
+    approximate ``gelu`` for ``"geglu"`` and ``"gelu"``."""
+    if activation == "swiglu":
+        sig = 1 / (1 + np.exp(-g))
+        return g * sig, sig * (1 + g * (1 - sig))
+    c = np.sqrt(2 / np.pi)
+    t = np.tanh(c * (g + 0.044715 * g**3))
+    return 0.5 * g * (1 + t), 0.5 * (1 + t) + 0.5 * g * (1 - t * t) * c * (1 + 3 * 0.044715 * g * g)
 
 
-def np_fp8_experts(x, w_gate, w_up, w_down, expert_ids, weights, dy):
-    """The FP8 experts' output and gradients (x, the three weights, the combine weights),
-    rounded to bfloat16 where the layer rounds, from the recipe in float64."""
+def np_fp8_experts(x, w_gate, w_up, w_down, expert_ids, weights, dy, activation="swiglu"):
+    """The FP8 experts' output and gradients (x, the expert weights, the combine weights),
+    rounded to bfloat16 where the layer rounds, from the recipe in float64 (``w_gate`` is
+    ``None`` for the not-gated ``"gelu"``, and has no gradient then)."""
     x, weights, dy = bf16(x), np.asarray(weights, np.float64), bf16(dy)
-    tokens, top_k = expert_ids.shape
+    gated = w_gate is not None
     y = np.zeros_like(x)
     grads = {
         "x": np.zeros_like(x),
-        "w_gate": np.zeros(w_gate.shape),
         "w_up": np.zeros(w_up.shape),
         "w_down": np.zeros(w_down.shape),
         "weights": np.zeros(weights.shape),
     }
-    for e in range(w_gate.shape[0]):
+    if gated:
+        grads["w_gate"] = np.zeros(w_gate.shape)
+    for e in range(w_up.shape[0]):
         t, j = np.nonzero(expert_ids == e)  # in token order: the row layout's order
         if not len(t):
             continue
         xs = x[t]
-        gate = bf16(np_rows_matmul(xs, w_gate[e]))
         up = bf16(np_rows_matmul(xs, w_up[e]))
-        act = bf16(np_silu(gate) * up)
+        if gated:
+            gate = bf16(np_rows_matmul(xs, w_gate[e]))
+            f, slope = np_nonlinearity(activation, gate)
+            act = bf16(f * up)
+        else:
+            f, slope = np_nonlinearity(activation, up)
+            act = bf16(f)
         out = bf16(np_rows_matmul(act, w_down[e]))
         y[t] += weights[t, j, None] * out
         grads["weights"][t, j] = np.sum(dy[t] * out, axis=1)
         d_out = bf16(weights[t, j, None] * dy[t])
         d_act = bf16(np_rows_matmul(d_out, np.swapaxes(w_down[e], 0, 1)))
         grads["w_down"][e] = bf16(np_tokens_matmul(act, d_out))
-        sig = 1 / (1 + np.exp(-gate))
-        d_gate = bf16(d_act * up * sig * (1 + gate * (1 - sig)))
-        d_up = bf16(d_act * gate * sig)
-        dx = bf16(np_rows_matmul(d_gate, w_gate[e].T) + np_rows_matmul(d_up, w_up[e].T))
+        if gated:
+            d_gate = bf16(d_act * up * slope)
+            d_up = bf16(d_act * f)
+            dx = bf16(np_rows_matmul(d_gate, w_gate[e].T) + np_rows_matmul(d_up, w_up[e].T))
+            grads["w_gate"][e] = bf16(np_tokens_matmul(xs, d_gate))
+        else:
+            d_up = bf16(d_act * slope)
+            dx = bf16(np_rows_matmul(d_up, w_up[e].T))
         np.add.at(grads["x"], t, dx)
-        grads["w_gate"][e] = bf16(np_tokens_matmul(xs, d_gate))
         grads["w_up"][e] = bf16(np_tokens_matmul(xs, d_up))
     return bf16(y), grads
 
@@ -289,32 +306,42 @@ def experts_case():
     return x, w_gate, w_up, w_down, expert_ids.astype(np.int32), weights, dy
 
 
-def _experts_and_grads(impl, case):
+def _experts_and_grads(impl, case, activation="swiglu"):
     x, w_gate, w_up, w_down, expert_ids, weights, dy = (jnp.asarray(a) for a in case)
-    layout = dispatch.sort_by_expert(expert_ids, w_gate.shape[0])
+    layout = dispatch.sort_by_expert(expert_ids, w_up.shape[0])
+    if activation == "gelu":  # not gated: no w_gate
+        w_gate = None
 
     def run(x, w_gate, w_up, w_down, weights):
-        return fp8.experts_fp8(impl, x, w_gate, w_up, w_down, weights, layout)
+        return fp8.experts_fp8(impl, activation, x, w_gate, w_up, w_down, weights, layout)
 
     y, pullback = jax.vjp(jax.jit(run), x, w_gate, w_up, w_down, weights)
     names = ("x", "w_gate", "w_up", "w_down", "weights")
-    return y, dict(zip(names, pullback(dy), strict=True))
+    grads = dict(zip(names, pullback(dy), strict=True))
+    if w_gate is None:
+        assert grads.pop("w_gate") is None
+    return y, grads
 
 
-@pytest.mark.parametrize("impl", ["ragged_dot", "blocked"])
-def test_fp8_experts_forward_and_backward_follow_the_recipe(impl, experts_case):
-    y, grads = _experts_and_grads(impl, experts_case)
+@pytest.mark.parametrize(
+    "impl, activation",
+    [("ragged_dot", "swiglu"), ("blocked", "swiglu"), ("ragged_dot", "geglu"), ("blocked", "gelu")],
+)
+def test_fp8_experts_forward_and_backward_follow_the_recipe(impl, activation, experts_case):
+    y, grads = _experts_and_grads(impl, experts_case, activation)
     x, w_gate, w_up, w_down, expert_ids, weights, dy = experts_case
     y_np, grads_np = np_fp8_experts(
         x.astype(np.float32),
-        w_gate.astype(np.float32),
+        None if activation == "gelu" else w_gate.astype(np.float32),
         w_up.astype(np.float32),
         w_down.astype(np.float32),
         expert_ids,
         weights,
         dy.astype(np.float32),
+        activation,
     )
     assert y.dtype == jnp.bfloat16
+    assert set(grads) == set(grads_np)
     # float32 against float64 sums, then the same bfloat16 roundings: an occasional
     # bfloat16 step apart, far below the quantisation's ~6% (the last test)
     assert rel_err(y, y_np) < 3e-3
@@ -371,6 +398,30 @@ def test_fp8_layer_tracks_the_bfloat16_layer(layer_case):
     # recompute (the experts under jax.checkpoint) gives the same gradients
     _, grads_recomputed = _value_and_grads(params, x, _fp8_config(recompute=True))
     assert rel_err(grads_recomputed, grads8) < 1e-3
+
+
+@pytest.mark.parametrize("activation", ["geglu", "gelu"])
+def test_fp8_layer_follows_the_activation(activation):
+    """The FP8 layer computes ``config.activation`` (the not-gated ``gelu``'s params have no
+    ``w_gate``): within the quantisation's 10% of the bfloat16 layer of that activation, and
+    farther from the bfloat16 SwiGLU layer on the same gate/up/down weights."""
+    config = _fp8_config(activation=activation, shared_hidden=128)
+    params = tilax.moe_init(jax.random.key(0), config)
+    x = jax.random.normal(jax.random.key(1), (128, 256)).astype(jnp.bfloat16)
+    y8, _ = tilax.moe_apply(params, x, config)
+    y, _ = tilax.moe_apply(
+        params, x, _fp8_config(activation=activation, shared_hidden=128, quantize=None)
+    )
+    assert 1e-2 < rel_err(y8, y) < 0.1
+    _, grads = _value_and_grads(params, x, config)
+    assert ("w_gate" in grads[0]) == (activation != "gelu")
+    assert ("w_gate" in grads[0]["shared"]) == (activation != "gelu")
+    for path, grad in jax.tree_util.tree_flatten_with_path(grads)[0]:
+        finite = jnp.all(jnp.isfinite(grad.astype(jnp.float32)))
+        assert bool(finite), jax.tree_util.keystr(path)
+    if activation == "geglu":  # the same weights as SwiGLU experts: nearer its own layer
+        swiglu = _fp8_config(shared_hidden=128, quantize=None)
+        assert rel_err(y8, tilax.moe_apply(params, x, swiglu)[0]) > 2 * rel_err(y8, y)
 
 
 def test_fp8_impls_agree_and_capacity_routing_runs(layer_case):

@@ -86,13 +86,13 @@ def test_gmm(rng, variant):
     assert peak_rel_err(out, expected) < 1e-5
 
 
-def test_gmm_swiglu_and_backward(rng):
+def test_gmm_activation_swiglu_and_backward(rng):
     d_dim, h_dim, tokens = 32, 32, 13
     x = _normal(rng, tokens, d_dim)
     index = rng.integers(0, tokens, PADDED_ROWS).astype(np.int32)
     w_gate, w_up = _normal(rng, 6, d_dim, h_dim), _normal(rng, 6, d_dim, h_dim)
     w_down = _normal(rng, 6, h_dim, d_dim)
-    act, gate, up = triton.gmm_swiglu(
+    act, gate, up = triton.gmm_activation(
         jnp.asarray(x), jnp.asarray(w_gate), jnp.asarray(w_up), _schedule(), tiles=TILES,
         backend="interpret", index=jnp.asarray(index), save_preactivations=True,
     )
@@ -103,14 +103,14 @@ def test_gmm_swiglu_and_backward(rng):
     assert peak_rel_err(act, silu * up_ref) < 1e-5
 
     scale = _normal(rng, PADDED_ROWS)
-    (act_scaled,) = triton.gmm_swiglu(
+    (act_scaled,) = triton.gmm_activation(
         jnp.asarray(x), jnp.asarray(w_gate), jnp.asarray(w_up), _schedule(), tiles=TILES,
         backend="interpret", index=jnp.asarray(index), row_scale=jnp.asarray(scale),
     )
     assert peak_rel_err(act_scaled, scale[:, None] * silu * up_ref) < 1e-5
 
     dy = _normal(rng, tokens, d_dim)
-    d_gate, d_up, dw_partial = triton.gmm_swiglu_bwd(
+    d_gate, d_up, dw_partial = triton.gmm_activation_bwd(
         jnp.asarray(dy), jnp.asarray(w_down), gate, up, jnp.asarray(scale), _schedule(),
         tiles=TILES, backend="interpret", index=jnp.asarray(index),
     )

@@ -7,6 +7,7 @@ test_moe_mosaic_gpu.py runs them on Hopper.
 """
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -250,14 +251,14 @@ def test_gmm_stores_exactly_the_scheduled_rows(rng, few_sms):
 
 
 @needs_interpreter
-def test_gmm_swiglu_and_backward(rng, few_sms):
+def test_gmm_activation_swiglu_and_backward(rng, few_sms):
     d_dim, h_dim, tokens = 64, 128, 13
     x = _bf16(rng, tokens, d_dim)
     index = rng.integers(0, tokens, PADDED_ROWS).astype(np.int32)
     w_gate, w_up = _bf16(rng, 6, d_dim, h_dim, scale=0.2), _bf16(rng, 6, d_dim, h_dim, scale=0.2)
     w_down = _bf16(rng, 6, h_dim, d_dim, scale=0.2)
     with gpu_interpreter():
-        act, gate, up = mosaic_gmm.gmm_swiglu(
+        act, gate, up = mosaic_gmm.gmm_activation(
             x, w_gate, w_up, _schedule(), tiles=TILES, backend="mosaic",
             index=jnp.asarray(index), save_preactivations=True,
         )
@@ -270,7 +271,7 @@ def test_gmm_swiglu_and_backward(rng, few_sms):
 
     scale = rng.standard_normal(PADDED_ROWS).astype(np.float32)
     with gpu_interpreter():
-        (act_scaled,) = mosaic_gmm.gmm_swiglu(
+        (act_scaled,) = mosaic_gmm.gmm_activation(
             x, w_gate, w_up, _schedule(), tiles=TILES, backend="mosaic",
             index=jnp.asarray(index), row_scale=jnp.asarray(scale),
         )
@@ -278,7 +279,7 @@ def test_gmm_swiglu_and_backward(rng, few_sms):
 
     dy = _bf16(rng, tokens, d_dim)
     with gpu_interpreter():
-        d_gate, d_up, dw_partial = mosaic_gmm.gmm_swiglu_bwd(
+        d_gate, d_up, dw_partial = mosaic_gmm.gmm_activation_bwd(
             dy, w_down, gate, up, jnp.asarray(scale), _schedule(), tiles=TILES,
             backend="mosaic", index=jnp.asarray(index),
         )
@@ -310,7 +311,7 @@ def test_gathering_tiles(d_dim, h_dim, dtype, programs_per_sm, expected):
 
 
 @needs_interpreter
-def test_gmm_swiglu_forward_gathers_in_row_sub_tiles(rng, few_sms):
+def test_gmm_activation_forward_gathers_in_row_sub_tiles(rng, few_sms):
     # An inference forward reading rows through the index works each 128-row item in 64-row
     # sub-tiles of all 128 columns (on a GPU each gathers its rows: gmm_gather; the
     # interpreter reads XLA's copy): every kept row right, rows of no item left unwritten.
@@ -323,7 +324,7 @@ def test_gmm_swiglu_forward_gathers_in_row_sub_tiles(rng, few_sms):
     scale = rng.standard_normal(PADDED_ROWS).astype(np.float32)
     schedule = dispatch.gmm_schedule(_offsets(), PADDED_ROWS, 128, cover_tail=False)
     with gpu_interpreter():
-        (act,) = mosaic_gmm.gmm_swiglu(
+        (act,) = mosaic_gmm.gmm_activation(
             x, w_gate, w_up, schedule, tiles=tiles, backend="mosaic",
             index=jnp.asarray(index), row_scale=jnp.asarray(scale),
         )
@@ -640,8 +641,8 @@ def test_shared_expert_kernels_match_float32(rng, few_sms):
 
     y_ref, vjp_ref = jax.vjp(reference_f32, *[a.astype(jnp.float32) for a in args])
     with gpu_interpreter():
-        act, gate, up = mosaic_shared.swiglu_forward(*args[:3])
-        y, vjp = jax.vjp(mosaic_shared.shared_expert, *args)
+        act, gate, up = mosaic_shared.activation_forward("swiglu", *args[:3])
+        y, vjp = jax.vjp(functools.partial(mosaic_shared.shared_expert, "swiglu"), *args)
         grads = vjp(dy)
     gate_ref, up_ref = (_f32(x) @ _f32(shared[n]) for n in ("w_gate", "w_up"))
     tol = 1e-2  # bfloat16 outputs

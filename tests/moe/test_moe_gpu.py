@@ -84,6 +84,19 @@ def test_fused_gsum_top2_is_deterministic():
     check_deterministic(dispatch="fused_gsum")
 
 
+# The activations other than SwiGLU (MoEConfig.activation) on the Triton kernels.
+@pytest.mark.parametrize("activation", ["geglu", "gelu"])
+@pytest.mark.parametrize("dispatch", DISPATCHES)
+def test_activation_matches_oracle(dispatch, activation):
+    _compare(LAYER, 1001, "bfloat16", impl="triton", dispatch=dispatch, activation=activation)
+
+
+@pytest.mark.parametrize("activation", ["geglu", "gelu"])
+def test_activation_float32_recompute(activation):
+    _compare(LAYER, 1001, "float32", impl="triton", dispatch="fused", recompute=True,
+             recompute_rows=512, activation=activation)
+
+
 def test_mosaic_reports_why_it_cannot_run():
     reason = _pallas.mosaic_unavailable_reason()
     if reason is None:

@@ -288,3 +288,33 @@ def test_mosaic_decoder_shared_expert_in_the_products_epilogues(dtype):
     # 1024 tokens fill whole 128-row tiles, so the shared expert's SwiGLU runs in the dense
     # products' epilogues (tilax.moe.mosaic.shared) rather than as XLA's elementwise passes
     _compare(DECODER, 1024, dtype, impl="mosaic", dispatch="fused")
+
+
+# The activations other than SwiGLU (MoEConfig.activation): the same kernels with the GeGLU or
+# the not-gated GELU in their epilogues, forward and backward (the not-gated one runs the up
+# projection alone), the shared expert's kernels, the gathering forward and the recompute path.
+# On the GPU host: ``-k activation`` runs these and test_moe_gpu.py's Triton ones.
+
+
+@needs_mosaic
+@pytest.mark.parametrize("activation", ["geglu", "gelu"])
+@pytest.mark.parametrize("dispatch", ["sorted", "fused", "fused_gsum"])
+def test_mosaic_activation_matches_oracle(dispatch, activation):
+    _compare(LAYER, 2048, "bfloat16", impl="mosaic", dispatch=dispatch, activation=activation)
+
+
+@needs_mosaic
+@pytest.mark.parametrize("activation", ["geglu", "gelu"])
+def test_mosaic_decoder_activation_shared_kernels_and_gathering_forward(activation):
+    # 1024 tokens, S = 512: the shared expert's kernels take whole tiles; the forward alone runs
+    # the activation kernel that gathers its rows (one column tile of d_hidden = 128)
+    _compare(DECODER, 1024, "bfloat16", impl="mosaic", dispatch="fused", activation=activation)
+    compare_forward(DECODER, 1024, "bfloat16", impl="mosaic", dispatch="fused",
+                    activation=activation)
+
+
+@needs_mosaic
+@pytest.mark.parametrize("activation", ["geglu", "gelu"])
+def test_mosaic_activation_recompute(activation):
+    _compare(LAYER, 1001, "bfloat16", impl="mosaic", dispatch="fused", recompute=True,
+             recompute_rows=512, activation=activation)

@@ -99,6 +99,24 @@ def test_fine_grained_decoder_lowers(dispatch):
     assert module.count(DX_KERNEL) == 1
 
 
+@pytest.mark.parametrize("activation", ["geglu", "gelu"])
+@pytest.mark.parametrize("dispatch", ["sorted", "fused"])
+def test_activations_lower(activation, dispatch):
+    # The decoder (shared expert, joined dx) with the activation in every epilogue. The
+    # not-gated gelu has no gate product (one fewer in the sorted forward) and no joined dx
+    # (its backward has one pre-activation gradient).
+    config = tilax.MoEConfig(**DECODER, impl="mosaic", dispatch=dispatch, activation=activation)
+    gated = activation != "gelu"
+    expected = KERNELS[dispatch] + ROW_COPIES + ROUTER + SHARED
+    expected -= JOINED if gated else int(dispatch == "sorted")
+    module = lower_train_step(config, 2048)
+    assert module.count(MOSAIC_CALL) == expected
+    assert module.count(DX_KERNEL) == int(gated)
+    for part in ("fwd", "bwd"):
+        assert module.count(f"shared_{activation}_{part}_mosaic_mosaic_gpu") == 1
+    assert module.count(f"moe_gmm_{activation}_bwd_mosaic_mosaic_gpu") == 1
+
+
 def test_shared_expert_off_whole_tiles_stays_on_xla():
     # 2000 tokens: not a multiple of the shared kernels' 128-row tiles.
     config = tilax.MoEConfig(**DECODER, impl="mosaic", dispatch="fused")

@@ -31,7 +31,7 @@ SAME_NAME = [
     "routing", "dispatch", "tokens", "d_model", "d_hidden", "experts", "top_k",
     "shared_hidden", "skew", "flops", "tflops", "max_expert_frac", "empty_experts",
     "rel_err_out", "rel_err_grad_x", "rel_err_grad_params", "piece", "block_m", "peak_mb",
-    "max_tokens", "recompute", "quantize", "deterministic", "variant", "router",
+    "max_tokens", "recompute", "quantize", "deterministic", "activation", "variant", "router",
     # MoE expert parallel (suite ep)
     "part", "devices", "mesh", "exchange", "exchange_chunks", "tokens_per_device", "tokens_per_s",
     "bytes", "gbps",

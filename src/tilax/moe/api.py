@@ -28,7 +28,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from tilax import _pallas
-from tilax.moe import decode, dispatch, expert_parallel, fp8, pallas, reference, router, rules
+from tilax.moe import (
+    activations,
+    decode,
+    dispatch,
+    expert_parallel,
+    fp8,
+    pallas,
+    reference,
+    router,
+    rules,
+)
 from tilax.moe.base import RoutedCopies
 
 IMPLS = ("auto", "pallas", "triton", "mosaic", "decode", "blocked", "ragged_dot")
@@ -42,7 +52,7 @@ FP8_IMPLS = ("auto", "blocked", "ragged_dot")  # the impls with an FP8 path (fp8
 @jax.tree_util.register_static
 @dataclasses.dataclass(frozen=True)
 class MoEConfig:
-    """Configuration of a Mixture-of-Experts layer with SwiGLU experts (frozen, hashable).
+    """Configuration of a Mixture-of-Experts layer (frozen, hashable).
 
     A pytree with no leaves (``jax.tree_util.register_static``): it is static under every JAX
     transformation, so ``jax.jit(tilax.moe_apply)(params, x, config)``, ``jax.grad`` and
@@ -54,8 +64,8 @@ class MoEConfig:
         d_hidden: hidden width ``h`` of each routed expert.
         num_experts: number of routed experts ``E``.
         top_k: experts per token ``k`` (``1 <= k <= E``).
-        shared_hidden: hidden width ``S`` of the shared expert (a dense SwiGLU added to every
-            token's output); ``0`` for none.
+        shared_hidden: hidden width ``S`` of the shared expert (a dense expert of the same
+            ``activation`` added to every token's output); ``0`` for none.
         routing: ``"dropless"`` (every copy computed), ``"capacity"`` (at most
             ``C = ceil(capacity_factor * T * k / E)`` copies per expert, earliest tokens first,
             the rest dropped) or ``"dense"`` (every expert on every token, weighted).
@@ -145,6 +155,13 @@ class MoEConfig:
             the cost (a few gathers in place of scatter-adds, and ``fused_gsum``'s combine)
             is measured in the layer suite. With a ``mesh`` the collectives' sums are NCCL's,
             whose order is fixed for a given algorithm (see the MoE guide).
+        activation: the experts' activation (routed and shared alike), fused into the
+            kernels' epilogues forward and backward on every impl (the decode kernels' and
+            the FP8 experts' too): ``"swiglu"`` (``silu(x @ w_gate) * (x @ w_up)``),
+            ``"geglu"`` (``gelu(x @ w_gate) * (x @ w_up)``) or ``"gelu"`` (``gelu(x @
+            w_up)``, not gated: its parameters have no ``w_gate``, routed or shared).
+            ``gelu`` is the tanh approximation (``jax.nn.gelu(approximate=True)``). See
+            ``tilax.moe.activations``.
 
     With the routing fields at their defaults (``score_func="softmax"``, no bias, no groups,
     ``routed_scale=1``) the layer is exactly the softmax top-k layer. On ``impl="mosaic"``
@@ -153,11 +170,12 @@ class MoEConfig:
 
     Raises:
         ValueError: a size is not a positive integer, ``top_k > num_experts``, an unknown
-            ``routing``/``impl``/``dispatch``/``score_func`` name, ``capacity_factor <= 0``,
-            a bad tile, ``num_experts`` not divisible by ``expert_groups``, ``group_top_k``
-            outside ``[1, expert_groups]``, fewer than ``top_k`` experts in ``group_top_k``
-            groups, ``routed_scale`` not a finite number ``> 0``, or ``quantize`` unknown or
-            with a ``dtype``/``impl``/``routing`` it cannot run.
+            ``routing``/``impl``/``dispatch``/``score_func``/``activation`` name,
+            ``capacity_factor <= 0``, a bad tile, ``num_experts`` not divisible by
+            ``expert_groups``, ``group_top_k`` outside ``[1, expert_groups]``, fewer than
+            ``top_k`` experts in ``group_top_k`` groups, ``routed_scale`` not a finite number
+            ``> 0``, or ``quantize`` unknown or with a ``dtype``/``impl``/``routing`` it cannot
+            run.
         TypeError: ``dtype`` is not one of the supported float types.
 
     Examples:
@@ -195,6 +213,7 @@ class MoEConfig:
     routed_scale: float = 1.0
     quantize: str | None = None
     deterministic: bool = False
+    activation: str = "swiglu"
 
     def __post_init__(self) -> None:
         for name in _INT_FIELDS:
@@ -218,6 +237,7 @@ class MoEConfig:
             value = getattr(self, name)
             if value not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+        activations.check_activation(self.activation)
         factor = self.capacity_factor
         if isinstance(factor, (bool, np.bool_)) or not isinstance(factor, numbers.Real):
             raise ValueError(f"capacity_factor must be a number > 0, got {factor!r}")
@@ -308,14 +328,12 @@ def _check_int(name: str, value: Any, *, minimum: int) -> None:
 def param_shapes(config: MoEConfig) -> dict[str, Any]:
     """The parameter pytree's leaf shapes for ``config`` (the structure ``moe_init`` returns)."""
     d, h, e, s = config.d_model, config.d_hidden, config.num_experts, config.shared_hidden
-    shapes = {
-        "router": (d, e),
-        "w_gate": (e, d, h),
-        "w_up": (e, d, h),
-        "w_down": (e, h, d),
-    }
+    names = activations.expert_weight_names(config.activation)
+    expert = {"w_gate": (e, d, h), "w_up": (e, d, h), "w_down": (e, h, d)}
+    shapes = {"router": (d, e), **{name: expert[name] for name in names}}
     if s > 0:
-        shapes["shared"] = {"w_gate": (d, s), "w_up": (d, s), "w_down": (s, d)}
+        shared = {"w_gate": (d, s), "w_up": (d, s), "w_down": (s, d)}
+        shapes["shared"] = {name: shared[name] for name in names}
     if config.balance_bias:
         shapes["router_bias"] = (e,)
     return shapes
@@ -327,9 +345,10 @@ def moe_init(key: jax.Array, config: MoEConfig) -> dict[str, Any]:
     Leaves: ``router: [d_model, E]`` float32; ``w_gate, w_up: [E, d_model, d_hidden]`` and
     ``w_down: [E, d_hidden, d_model]`` in ``config.dtype``; with ``shared_hidden = S > 0`` a
     ``shared`` dict of ``w_gate, w_up: [d_model, S]`` and ``w_down: [S, d_model]``; with
-    ``balance_bias`` a ``router_bias: [E]`` of float32 zeros. Every matrix is normal with
-    standard deviation ``1 / sqrt(fan_in)``, so logits and activations keep unit scale for
-    unit-scale inputs (the matrices do not depend on ``balance_bias``).
+    ``balance_bias`` a ``router_bias: [E]`` of float32 zeros. With ``activation="gelu"`` (not
+    gated) there is no ``w_gate``, routed or shared. Every matrix is normal with standard
+    deviation ``1 / sqrt(fan_in)``, so logits and activations keep unit scale for unit-scale
+    inputs (the matrices do not depend on ``balance_bias``).
 
     Args:
         key: a JAX PRNG key.
@@ -433,6 +452,7 @@ def _check_params(params: Any, config: MoEConfig) -> None:
             "params has a 'shared' expert but config.shared_hidden is 0; set shared_hidden to "
             "its width or drop params['shared']"
         )
+    _check_gate("params", params, config.activation)
     if "router_bias" in params and "router_bias" not in expected:
         raise ValueError(
             "params has a 'router_bias' but config.balance_bias is False; set "
@@ -447,11 +467,28 @@ def _check_params(params: Any, config: MoEConfig) -> None:
         if isinstance(shape, dict):
             if not isinstance(params[name], dict):
                 raise TypeError(f"params['{name}'] must be a dict of arrays")
+            _check_gate(f"params['{name}']", params[name], config.activation)
             _check_no_unknown_keys(f"params['{name}']", params[name], shape)
             for sub, sub_shape in shape.items():
                 _check_leaf(f"params['{name}']['{sub}']", params[name].get(sub), sub_shape)
         else:
             _check_leaf(f"params['{name}']", params[name], shape)
+
+
+def _check_gate(name: str, given: dict, activation: str) -> None:
+    """``w_gate`` present exactly when the activation is gated, said in its terms."""
+    gated = activations.is_gated(activation)
+    if gated and "w_gate" not in given:
+        raise ValueError(
+            f"{name} is missing 'w_gate': activation={activation!r} is gated (its experts "
+            "compute f(x @ w_gate) * (x @ w_up)); only activation='gelu' has no w_gate"
+        )
+    if not gated and "w_gate" in given:
+        raise ValueError(
+            f"{name} has 'w_gate', but activation={activation!r} is not gated (its experts "
+            "compute gelu(x @ w_up)): drop w_gate, or use a gated activation ('swiglu', "
+            "'geglu')"
+        )
 
 
 def _check_no_unknown_keys(name: str, given: dict, expected: dict) -> None:
@@ -566,7 +603,9 @@ def moe_apply(
     ``s`` (plus ``params["router_bias"]`` with ``config.balance_bias``, among the experts of
     its ``group_top_k`` best groups with ``expert_groups > 1``) with weights ``w``: their
     ``s``, renormalised to sum 1 when ``config.renormalize``, times ``config.routed_scale``;
-    expert ``e`` is the SwiGLU ``(silu(x @ w_gate[e]) * (x @ w_up[e])) @ w_down[e]``. Experts run in
+    expert ``e`` is ``act_e(x) @ w_down[e]`` with ``act_e`` the ``config.activation``: the
+    SwiGLU ``silu(x @ w_gate[e]) * (x @ w_up[e])`` by default, the GeGLU ``gelu(x @ w_gate[e])
+    * (x @ w_up[e])`` or the (not gated) ``gelu(x @ w_up[e])``. Experts run in
     ``config.dtype`` with float32 accumulation. Differentiable (reverse mode) w.r.t. ``params``
     and ``x``; ``jax.jit``, ``jax.grad`` and ``jax.vmap`` take ``config`` as a positional
     argument (a pytree without leaves: static). Under ``jax.vmap`` (over ``x``, the
@@ -657,7 +696,8 @@ def moe_apply(
     routed = router.route_layer(x2, params, config, backend=_router_backend(experts))
     dtype = config.dtype
     xc = x2.astype(dtype)
-    w_gate, w_up, w_down = (params[n].astype(dtype) for n in ("w_gate", "w_up", "w_down"))
+    w_gate = params["w_gate"].astype(dtype) if "w_gate" in params else None  # gelu: none
+    w_up, w_down = (params[n].astype(dtype) for n in ("w_up", "w_down"))
     capacity = None
     if config.routing == "capacity":
         capacity = dispatch.expert_capacity(
@@ -680,14 +720,15 @@ def shared_expert(
     params: dict, x: jax.Array, config: MoEConfig, backend: str | None = None
 ) -> jax.Array:
     """The shared expert on tokens ``x`` (already in ``config.dtype``): with the routed experts
-    on Mosaic GPU, its SwiGLU in the products' epilogues (``mosaic.shared``) where its shapes
-    allow and the ``shared`` rule of ``tilax.moe.rules`` takes it, else XLA's products and
-    elementwise passes (``reference.shared_expert``)."""
-    shared = {n: params["shared"][n].astype(config.dtype) for n in ("w_gate", "w_up", "w_down")}
+    on Mosaic GPU, its activation in the products' epilogues (``mosaic.shared``) where its
+    shapes allow and the ``shared`` rule of ``tilax.moe.rules`` takes it, else XLA's products
+    and elementwise passes (``reference.shared_expert``)."""
+    names = activations.expert_weight_names(config.activation)
+    shared = {n: params["shared"][n].astype(config.dtype) for n in names}
     if backend == "mosaic" and rules.variant("shared") == "kernels":
         from tilax.moe.mosaic import shared as shared_mosaic  # a GPU backend: imported here
 
         if shared_mosaic.applies(x, shared):
             return shared_mosaic.shared_expert(
-                x, shared["w_gate"], shared["w_up"], shared["w_down"])
-    return reference.shared_expert(x, shared)
+                config.activation, x, shared.get("w_gate"), shared["w_up"], shared["w_down"])
+    return reference.shared_expert(x, shared, config.activation)

@@ -46,18 +46,22 @@ class RoutedExperts(Protocol):
         self,
         config: Any,
         x: jax.Array,
-        w_gate: jax.Array,
+        w_gate: jax.Array | None,
         w_up: jax.Array,
         w_down: jax.Array,
         copies: RoutedCopies,
     ) -> tuple[jax.Array, jax.Array | None]:
-        """``y[t] = sum_j weights[t, j] * SwiGLU_{expert_ids[t, j]}(x[t])`` over kept copies.
+        """``y[t] = sum_j weights[t, j] * expert_{expert_ids[t, j]}(x[t])`` over kept copies,
+        ``expert_e(x) = act_e(x) @ w_down[e]`` with ``act`` the ``config.activation``
+        (``tilax.moe.activations``).
 
         Args:
-            config: the layer's ``MoEConfig`` (dtype, dispatch, tiles, recompute).
+            config: the layer's ``MoEConfig`` (dtype, dispatch, tiles, recompute,
+                activation).
             x: ``[N, d]`` tokens in ``config.dtype``.
             w_gate, w_up: ``[E, d, h]``; w_down: ``[E, h, d]`` (``E`` may be a device's share
-                of the experts: ``expert_ids`` index into these).
+                of the experts: ``expert_ids`` index into these). ``w_gate`` is ``None`` for
+                the not-gated ``activation="gelu"``.
             copies: the copies to compute.
 
         Returns:
@@ -87,16 +91,22 @@ class GmmKernels(Protocol):
     - ``gmm(lhs, rhs, schedule, *, tiles, backend, index=None, transpose_rhs=False,
       lhs2=None, rhs2=None, row_scale=None, out_dtype=None)``:
       ``out[r] = scale[r] * (lhs[r] @ rhs[e(r)] + lhs2[r] @ rhs2[e(r)])``.
-    - ``gmm_swiglu(x, w_gate, w_up, schedule, *, tiles, backend, index=None,
-      row_scale=None, save_preactivations=False)``: ``a = w_r * silu(x_r @ w_gate[e]) *
-      (x_r @ w_up[e])`` (``w_r = 1`` without ``row_scale``), and the two pre-activations when
-      asked.
-    - ``gmm_swiglu_bwd(dy, w_down, gate, up, row_scale, schedule, *, tiles, backend,
-      index=None, deterministic=False)``: ``d_gate, d_up`` and ``[P, R]`` float32 partial
-      sums of ``dz . a`` (``dz = dy_r @ w_down[e].T``, ``a`` unscaled), the combine weights'
-      gradient once summed over ``P`` (backend-defined: Triton gives one row per column tile,
-      ``h / block_n``; Mosaic GPU adds its per-item sums up itself and gives one), with
-      ``deterministic`` in a fixed order (no scatter-add with repeated indices).
+    - ``gmm_activation(x, w_gate, w_up, schedule, *, tiles, backend, index=None,
+      row_scale=None, save_preactivations=False, activation="swiglu")``: ``a = w_r *
+      f(x_r @ w_gate[e]) * (x_r @ w_up[e])`` (``w_r = 1`` without ``row_scale``; ``f`` the
+      ``activation``'s nonlinearity, ``tilax.moe.activations``: ``silu`` for ``"swiglu"``,
+      tanh-approximate ``gelu`` for ``"geglu"``), and the two pre-activations ``(gate, up)``
+      when asked. For the not-gated ``"gelu"``, ``w_gate`` is ``None``: ``a = w_r * f(x_r @
+      w_up[e])``, and the pre-activations are ``(None, up)``. Returns ``(a,)`` or
+      ``(a, gate, up)``.
+    - ``gmm_activation_bwd(dy, w_down, gate, up, row_scale, schedule, *, tiles, backend,
+      index=None, activation="swiglu", deterministic=False)``: ``d_gate, d_up``
+      (``activations.hidden_backward`` of ``w_r * dz``; ``d_gate`` is ``None`` where ``gate``
+      is, not gated) and ``[P, R]`` float32 partial sums of ``dz . a`` (``dz = dy_r @
+      w_down[e].T``, ``a`` unscaled), the combine weights' gradient once summed over ``P``
+      (backend-defined: Triton gives one row per column tile, ``h / block_n``; Mosaic GPU adds
+      its per-item sums up itself and gives one), with ``deterministic`` in a fixed order (no
+      scatter-add with repeated indices).
     - ``gmm_combine(hidden, w_down, row_scale, row_target, schedule, *, num_tokens, tiles,
       backend)``: ``y[t] = sum over rows r of token t of w_r * hidden[r] @ w_down[e(r)]``,
       float32 ``[T, d]`` (``row_scale=None``: ``w_r = 1``).
@@ -109,8 +119,9 @@ class GmmKernels(Protocol):
       tiles, backend)``: ``dx`` rows (``d_gate @ w_gate[e].T + d_up @ w_up[e].T``) with the
       gate and up weight gradients from one pass over ``d_gate`` and ``d_up``, or ``None``
       where the backend has no such kernel for these shapes (the path then calls ``gmm``
-      and ``tgmm``). Called with sorted copies of ``x`` only, and only where every row of
-      ``d_gate`` and ``d_up`` was written (the schedule covers the padding rows).
+      and ``tgmm``). Called for gated activations only (the not-gated one has one
+      gradient), with sorted copies of ``x`` only, and only where every row of ``d_gate``
+      and ``d_up`` was written (the schedule covers the padding rows).
     - ``tiles_for(config)``: the backend's tiles for a config (a dataclass with at least
       ``block_m``, ``row_multiple`` and ``feature_multiple``: the layer pads ``d_model`` and
       ``d_hidden`` to a multiple of it, 16 for Triton, 64 for Mosaic GPU's 128-byte rows).
@@ -122,9 +133,10 @@ class GmmKernels(Protocol):
 
     def gmm(self, lhs, rhs, schedule: GmmSchedule, **kwargs) -> jax.Array: ...
 
-    def gmm_swiglu(self, x, w_gate, w_up, schedule: GmmSchedule, **kwargs) -> tuple: ...
+    def gmm_activation(self, x, w_gate, w_up, schedule: GmmSchedule, **kwargs) -> tuple: ...
 
-    def gmm_swiglu_bwd(self, dy, w_down, gate, up, row_scale, schedule, **kwargs) -> tuple: ...
+    def gmm_activation_bwd(self, dy, w_down, gate, up, row_scale, schedule,
+                           **kwargs) -> tuple: ...
 
     def gmm_combine(self, hidden, w_down, row_scale, row_target, schedule, **kwargs): ...
 

@@ -1,8 +1,9 @@
 """The decode path of the routed experts: small batches, bound by reading the touched weights.
 
 At 1 to a few hundred tokens a forward reads each touched expert's ``w_gate``, ``w_up`` and
-``w_down`` (``3 * d * h`` elements) and does little arithmetic with them: its floor is the
-touched experts' weight bytes over the GPU's copy bandwidth. The training-sized kernels
+``w_down`` (``3 * d * h`` elements; ``2 * d * h`` for the not-gated ``"gelu"``, which has no
+``w_gate``) and does little arithmetic with them: its floor is the touched experts' weight
+bytes over the GPU's copy bandwidth. The training-sized kernels
 (``triton.py``, ``mosaic/``) tile rows by 64-128 and launch one program per row tile and
 column tile, so at these sizes most of their rows are padding and few programs stream weights.
 This path instead:
@@ -10,10 +11,11 @@ This path instead:
 1. sorts the copies by expert (``dispatch.sort_by_expert``) and makes one work item per
    (touched expert, chunk of at most ``block_m`` of its rows) (:func:`decode_schedule`); the
    grid has a static bound on the items, and unused items end at once;
-2. runs gate/up with the SwiGLU and the combine weight in its epilogue, then the down
-   projection (``triton_decode.py``), each program streaming one column strip of one touched
-   expert's weights: an expert's weights are read once per chunk of its rows, and the column
-   tiles are sized so that the touched experts give every SM programs (:func:`decode_tiles`);
+2. runs gate/up with the ``MoEConfig.activation`` (``tilax.moe.activations``) and the combine
+   weight in its epilogue, then the down projection (``triton_decode.py``), each program
+   streaming one column strip of one touched expert's weights: an expert's weights are read
+   once per chunk of its rows, and the column tiles are sized so that the touched experts
+   give every SM programs (:func:`decode_tiles`);
 3. adds each token's weighted copies in XLA (``dispatch.sum_copies``, a fixed order).
 
 Forward only: under differentiation the custom VJP runs the layer's training path instead
@@ -159,7 +161,7 @@ def _forward(plan: DecodePlan, x, w_gate, w_up, w_down, weights, expert_ids, kep
     """The decode kernels' ``y`` (``[T, d]`` in ``x.dtype``) and the layout's kept count."""
     from tilax.moe import triton_decode
 
-    tiles, num_experts = plan.tiles, w_gate.shape[0]
+    tiles, num_experts = plan.tiles, w_up.shape[0]
     layout = dispatch.sort_by_expert(expert_ids, num_experts, capacity=plan.capacity, kept=kept)
     num_rows = layout.row_token.shape[0]
     schedule = decode_schedule(layout.group_sizes, layout.group_offsets, num_rows, tiles.block_m)
@@ -168,7 +170,9 @@ def _forward(plan: DecodePlan, x, w_gate, w_up, w_down, weights, expert_ids, kep
     row_scale = jnp.pad(dispatch.row_weights(weights, layout), (0, tiles.block_m))
     x, w_gate, w_up, w_down = pallas.pad_features(plan.config, tiles, x, w_gate, w_up, w_down)
     kw = dict(tiles=tiles, backend=plan.backend)
-    act = triton_decode.gate_up_swiglu(x, w_gate, w_up, schedule, row_token, row_scale, **kw)
+    act = triton_decode.gate_up_activation(
+        x, w_gate, w_up, schedule, row_token, row_scale, activation=plan.config.activation, **kw
+    )
     rows = triton_decode.down(act, w_down, schedule, **kw)[:num_rows, : plan.config.d_model]
     return dispatch.sum_copies(rows, layout), layout.group_offsets[-1]
 
@@ -180,8 +184,9 @@ def _training(plan: DecodePlan, x, w_gate, w_up, w_down, weights, expert_ids, ke
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def decode_experts(plan: DecodePlan, x, w_gate, w_up, w_down, weights, expert_ids, kept):
-    """``y[t] = sum_j weights[t, j] * SwiGLU_{expert_ids[t, j]}(x[t])`` over the kept copies,
-    by the decode kernels; differentiable through the training path (module docstring)."""
+    """``y[t] = sum_j weights[t, j] * expert_{expert_ids[t, j]}(x[t])`` over the kept copies
+    (the config's activation; ``w_gate`` ``None`` when not gated), by the decode kernels;
+    differentiable through the training path (module docstring)."""
     return _forward(plan, x, w_gate, w_up, w_down, weights, expert_ids, kept)[0]
 
 
@@ -208,7 +213,7 @@ class DecodeExperts:
 
     def __call__(self, config, x, w_gate, w_up, w_down, copies: RoutedCopies):
         num_tokens, top_k = copies.expert_ids.shape
-        num_experts = w_gate.shape[0]
+        num_experts = w_up.shape[0]
         rows = dispatch.row_count(num_tokens, top_k, num_experts, copies.capacity)
         plan = DecodePlan(
             config=config,

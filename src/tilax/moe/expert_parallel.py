@@ -54,10 +54,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tilax import _pallas
-from tilax.moe import dispatch, reference, router
+from tilax.moe import activations, dispatch, reference, router
 from tilax.moe.base import RoutedCopies
-
-EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down")
 
 
 def check_mesh(mesh, expert_axis: str, num_experts: int) -> None:
@@ -151,8 +149,9 @@ def _sharded(params, x, config, experts, mesh, expert_axis):
         )
     plan = MeshPlan(token_axes, tuple(mesh.shape[a] for a in token_axes), expert_axis,
                     num_tokens, capacity, resolve_transport(config.exchange))
-    used = {name: params[name] for name in ("router", *EXPERT_WEIGHTS)}
-    specs = {"router": P(), **{name: P(expert_axis) for name in EXPERT_WEIGHTS}}
+    expert_weights = activations.expert_weight_names(config.activation)
+    used = {name: params[name] for name in ("router", *expert_weights)}
+    specs = {"router": P(), **{name: P(expert_axis) for name in expert_weights}}
     if config.balance_bias:  # replicated, as the router: every device selects with it
         used["router_bias"] = params["router_bias"]
         specs["router_bias"] = P()
@@ -209,16 +208,19 @@ def _local_layer(params, x, *, config, experts, plan: MeshPlan):
 
     dtype = config.dtype
     xc = x.astype(dtype)
-    weights = [params[n].astype(dtype) for n in EXPERT_WEIGHTS]
+    # (w_gate, w_up, w_down), w_gate None for the not-gated activation
+    weights = [params[n].astype(dtype) if n in params else None
+               for n in ("w_gate", "w_up", "w_down")]
     if config.routing == "dense":
-        y = _dense_experts(xc, weights, routed, token_valid, plan)
+        y = _dense_experts(xc, weights, routed, token_valid, plan, config.activation)
     elif plan.transport == "all_gather":
         y = _gathered_experts(config, experts, xc, weights, routed, kept, plan)
     else:
         y = _exchanged_experts(config, experts, xc, weights, routed, kept, plan)
     if config.shared_hidden:
-        shared = {n: params["shared"][n].astype(dtype) for n in EXPERT_WEIGHTS}
-        y = y + reference.shared_expert(xc, shared)
+        shared = {n: params["shared"][n].astype(dtype)
+                  for n in activations.expert_weight_names(config.activation)}
+        y = y + reference.shared_expert(xc, shared, config.activation)
     return y.astype(dtype), aux
 
 
@@ -299,7 +301,7 @@ def _gathered_chunk(config, experts, x, weights, expert_ids, combine_weights, ke
                     plan: MeshPlan):
     """One chunk of :func:`_gathered_experts`: ``[chunk, d]``."""
     axis = plan.expert_axis
-    local_experts = weights[0].shape[0]
+    local_experts = weights[1].shape[0]  # (w_gate, w_up, w_down): w_up's
     first_expert = lax.axis_index(axis) * local_experts
     group_x, group_ids, group_weights, group_kept = (
         lax.all_gather(v, axis, tiled=True) for v in (x, expert_ids, combine_weights, kept)
@@ -316,18 +318,18 @@ def _gathered_chunk(config, experts, x, weights, expert_ids, combine_weights, ke
     return lax.psum_scatter(partial, axis, scatter_dimension=0, tiled=True)
 
 
-def _dense_experts(x, weights, routed, token_valid, plan: MeshPlan):
+def _dense_experts(x, weights, routed, token_valid, plan: MeshPlan, activation: str):
     """Dense routing: this device's experts on all tokens of its ``expert_axis`` group,
     weighted, summed over the group and scattered back (float32 partial sums)."""
     axis = plan.expert_axis
-    local_experts = weights[0].shape[0]
+    local_experts = weights[1].shape[0]
     first_expert = lax.axis_index(axis) * local_experts
     combine = jnp.where(token_valid[:, None], routed.weights, 0.0)
     group_x, group_ids, group_combine = (
         lax.all_gather(v, axis, tiled=True) for v in (x, routed.expert_ids, combine)
     )
     partial = reference.experts_dense_float32(
-        group_x, *weights, group_ids - first_expert, group_combine
+        group_x, *weights, group_ids - first_expert, group_combine, activation
     )
     return lax.psum_scatter(partial, axis, scatter_dimension=0, tiled=True)
 

@@ -2,14 +2,16 @@
 
 Every expert matmul of the forward, the input gradient and the weight gradient runs on e4m3
 operands with fine-grained scales (``quantize.py`` says which operand is quantised along which
-axis and how the products are promoted); everything between the matmuls (the SwiGLU and its
-derivative, the combine and its weights' gradient, the gather and sum of token copies) runs on
-the bfloat16 values in float32 math, as in the bfloat16 layer. Master weights, the router and
+axis and how the products are promoted); everything between the matmuls (the
+``MoEConfig.activation`` and its derivative, ``tilax.moe.activations``; the combine and its
+weights' gradient; the gather and sum of token copies) runs on the bfloat16 values in float32
+math, as in the bfloat16 layer. The not-gated ``"gelu"`` has no ``w_gate`` (``None`` here) and
+one product fewer each way. Master weights, the router and
 the shared expert stay outside: the layer casts its weights to bfloat16 and quantises them here.
 
 The custom VJP saves the forward's bfloat16 inputs, its pre-activations, its output rows and
 its quantised weights (the input gradients reuse their blocks, transposed); the backward
-quantises ``dy`` and the SwiGLU's gradients along their contraction for the input gradients,
+quantises ``dy`` and the activation's gradients along their contraction for the input gradients,
 and the activations and gradients again along the tokens for the weight gradients.
 
 ``routed_blocked`` and ``routed_ragged_dot`` are the registry entries (``base.RoutedExperts``)
@@ -24,10 +26,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from tilax.moe import dispatch, quantize
+from tilax.moe import activations, dispatch, quantize
 from tilax.moe.base import RoutedCopies
 from tilax.moe.dispatch import RowLayout
-from tilax.moe.reference import swiglu_activation
+from tilax.moe.reference import expert_activation
 
 F32 = jnp.float32
 
@@ -51,50 +53,54 @@ def _weight_grad(lhs_rows, rhs_rows, tiles, num_experts, dtype):
     return quantize.grouped_matmul_t(*lhs, *rhs, tiles, num_experts, out_dtype=dtype)
 
 
-def _forward(impl, x, w_gate, w_up, w_down, weights, layout):
-    quantized = tuple(quantize.quantize_blocks(w) for w in (w_gate, w_up, w_down))
-    q_gate, q_up, q_down = quantized
+def _forward(impl, activation, x, w_gate, w_up, w_down, weights, layout):
+    q_gate = None if w_gate is None else quantize.quantize_blocks(w_gate)
+    q_up, q_down = quantize.quantize_blocks(w_up), quantize.quantize_blocks(w_down)
     sizes = layout.group_sizes
     xs = _rows(x, layout)
-    gate = _product(impl, xs, q_gate, sizes, x.dtype)
+    gate = None if q_gate is None else _product(impl, xs, q_gate, sizes, x.dtype)
     up = _product(impl, xs, q_up, sizes, x.dtype)
-    out_rows = _product(impl, swiglu_activation(gate, up), q_down, sizes, x.dtype)
+    act = expert_activation(activation, gate, up)
+    out_rows = _product(impl, act, q_down, sizes, x.dtype)
     y = dispatch.combine(out_rows, weights, layout)
-    return y, (x, weights, layout, gate, up, out_rows, quantized)
+    return y, (x, weights, layout, gate, up, out_rows, (q_gate, q_up, q_down))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def experts_fp8(impl, x, w_gate, w_up, w_down, weights, layout):
-    """``y[t] = sum_j weights[t, j] * SwiGLU_e(x[t])`` over the kept copies of ``layout``,
-    every expert matmul (and each of its gradients) on FP8 operands.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def experts_fp8(impl, activation, x, w_gate, w_up, w_down, weights, layout):
+    """``y[t] = sum_j weights[t, j] * expert_e(x[t])`` over the kept copies of ``layout``
+    (``expert_e(x) = act(x) @ w_down[e]``, ``act`` the ``activation``), every expert matmul
+    (and each of its gradients) on FP8 operands.
 
     Args:
         impl: ``"ragged_dot"`` or ``"blocked"`` (static): how the grouped products run.
-        x: ``[T, d]`` bfloat16 tokens; w_gate, w_up: ``[E, d, h]``; w_down: ``[E, h, d]``.
+        activation: ``MoEConfig.activation`` (static; ``tilax.moe.activations``).
+        x: ``[T, d]`` bfloat16 tokens; w_gate, w_up: ``[E, d, h]`` (``w_gate`` ``None`` for
+            the not-gated ``"gelu"``); w_down: ``[E, h, d]``.
         weights: ``[T, k]`` float32 combine weights.
         layout: the copies' ``dispatch.RowLayout``.
 
     Returns:
-        ``[T, d]`` in ``x.dtype``; differentiable in reverse mode w.r.t. ``x``, the three
+        ``[T, d]`` in ``x.dtype``; differentiable in reverse mode w.r.t. ``x``, the expert
         weights and ``weights``.
     """
-    return _forward(impl, x, w_gate, w_up, w_down, weights, layout)[0]
+    return _forward(impl, activation, x, w_gate, w_up, w_down, weights, layout)[0]
 
 
-def _experts_fp8_fwd(impl, x, w_gate, w_up, w_down, weights, layout):
-    return _forward(impl, x, w_gate, w_up, w_down, weights, layout)
+def _experts_fp8_fwd(impl, activation, x, w_gate, w_up, w_down, weights, layout):
+    return _forward(impl, activation, x, w_gate, w_up, w_down, weights, layout)
 
 
-def _swiglu_grads(d_act, gate, up):
-    """``(d_gate, d_up)`` of ``silu(gate) * up`` in float32, returned in ``gate.dtype``."""
-    g, u, da = gate.astype(F32), up.astype(F32), d_act.astype(F32)
-    sig = jax.nn.sigmoid(g)
-    d_up = da * g * sig
-    d_gate = da * u * sig * (1.0 + g * (1.0 - sig))
-    return d_gate.astype(gate.dtype), d_up.astype(gate.dtype)
+def _activation_grads(activation, d_act, gate, up):
+    """``(d_gate, d_up)`` of the activation (``activations.hidden_backward``) in float32,
+    returned in ``up.dtype``; ``d_gate`` is ``None`` when not gated."""
+    gate32 = None if gate is None else gate.astype(F32)
+    grads = dict(activations.hidden_backward(activation, gate32, up.astype(F32), d_act.astype(F32)))
+    d_gate = None if gate is None else grads["gate"].astype(up.dtype)
+    return d_gate, grads["up"].astype(up.dtype)
 
 
-def _experts_fp8_bwd(impl, residuals, dy):
+def _experts_fp8_bwd(impl, activation, residuals, dy):
     x, weights, layout, gate, up, out_rows, quantized = residuals
     q_gate, q_up, q_down = quantized
     dtype = x.dtype
@@ -110,16 +116,16 @@ def _experts_fp8_bwd(impl, residuals, dy):
     d_weights = jnp.einsum("tkd,td->tk", copy_out, dy.astype(F32))
 
     tiles = quantize.token_tiles(sizes, out_rows.shape[0])
-    act = swiglu_activation(gate, up)
+    act = expert_activation(activation, gate, up)
     d_act = _product(impl, d_out, quantize.transpose_blocks(*q_down), sizes, dtype)
     d_w_down = _weight_grad(act, d_out, tiles, num_experts, dtype)
-    d_gate, d_up = _swiglu_grads(d_act, gate, up)
-    dx_rows = _product(impl, d_gate, quantize.transpose_blocks(*q_gate), sizes, F32) + _product(
-        impl, d_up, quantize.transpose_blocks(*q_up), sizes, F32
-    )
+    d_gate, d_up = _activation_grads(activation, d_act, gate, up)
+    dx_rows = _product(impl, d_up, quantize.transpose_blocks(*q_up), sizes, F32)
+    if d_gate is not None:
+        dx_rows = dx_rows + _product(impl, d_gate, quantize.transpose_blocks(*q_gate), sizes, F32)
     d_x = dispatch.sum_copies(dx_rows.astype(dtype), layout)
     xs = _rows(x, layout)
-    d_w_gate = _weight_grad(xs, d_gate, tiles, num_experts, dtype)
+    d_w_gate = None if d_gate is None else _weight_grad(xs, d_gate, tiles, num_experts, dtype)
     d_w_up = _weight_grad(xs, d_up, tiles, num_experts, dtype)
     return d_x, d_w_gate, d_w_up, d_w_down, d_weights.astype(weights.dtype), None
 
@@ -130,9 +136,9 @@ experts_fp8.defvjp(_experts_fp8_fwd, _experts_fp8_bwd)
 def _routed(impl):
     def routed(config, x, w_gate, w_up, w_down, copies: RoutedCopies):
         layout = dispatch.sort_by_expert(
-            copies.expert_ids, w_gate.shape[0], capacity=copies.capacity, kept=copies.kept
+            copies.expert_ids, w_up.shape[0], capacity=copies.capacity, kept=copies.kept
         )
-        run = functools.partial(experts_fp8, impl)
+        run = functools.partial(experts_fp8, impl, config.activation)
         if config.recompute:
             run = jax.checkpoint(run)
         y = run(x, w_gate, w_up, w_down, copies.weights, layout)

@@ -5,21 +5,27 @@ the ``base.GmmKernels`` contract, and ``KERNELS`` names the modules (``"interpre
 Triton kernel file run by the Pallas interpreter on CPU; ``"mosaic"`` the Mosaic GPU kernels
 of Hopper). Per ``dispatch``:
 
-- forward: ``sorted`` (permuted copy of ``x``, three grouped matmuls, SwiGLU and combine in
-  XLA), ``gather`` (the grouped matmuls read rows of ``x`` through the sort index),
-  ``fused`` (gather, plus gate/up/SwiGLU in one kernel), ``fused_gsum`` (fused, plus the
+- forward: ``sorted`` (permuted copy of ``x``, three grouped matmuls, activation and combine
+  in XLA), ``gather`` (the grouped matmuls read rows of ``x`` through the sort index),
+  ``fused`` (gather, plus gate/up/activation in one kernel), ``fused_gsum`` (fused, plus the
   combine in the down projection's epilogue, float32 atomics; with ``deterministic`` it
   combines as ``fused``). Every dispatch scales the
-  SwiGLU activation by its row's combine weight before the down projection (the combine then
+  activation by its row's combine weight before the down projection (the combine then
   only adds a token's copies) and keeps it for the backward, where it is the left operand of
-  the ``w_down`` gradient: the SwiGLU backward kernel then writes two ``[rows, d_hidden]``
-  arrays instead of three (on the H200 at the E8 layer's shapes, 1.24 ms instead of 1.44);
-- backward, shared by all dispatches: the down projection's input gradient with the SwiGLU
-  backward and the combine weights' gradient fused into its epilogue, ``dx`` by a grouped
-  matmul against the transposed gate/up weights, and the weight gradients by the transposed
+  the ``w_down`` gradient: the activation's backward kernel then writes two ``[rows,
+  d_hidden]`` arrays instead of three (SwiGLU on the H200 at the E8 layer's shapes, 1.24 ms
+  instead of 1.44);
+- backward, shared by all dispatches: the down projection's input gradient with the
+  activation's backward and the combine weights' gradient fused into its epilogue, ``dx`` by a
+  grouped matmul against the transposed gate/up weights, and the weight gradients by the transposed
   grouped matmul (ragged contraction over each expert's rows); where the backend has a
   kernel for both that reads the gate and up gradients once (``input_and_gate_up_grads``),
   ``dx`` and the gate/up weight gradients come from it.
+
+The activation (``MoEConfig.activation``, ``Plan.activation``) is a static parameter of the
+kernels that compute it. The not-gated ``"gelu"`` has no ``w_gate`` (``None`` here): its
+experts run one input projection, and where a gated activation has two (gate and up, their
+gradients, the two products summed into ``dx``) it has the ``up`` one alone.
 
 Where the kernels read sorted copies of ``x`` and ``dy`` (the ``sorted`` dispatch, and a train
 step on a backend whose kernels do not gather rows in training: Mosaic GPU), the backend's
@@ -76,8 +82,9 @@ class Plan:
         cover_tail: compute the rows past the kept copies too (``dispatch.gmm_schedule``).
         copies_have_rows: every token copy has a row (no capacity drops): the row space is a
             permutation of the copies, which the backend's ``copy_rows`` can fill.
+        activation: the ``MoEConfig.activation`` the kernels compute.
         deterministic: ``MoEConfig.deterministic``: no float atomics and no scatter-add with
-            repeated indices (``fused_gsum`` combines as ``fused``; the backend's SwiGLU
+            repeated indices (``fused_gsum`` combines as ``fused``; the backend's activation
             backward adds its partial sums in a fixed order).
     """
 
@@ -88,6 +95,7 @@ class Plan:
     slice_rows: int | None = None
     cover_tail: bool = True
     copies_have_rows: bool = False
+    activation: str = "swiglu"
     deterministic: bool = False
 
     @property
@@ -115,7 +123,8 @@ class Plan:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def pallas_experts(plan, x, w_gate, w_up, w_down, weights, layout, schedule):
-    """``y[t] = sum_j weights[t, j] * SwiGLU_{e(t, j)}(x[t])`` over kept copies, ``[T, d]``."""
+    """``y[t] = sum_j weights[t, j] * expert_{e(t, j)}(x[t])`` over kept copies, ``[T, d]``
+    (``w_gate`` is ``None`` for the not-gated activation)."""
     if plan.slice_rows is not None:
         return pallas_slices.forward(plan, x, w_gate, w_up, w_down, weights, layout)
     return _forward(plan, x, w_gate, w_up, w_down, weights, layout, schedule, False)[0]
@@ -133,14 +142,16 @@ def _forward(plan, x, w_gate, w_up, w_down, weights, layout, schedule, save):
     else:
         lhs, index = x, layout.row_token
     if plan.dispatch in ("sorted", "gather"):
-        gate = kernels.gmm(lhs, w_gate, schedule, index=index, **kw)
+        gate = None
+        if w_gate is not None:
+            gate = kernels.gmm(lhs, w_gate, schedule, index=index, **kw)
         up = kernels.gmm(lhs, w_up, schedule, index=index, **kw)
-        act = reference.swiglu_activation(gate, up, w_rows)
+        act = reference.expert_activation(plan.activation, gate, up, w_rows)
         pre = (gate, up)
     else:
-        act, *pre = kernels.gmm_swiglu(
+        act, *pre = kernels.gmm_activation(
             lhs, w_gate, w_up, schedule, index=index, row_scale=w_rows,
-            save_preactivations=save, **kw,
+            save_preactivations=save, activation=plan.activation, **kw,
         )
     pre = (lhs if index is None else None, *pre)
     if plan.dispatch == "fused_gsum" and not plan.deterministic:  # float32 atomics
@@ -161,8 +172,8 @@ def _pallas_experts_fwd(plan, x, w_gate, w_up, w_down, weights, layout, schedule
 
 
 def _pallas_experts_bwd(plan, residuals, dy):
-    """Backward: the SwiGLU backward is fused into the down projection's input-gradient kernel
-    for every dispatch; where the forward saved a sorted copy of ``x`` the kernels get one of
+    """Backward: the activation's backward is fused into the down projection's input-gradient
+    kernel for every dispatch; where the forward saved a sorted copy of ``x`` the kernels get one of
     ``dy`` too, elsewhere they gather rows through the sort index themselves."""
     if plan.slice_rows is not None:
         return (*pallas_slices.backward(plan, residuals[:-2], dy), None, None)
@@ -175,22 +186,19 @@ def _pallas_experts_bwd(plan, residuals, dy):
     else:
         dy_src, x_src, index = dy, x, layout.row_token
     w_rows = dispatch.row_weights(weights, layout)
-    d_gate, d_up, dw_partial = kernels.gmm_swiglu_bwd(
-        dy_src, w_down, gate, up, w_rows, schedule, index=index,
-        deterministic=plan.deterministic, **kw
+    d_gate, d_up, dw_partial = kernels.gmm_activation_bwd(
+        dy_src, w_down, gate, up, w_rows, schedule, index=index, activation=plan.activation,
+        deterministic=plan.deterministic, **kw,
     )
     joined = None
-    if xs is not None and plan.cover_tail:  # every row of d_gate and d_up written
+    if xs is not None and plan.cover_tail and w_gate is not None:  # all of d_gate, d_up written
         joined = kernels.input_and_gate_up_grads(xs, d_gate, d_up, w_gate, w_up, offsets, **kw)
     if joined is not None:
         dx_rows, dw_gate, dw_up = joined
     else:
-        dx_rows = kernels.gmm(
-            d_gate, w_gate, schedule, transpose_rhs=True, lhs2=d_up, rhs2=w_up,
-            out_dtype=x.dtype, **kw,
-        )
-        dw_gate, dw_up = kernels.tgmm(
-            x_src, d_gate, offsets, lhs_index=index, rhs2=d_up, out_dtype=w_gate.dtype, **kw
+        dx_rows, dw_gate, dw_up = pallas_slices.input_grads(
+            kernels, x_src, index, d_gate, d_up, w_gate, w_up, schedule, offsets,
+            x.dtype, w_up.dtype, kw,
         )
     (dw_down,) = kernels.tgmm(
         act_scaled, dy_src, offsets, rhs_index=index, out_dtype=w_down.dtype, **kw
@@ -212,7 +220,8 @@ def pad_features(config, tiles, x, w_gate, w_up, w_down):
     if d_pad == 0 and h_pad == 0:
         return x, w_gate, w_up, w_down
     x = jnp.pad(x, ((0, 0), (0, d_pad)))
-    w_gate = jnp.pad(w_gate, ((0, 0), (0, d_pad), (0, h_pad)))
+    if w_gate is not None:
+        w_gate = jnp.pad(w_gate, ((0, 0), (0, d_pad), (0, h_pad)))
     w_up = jnp.pad(w_up, ((0, 0), (0, d_pad), (0, h_pad)))
     w_down = jnp.pad(w_down, ((0, 0), (0, h_pad), (0, d_pad)))
     return x, w_gate, w_up, w_down
@@ -237,7 +246,7 @@ class PallasExperts:
     def __call__(self, config, x, w_gate, w_up, w_down, copies: RoutedCopies):
         tiles = kernel_tiles(config, self.backend)
         num_tokens, top_k = copies.expert_ids.shape
-        num_experts = w_gate.shape[0]
+        num_experts = w_up.shape[0]
         rows = dispatch.row_count(num_tokens, top_k, num_experts, copies.capacity)
         slices = slice_rows(config, tiles, rows)
         layout = dispatch.sort_by_expert(
@@ -247,6 +256,7 @@ class PallasExperts:
         plan = Plan(config.dispatch, self.backend, tiles, num_tokens, slices,
                     cover_tail=not copies.sparse_rows,
                     copies_have_rows=rows == num_tokens * top_k,
+                    activation=config.activation,
                     deterministic=config.deterministic)
         schedule = plan.schedule(layout.group_offsets, layout.row_token.shape[0])
         padded = pad_features(config, tiles, x, w_gate, w_up, w_down)

@@ -41,23 +41,26 @@ def _sources(plan, x, index):
 
 
 def _hidden(plan, x_src, index, w_gate, w_up, w_slice, schedule, *, preactivations: bool):
-    """The slice's SwiGLU activation scaled by the combine weights ``w_slice``, and with
-    ``preactivations`` the gate and up pre-activations after it."""
+    """The slice's activation scaled by the combine weights ``w_slice``, and with
+    ``preactivations`` the gate and up pre-activations after it (gate ``None`` when not
+    gated)."""
     kernels, kw = plan.kernels, dict(tiles=plan.tiles, backend=plan.backend)
     if plan.dispatch in ("sorted", "gather"):
-        gate = kernels.gmm(x_src, w_gate, schedule, index=index, **kw)
+        gate = None
+        if w_gate is not None:
+            gate = kernels.gmm(x_src, w_gate, schedule, index=index, **kw)
         up = kernels.gmm(x_src, w_up, schedule, index=index, **kw)
-        act = reference.swiglu_activation(gate, up, w_slice)
+        act = reference.expert_activation(plan.activation, gate, up, w_slice)
         return (act, gate, up) if preactivations else act
-    out = kernels.gmm_swiglu(
+    out = kernels.gmm_activation(
         x_src, w_gate, w_up, schedule, index=index, row_scale=w_slice,
-        save_preactivations=preactivations, **kw,
+        save_preactivations=preactivations, activation=plan.activation, **kw,
     )
     return out if preactivations else out[0]
 
 
 def forward(plan, x, w_gate, w_up, w_down, weights, layout):
-    """``y[t] = sum_j weights[t, j] * SwiGLU_{e(t, j)}(x[t])``, slice by slice."""
+    """``y[t] = sum_j weights[t, j] * expert_{e(t, j)}(x[t])``, slice by slice."""
     num_rows, rows = layout.row_token.shape[0], plan.slice_rows
     kernels, kw = plan.kernels, dict(tiles=plan.tiles, backend=plan.backend)
     w_rows = dispatch.row_weights(weights, layout)
@@ -94,16 +97,13 @@ def backward(plan, inputs, dy):
         w_slice = lax.dynamic_slice_in_dim(w_rows, start, rows)
         act_scaled, gate, up = _hidden(plan, x_src, src_index, w_gate, w_up, w_slice,
                                        schedule, preactivations=True)
-        d_gate, d_up, dw_partial = kernels.gmm_swiglu_bwd(
+        d_gate, d_up, dw_partial = kernels.gmm_activation_bwd(
             dy_src, w_down, gate, up, w_slice, schedule, index=src_index,
-            deterministic=plan.deterministic, **kw
+            activation=plan.activation, deterministic=plan.deterministic, **kw,
         )
-        dx_slice = kernels.gmm(
-            d_gate, w_gate, schedule, transpose_rhs=True, lhs2=d_up, rhs2=w_up,
-            out_dtype=x.dtype, **kw,
-        )
-        d_gate_w, d_up_w = kernels.tgmm(
-            x_src, d_gate, offsets, lhs_index=src_index, rhs2=d_up, out_dtype=f32, **kw
+        dx_slice, d_gate_w, d_up_w = input_grads(
+            kernels, x_src, src_index, d_gate, d_up, w_gate, w_up, schedule, offsets,
+            x.dtype, f32, kw,
         )
         (d_down_w,) = kernels.tgmm(
             act_scaled, dy_src, offsets, rhs_index=src_index, out_dtype=f32, **kw
@@ -111,7 +111,7 @@ def backward(plan, inputs, dy):
         return (
             lax.dynamic_update_slice_in_dim(dx_rows, dx_slice, start, axis=0),
             lax.dynamic_update_slice_in_dim(dw_row_sums, jnp.sum(dw_partial, axis=0), start, 0),
-            dw_gate + d_gate_w,
+            None if dw_gate is None else dw_gate + d_gate_w,
             dw_up + d_up_w,
             dw_down + d_down_w,
         )
@@ -119,7 +119,7 @@ def backward(plan, inputs, dy):
     carry = (
         jnp.zeros((num_rows, x.shape[1]), x.dtype),
         jnp.zeros((num_rows,), f32),
-        jnp.zeros(w_gate.shape, f32),
+        None if w_gate is None else jnp.zeros(w_gate.shape, f32),
         jnp.zeros(w_up.shape, f32),
         jnp.zeros(w_down.shape, f32),
     )
@@ -128,5 +128,26 @@ def backward(plan, inputs, dy):
     )
     dx = dispatch.sum_copies(dx_rows, layout)
     d_weights = dispatch.copy_values(dw_row_sums, layout).astype(weights.dtype)
-    return (dx, dw_gate.astype(w_gate.dtype), dw_up.astype(w_up.dtype),
-            dw_down.astype(w_down.dtype), d_weights)
+    dw_gate = None if dw_gate is None else dw_gate.astype(w_gate.dtype)
+    return (dx, dw_gate, dw_up.astype(w_up.dtype), dw_down.astype(w_down.dtype), d_weights)
+
+
+def input_grads(kernels, x_src, index, d_gate, d_up, w_gate, w_up, schedule, offsets,
+                dx_dtype, dw_dtype, kw):
+    """``(dx_rows, dw_gate, dw_up)`` from the pre-activations' gradients: ``dx`` rows by one
+    grouped matmul against the transposed weights (both products summed in it when gated),
+    the weight gradients by the transposed grouped matmul sharing the loads of ``x``
+    (``dw_gate`` is ``None`` when not gated). Shared with the one-pass backward
+    (``pallas.py``)."""
+    if w_gate is None:
+        dx_rows = kernels.gmm(d_up, w_up, schedule, transpose_rhs=True, out_dtype=dx_dtype, **kw)
+        (dw_up,) = kernels.tgmm(x_src, d_up, offsets, lhs_index=index, out_dtype=dw_dtype, **kw)
+        return dx_rows, None, dw_up
+    dx_rows = kernels.gmm(
+        d_gate, w_gate, schedule, transpose_rhs=True, lhs2=d_up, rhs2=w_up,
+        out_dtype=dx_dtype, **kw,
+    )
+    dw_gate, dw_up = kernels.tgmm(
+        x_src, d_gate, offsets, lhs_index=index, rhs2=d_up, out_dtype=dw_dtype, **kw
+    )
+    return dx_rows, dw_gate, dw_up

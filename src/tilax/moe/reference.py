@@ -24,7 +24,6 @@ activations are rounded to the operand dtype, as the kernels do.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable
 
@@ -32,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax import custom_batching
 
-from tilax.moe import dispatch
+from tilax.moe import activations, dispatch
 from tilax.moe.base import RoutedCopies
 from tilax.moe.dispatch import RowLayout
 
@@ -43,19 +42,23 @@ def _mm(a: jax.Array, b: jax.Array, spec: str) -> jax.Array:
     return jnp.einsum(spec, a, b, preferred_element_type=F32)
 
 
-def swiglu_activation(
-    gate: jax.Array, up: jax.Array, row_scale: jax.Array | None = None
+def expert_activation(
+    activation: str, gate: jax.Array | None, up: jax.Array,
+    row_scale: jax.Array | None = None,
 ) -> jax.Array:
-    """``silu(gate) * up`` (times ``row_scale[:, None]`` when given) computed in float32,
-    returned in ``gate.dtype``."""
-    act = jax.nn.silu(gate.astype(F32)) * up.astype(F32)
+    """The hidden activation (``activations.hidden``: ``f(gate) * up``, or ``f(up)`` with
+    ``gate=None`` for the not-gated ``"gelu"``), times ``row_scale[:, None]`` when given,
+    computed in float32 and returned in ``up.dtype``."""
+    gate32 = None if gate is None else gate.astype(F32)
+    act = activations.hidden(activation, gate32, up.astype(F32))
     if row_scale is not None:
         act = act * row_scale[:, None]
-    return act.astype(gate.dtype)
+    return act.astype(up.dtype)
 
 
-def shared_expert(x: jax.Array, shared: dict) -> jax.Array:
-    """The shared expert: a dense SwiGLU ``[T, d] -> [T, d]`` in ``x.dtype``.
+def shared_expert(x: jax.Array, shared: dict, activation: str = "swiglu") -> jax.Array:
+    """The shared expert: a dense expert ``[T, d] -> [T, d]`` of ``activation`` in
+    ``x.dtype`` (``shared`` has no ``w_gate`` for the not-gated ``"gelu"``).
 
     Each product gives ``x.dtype`` straight from the matmul (which accumulates in float32), so
     that autodiff's transposed products multiply 16-bit cotangents too: from float32 outputs
@@ -66,44 +69,52 @@ def shared_expert(x: jax.Array, shared: dict) -> jax.Array:
     halves' gradients for the input gradient, a pass over ``[T, 2 * hidden]`` that cost the
     E64 decoder's train step on the H200 more than the second product saves.
     """
-    gate = jnp.einsum("td,dh->th", x, shared["w_gate"], preferred_element_type=x.dtype)
+    gate = None
+    if activations.is_gated(activation):
+        gate = jnp.einsum("td,dh->th", x, shared["w_gate"], preferred_element_type=x.dtype)
     up = jnp.einsum("td,dh->th", x, shared["w_up"], preferred_element_type=x.dtype)
-    return jnp.einsum("th,hd->td", swiglu_activation(gate, up), shared["w_down"],
+    return jnp.einsum("th,hd->td", expert_activation(activation, gate, up), shared["w_down"],
                       preferred_element_type=x.dtype)
 
 
-def _expert_swiglu_batched(x_blocks, w_gate, w_up, w_down):
+def _experts_batched(activation, x_blocks, w_gate, w_up, w_down):
     """Every expert on its own block of rows: ``[E, B, d] -> [E, B, d]``."""
-    gate = _mm(x_blocks, w_gate, "ebd,edh->ebh").astype(x_blocks.dtype)
+    gate = None
+    if w_gate is not None:
+        gate = _mm(x_blocks, w_gate, "ebd,edh->ebh").astype(x_blocks.dtype)
     up = _mm(x_blocks, w_up, "ebd,edh->ebh").astype(x_blocks.dtype)
-    act = swiglu_activation(gate, up)
+    act = expert_activation(activation, gate, up)
     return _mm(act, w_down, "ebh,ehd->ebd").astype(x_blocks.dtype)
 
 
 def experts_dense(
     x: jax.Array,
-    w_gate: jax.Array,
+    w_gate: jax.Array | None,
     w_up: jax.Array,
     w_down: jax.Array,
     expert_ids: jax.Array,
     weights: jax.Array,
+    activation: str = "swiglu",
 ) -> jax.Array:
     """Dense routing: ``y[t] = sum_e c[t, e] * expert_e(x[t])`` with every expert on every token.
 
     ``c[t, e]`` is the combine weight of expert ``e`` for token ``t`` (zero unless chosen).
-    Memory ``E * T * d_hidden``; no sort, no gather.
+    Memory ``E * T * d_hidden``; no sort, no gather. ``w_gate`` is ``None`` for the
+    not-gated ``activation="gelu"`` (likewise in the other implementations).
     """
-    return experts_dense_float32(x, w_gate, w_up, w_down, expert_ids, weights).astype(x.dtype)
+    return experts_dense_float32(x, w_gate, w_up, w_down, expert_ids, weights,
+                                 activation).astype(x.dtype)
 
 
-def experts_dense_float32(x, w_gate, w_up, w_down, expert_ids, weights) -> jax.Array:
+def experts_dense_float32(x, w_gate, w_up, w_down, expert_ids, weights,
+                          activation: str = "swiglu") -> jax.Array:
     """:func:`experts_dense` before the final cast: the float32 sum. Experts outside
     ``[0, E)`` contribute nothing (expert parallelism passes one device's share of experts)."""
-    num_experts = w_gate.shape[0]
+    num_experts = w_up.shape[0]
     one_hot = jax.nn.one_hot(expert_ids, num_experts, dtype=F32)
     coefficients = jnp.einsum("tk,tke->te", weights.astype(F32), one_hot)
     x_blocks = jnp.broadcast_to(x, (num_experts,) + x.shape)
-    outputs = _expert_swiglu_batched(x_blocks, w_gate, w_up, w_down)
+    outputs = _experts_batched(activation, x_blocks, w_gate, w_up, w_down)
     return jnp.einsum("etd,te->td", outputs.astype(F32), coefficients)
 
 
@@ -117,12 +128,13 @@ def _row_experts(layout: RowLayout, num_rows: int) -> jax.Array:
 
 def experts_blocked(
     x: jax.Array,
-    w_gate: jax.Array,
+    w_gate: jax.Array | None,
     w_up: jax.Array,
     w_down: jax.Array,
     weights: jax.Array,
     layout: RowLayout,
     block_rows: int,
+    activation: str = "swiglu",
     deterministic: bool = False,
 ) -> jax.Array:
     """Padded expert blocks in plain XLA.
@@ -134,7 +146,7 @@ def experts_blocked(
     gathers' gradients are gathers summing in a fixed order (``dispatch.take_fixed_order``)
     instead of scatter-adds (a token's ``k`` copies would be added by GPU atomics).
     """
-    num_experts = w_gate.shape[0]
+    num_experts = w_up.shape[0]
     slots = jnp.arange(block_rows, dtype=jnp.int32)
     slot_rows = layout.group_offsets[:-1, None] + slots[None, :]
     slot_used = slots[None, :] < layout.group_sizes[:, None]
@@ -153,7 +165,7 @@ def experts_blocked(
     else:
         x_slots = jnp.take(x, tokens, axis=0)
     x_blocks = jnp.where(slot_used[..., None], x_slots, 0).astype(x.dtype)
-    out_blocks = _expert_swiglu_batched(x_blocks, w_gate, w_up, w_down)
+    out_blocks = _experts_batched(activation, x_blocks, w_gate, w_up, w_down)
     out_slots = out_blocks.reshape(num_experts * block_rows, -1)
     if deterministic:
         rows = dispatch.take_fixed_order(out_slots, row_block_slot, slot_rows.reshape(-1, 1),
@@ -165,11 +177,12 @@ def experts_blocked(
 
 def experts_ragged_dot(
     x: jax.Array,
-    w_gate: jax.Array,
+    w_gate: jax.Array | None,
     w_up: jax.Array,
     w_down: jax.Array,
     weights: jax.Array,
     layout: RowLayout,
+    activation: str = "swiglu",
     deterministic: bool = False,
 ) -> jax.Array:
     """Sorted rows through ``jax.lax.ragged_dot`` for the three projections.
@@ -185,7 +198,8 @@ def experts_ragged_dot(
     def ragged(lhs, rhs):
         return ragged_matmul(lhs, rhs, sizes).astype(x.dtype)
 
-    act = swiglu_activation(ragged(xs, w_gate), ragged(xs, w_up))
+    gate = None if w_gate is None else ragged(xs, w_gate)
+    act = expert_activation(activation, gate, ragged(xs, w_up))
     return dispatch.combine(ragged(act, w_down), weights, layout, deterministic)
 
 
@@ -257,13 +271,14 @@ def _kept_count(copies: RoutedCopies, layout: RowLayout):
 
 def routed_blocked(config, x, w_gate, w_up, w_down, copies: RoutedCopies):
     """:func:`experts_blocked` as a registry entry: blocks of ``min(T, C)`` rows."""
-    layout = _layout(copies, w_gate.shape[0])
+    layout = _layout(copies, w_up.shape[0])
     num_tokens = x.shape[0]
     rows = num_tokens if copies.capacity is None else min(num_tokens, copies.capacity)
 
     def run(x, w_gate, w_up, w_down, weights, layout):
         return experts_blocked(x, w_gate, w_up, w_down, weights, layout, rows,
-                               config.deterministic)
+                               activation=config.activation,
+                               deterministic=config.deterministic)
 
     y = _checkpointed(config, run)(x, w_gate, w_up, w_down, copies.weights, layout)
     return y, _kept_count(copies, layout)
@@ -271,20 +286,29 @@ def routed_blocked(config, x, w_gate, w_up, w_down, copies: RoutedCopies):
 
 def routed_ragged_dot(config, x, w_gate, w_up, w_down, copies: RoutedCopies):
     """:func:`experts_ragged_dot` as a registry entry."""
-    layout = _layout(copies, w_gate.shape[0])
-    run = functools.partial(experts_ragged_dot, deterministic=config.deterministic)
+    layout = _layout(copies, w_up.shape[0])
+
+    def run(x, w_gate, w_up, w_down, weights, layout):
+        return experts_ragged_dot(x, w_gate, w_up, w_down, weights, layout,
+                                  activation=config.activation,
+                                  deterministic=config.deterministic)
+
     y = _checkpointed(config, run)(x, w_gate, w_up, w_down, copies.weights, layout)
     return y, _kept_count(copies, layout)
 
 
 def routed_dense(config, x, w_gate, w_up, w_down, copies: RoutedCopies):
     """:func:`experts_dense` as a registry entry (dense routing keeps every copy)."""
-    run = _checkpointed(config, experts_dense)
-    return run(x, w_gate, w_up, w_down, copies.expert_ids, copies.weights), None
+    def run(x, w_gate, w_up, w_down, expert_ids, weights):
+        return experts_dense(x, w_gate, w_up, w_down, expert_ids, weights, config.activation)
+
+    return _checkpointed(config, run)(x, w_gate, w_up, w_down, copies.expert_ids,
+                                      copies.weights), None
 
 
 def moe_oracle(params: dict, x: jax.Array, config) -> jax.Array:
-    """float32 reference of ``moe_apply``'s output, straight from the math.
+    """float32 reference of ``moe_apply``'s output, straight from the math (the config's
+    activation from ``jax.nn.silu``/``jax.nn.gelu(approximate=True)``).
 
     Every expert runs on every token at ``Precision.HIGHEST``; the router's scores, balance
     bias, expert groups and scale as ``MoEConfig`` defines them; capacity routing keeps copy
@@ -320,9 +344,19 @@ def moe_oracle(params: dict, x: jax.Array, config) -> jax.Array:
     if config.renormalize:
         top_probs = top_probs / jnp.sum(top_probs, axis=-1, keepdims=True)
     top_probs = top_probs * config.routed_scale
-    gate = mm("td,edh->teh", x32, params["w_gate"])
-    up = mm("td,edh->teh", x32, params["w_up"])
-    every_expert = mm("teh,ehd->ted", jax.nn.silu(gate) * up, params["w_down"])
+    activation = config.activation
+
+    def hidden(x32, weights, spec):
+        """The activation from the definition: jax.nn's functions, not the kernels' form."""
+        up = mm(spec, x32, weights["w_up"])
+        if activation == "gelu":
+            return jax.nn.gelu(up, approximate=True)
+        gate = mm(spec, x32, weights["w_gate"])
+        if activation == "geglu":
+            return jax.nn.gelu(gate, approximate=True) * up
+        return jax.nn.silu(gate) * up
+
+    every_expert = mm("teh,ehd->ted", hidden(x32, params, "td,edh->teh"), params["w_down"])
     chosen = jnp.take_along_axis(every_expert, expert_ids[:, :, None], axis=1)
     keep = jnp.ones(expert_ids.shape, bool)
     if config.routing == "capacity":
@@ -333,7 +367,5 @@ def moe_oracle(params: dict, x: jax.Array, config) -> jax.Array:
     y = jnp.sum(jnp.where(keep, top_probs, 0.0)[:, :, None] * chosen, axis=1)
     shared = params.get("shared")
     if config.shared_hidden and shared is not None:
-        s_gate = mm("td,ds->ts", x32, shared["w_gate"])
-        s_up = mm("td,ds->ts", x32, shared["w_up"])
-        y = y + mm("ts,sd->td", jax.nn.silu(s_gate) * s_up, shared["w_down"])
+        y = y + mm("ts,sd->td", hidden(x32, shared, "td,ds->ts"), shared["w_down"])
     return y.reshape(x.shape)

@@ -353,7 +353,7 @@ _VARIANT_ROWS = (
     ),
     VariantRule(
         "gather_rows", ("few_column_tiles", "off"), "few_column_tiles",
-        "an inference forward's SwiGLU kernel gathers its rows itself (mosaic/gmm_gather.py) "
+        "an inference forward's activation kernel gathers its rows itself (mosaic/gmm_gather.py) "
         "where its output has at most max_column_tiles column tiles; elsewhere XLA gathers",
         limits=(("max_column_tiles", 2),),
         evidence=(Comparison("forward", _E64_FUSED_T131072,
@@ -392,7 +392,7 @@ _VARIANT_ROWS = (
     ),
     VariantRule(
         "shared", ("kernels", "xla"), "kernels",
-        "the shared expert's SwiGLU runs in its products' epilogues (mosaic/shared.py) where "
+        "the shared expert's activation runs in its products' epilogues (mosaic/shared.py) where "
         "its shapes take whole tiles; elsewhere XLA's products and elementwise passes",
         unstored="no stored run shows it faster: across the change the E64 decoder's train "
                  "step at 131 072 tokens was 7.534 ms (IQR 7.499-7.558, "

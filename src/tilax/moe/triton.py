@@ -17,9 +17,11 @@ Kernels (each wrapper below builds one ``pallas_call``):
 - :func:`gmm`: ``out[r] = lhs[r] @ rhs[e(r)]`` with optional row gather through an index
   (``lhs[index[r]]``), transposed weights (``rhs[e].T``, for input gradients), a second summed
   product (``+ lhs2[r] @ rhs2[e(r)]``) and a per-row scale.
-- :func:`gmm_swiglu`: gate and up projections and the SwiGLU (optionally scaled per row) in
-  one pass over the rows.
-- :func:`gmm_swiglu_bwd`: the down projection's input gradient fused with the SwiGLU backward.
+- :func:`gmm_activation`: gate and up projections and the activation (``MoEConfig.activation``,
+  from ``tilax.moe.activations``; optionally scaled per row) in one pass over the rows; the up
+  projection alone for the not-gated ``"gelu"``.
+- :func:`gmm_activation_bwd`: the down projection's input gradient fused with the activation's
+  backward.
 - :func:`gmm_combine`: the down projection with the weighted combine in its epilogue, summed
   into the tokens' float32 outputs with atomic adds.
 - :func:`copy_rows`: the sorted copy of ``x`` (XLA's gather; the sorted dispatch's).
@@ -42,6 +44,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from tilax import _pallas
+from tilax.moe import activations
 from tilax.moe.dispatch import GmmSchedule, RowLayout, take_rows
 
 
@@ -119,7 +122,7 @@ def copy_rows(x: jax.Array, layout: RowLayout) -> jax.Array:
 
 def _capped_block_n(tiles: Tiles, per_thread: int) -> int:
     """``block_n`` shrunk so that one ``[block_m, block_n]`` float32 tile takes at most
-    ``per_thread`` registers per thread. Kernels with two accumulators use 64, the SwiGLU
+    ``per_thread`` registers per thread. Kernels with two accumulators use 64, the activation's
     backward (three live tiles in its epilogue) 32; beyond that the registers spill."""
     return min(tiles.block_n, max(MIN_BLOCK, per_thread * 32 * tiles.num_warps // tiles.block_m))
 
@@ -170,13 +173,6 @@ def _weight_tile(w_ref, expert, k_start, n_start, block_k: int, block_n: int, tr
 def _dot(a, b, *, contract_a: int = 1, contract_b: int = 0) -> jax.Array:
     dims = (((contract_a,), (contract_b,)), ((), ()))
     return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
-
-
-def _swiglu_parts(gate, up):
-    """float32 ``sigmoid(gate)``, ``silu(gate)`` and ``silu(gate) * up``."""
-    sig = jax.nn.sigmoid(gate)
-    silu = gate * sig
-    return sig, silu, silu * up
 
 
 # ----------------------------------------------------------------------------------------------
@@ -295,18 +291,19 @@ def gmm(
 
 
 # ----------------------------------------------------------------------------------------------
-# gmm_swiglu: a = silu(x_r @ w_gate[e]) * (x_r @ w_up[e])
+# gmm_activation: a = f(x_r @ w_gate[e]) * (x_r @ w_up[e]), or f(x_r @ w_up[e]) when not gated
 
 
-def _swiglu_kernel(
+def _activation_kernel(
     expert_ref, tile_ref, lo_ref, hi_ref, *refs,
-    block_m, block_n, block_k, num_k, gather, scaled, save_preactivations,
+    block_m, block_n, block_k, num_k, gather, gated, scaled, save_preactivations, activation,
 ):
     refs = list(refs)
     index_ref = refs.pop(0) if gather else None
-    x_ref, wg_ref, wu_ref = refs[:3]
-    scale_ref = refs[3] if scaled else None
-    a_ref, *preactivation_refs = refs[3 + scaled :]
+    x_ref = refs.pop(0)
+    w_refs = [refs.pop(0) for _ in range(1 + gated)]  # (w_gate, w_up) or (w_up,)
+    scale_ref = refs.pop(0) if scaled else None
+    a_ref, *preactivation_refs = refs
     n_tile, item = pl.program_id(0), pl.program_id(1)
     lo, hi = lo_ref[item], hi_ref[item]
 
@@ -318,30 +315,30 @@ def _swiglu_kernel(
         src_rows = index_ref[pl.ds(row_start, block_m)] if gather else None
 
         def body(k, accs):
-            acc_g, acc_u = accs
             k_start = pl.multiple_of(k * block_k, block_k)
             a = _load_rows(x_ref, row_start, src_rows, k_start, block_m, block_k)
-            wg = _weight_tile(wg_ref, expert, k_start, n_start, block_k, block_n, False)
-            wu = _weight_tile(wu_ref, expert, k_start, n_start, block_k, block_n, False)
-            return acc_g + _dot(a, wg), acc_u + _dot(a, wu)
+            ws = [_weight_tile(w_ref, expert, k_start, n_start, block_k, block_n, False)
+                  for w_ref in w_refs]
+            return tuple(acc + _dot(a, w) for acc, w in zip(accs, ws, strict=True))
 
         zeros = jnp.zeros((block_m, block_n), jnp.float32)
-        gate, up = lax.fori_loop(0, num_k, body, (zeros, zeros))
+        preactivations = lax.fori_loop(0, num_k, body, (zeros,) * len(w_refs))
+        gate, up = preactivations if gated else (None, *preactivations)
         mask = _item_rows_mask(lo, hi, block_m)
         tile = (pl.ds(row_start, block_m), pl.ds(n_start, block_n))
-        act = _swiglu_parts(gate, up)[2]
+        act = activations.hidden(activation, gate, up)
         if scaled:
             act = act * scale_ref[pl.ds(row_start, block_m)][:, None]
         outputs = [(a_ref, act)]
         if save_preactivations:
-            outputs += list(zip(preactivation_refs, (gate, up), strict=True))
+            outputs += list(zip(preactivation_refs, preactivations, strict=True))
         for ref, value in outputs:
             plt.store(ref.at[tile], value.astype(ref.dtype), mask=mask)
 
 
-def gmm_swiglu(
+def gmm_activation(
     x: jax.Array,
-    w_gate: jax.Array,
+    w_gate: jax.Array | None,
     w_up: jax.Array,
     schedule: GmmSchedule,
     *,
@@ -350,60 +347,74 @@ def gmm_swiglu(
     index: jax.Array | None = None,
     row_scale: jax.Array | None = None,
     save_preactivations: bool = False,
-) -> tuple[jax.Array, ...]:
-    """Fused gate/up projections and SwiGLU: ``a = silu(x_r @ w_gate[e]) * (x_r @ w_up[e])``.
+    activation: str = "swiglu",
+) -> tuple[jax.Array | None, ...]:
+    """Fused input projections and activation: ``a = f(x_r @ w_gate[e]) * (x_r @ w_up[e])``
+    (``f(x_r @ w_up[e])`` when not gated), ``f`` the ``activation``'s nonlinearity
+    (``tilax.moe.activations``).
 
     Args:
         x: ``[R_pad, d]`` rows, or ``[T, d]`` tokens gathered through ``index``.
-        w_gate, w_up: ``[E, d, h]``.
+        w_gate, w_up: ``[E, d, h]``; ``w_gate`` is ``None`` for the not-gated ``"gelu"``.
         schedule, tiles, backend, index: as for :func:`gmm`.
         row_scale: ``[R_pad]`` float32 factors applied to ``a`` (the combine weights: the
             scaled activation is the left operand of the ``w_down`` gradient).
         save_preactivations: also return the gate and up pre-activations (for the backward).
+        activation: ``"swiglu"``, ``"geglu"`` or ``"gelu"`` (``MoEConfig.activation``).
 
     Returns:
-        ``(a,)`` or ``(a, gate, up)``, each ``[R_pad, h]`` in ``x.dtype``.
+        ``(a,)`` or ``(a, gate, up)``, each ``[R_pad, h]`` in ``x.dtype`` (``gate`` is
+        ``None`` when not gated).
     """
+    gated = activations.check_gate(activation, w_gate, "w_gate")
     num_rows = x.shape[0] if index is None else index.shape[0]
-    d_dim, h_dim = w_gate.shape[1], w_gate.shape[2]
+    d_dim, h_dim = w_up.shape[1], w_up.shape[2]
     block_n = fit_block(_capped_block_n(tiles, 64), h_dim)
     block_k = fit_block(tiles.block_k, d_dim)
     kernel = functools.partial(
-        _swiglu_kernel,
+        _activation_kernel,
         block_m=tiles.block_m,
         block_n=block_n,
         block_k=block_k,
         num_k=d_dim // block_k,
         gather=index is not None,
+        gated=gated,
         scaled=row_scale is not None,
         save_preactivations=save_preactivations,
+        activation=activation,
     )
-    args = [*schedule] + ([index] if index is not None else []) + [x, w_gate, w_up]
+    weights = [w_gate, w_up] if gated else [w_up]
+    args = [*schedule] + ([index] if index is not None else []) + [x, *weights]
     args += [row_scale] if row_scale is not None else []
     out = jax.ShapeDtypeStruct((num_rows, h_dim), x.dtype)
-    return tuple(
-        _call(
-            kernel,
-            tiles=tiles,
-            backend=backend,
-            grid=(h_dim // block_n, schedule.expert.shape[0]),
-            out_shape=[out] * (3 if save_preactivations else 1),
-            name="moe_gmm_swiglu",
-        )(*args)
-    )
+    outs = _call(
+        kernel,
+        tiles=tiles,
+        backend=backend,
+        grid=(h_dim // block_n, schedule.expert.shape[0]),
+        out_shape=[out] * (1 + save_preactivations * len(weights)),
+        name=f"moe_gmm_{activation}",
+    )(*args)
+    if save_preactivations and not gated:
+        return outs[0], None, outs[1]
+    return tuple(outs)
 
 
 # ----------------------------------------------------------------------------------------------
-# gmm_swiglu_bwd: dz = dy_r @ w_down[e].T, then the SwiGLU backward in the epilogue
+# gmm_activation_bwd: dz = dy_r @ w_down[e].T, then the activation's backward in the epilogue
 
 
-def _swiglu_bwd_kernel(
+def _activation_bwd_kernel(
     expert_ref, tile_ref, lo_ref, hi_ref, *refs,
-    block_m, block_n, block_k, num_k, gather,
+    block_m, block_n, block_k, num_k, gather, gated, activation,
 ):
     refs = list(refs)
     index_ref = refs.pop(0) if gather else None
-    dy_ref, w_ref, g_ref, u_ref, scale_ref, dg_ref, du_ref, dwp_ref = refs
+    dy_ref, w_ref = refs.pop(0), refs.pop(0)
+    g_ref = refs.pop(0) if gated else None
+    u_ref, scale_ref = refs.pop(0), refs.pop(0)
+    dg_ref = refs.pop(0) if gated else None
+    du_ref, dwp_ref = refs
     n_tile, item = pl.program_id(0), pl.program_id(1)
     lo, hi = lo_ref[item], hi_ref[item]
 
@@ -425,24 +436,25 @@ def _swiglu_bwd_kernel(
         tile = (pl.ds(row_start, block_m), pl.ds(n_start, block_n))
         mask = _item_rows_mask(lo, hi, block_m)
         weight = scale_ref[pl.ds(row_start, block_m)][:, None]
-        gate = g_ref[tile].astype(jnp.float32)
+        gate = g_ref[tile].astype(jnp.float32) if gated else None
         up = u_ref[tile].astype(jnp.float32)
-        sig, silu, act = _swiglu_parts(gate, up)
-        plt.store(
-            dwp_ref.at[n_tile, pl.ds(row_start, block_m)],
-            jnp.sum(dz * act, axis=1),
-            mask=mask[:, 0],
-        )
-        d_act = dz * weight
-        plt.store(du_ref.at[tile], (d_act * silu).astype(du_ref.dtype), mask=mask)
-        d_gate = d_act * up * (sig * (1.0 + gate * (1.0 - sig)))
-        plt.store(dg_ref.at[tile], d_gate.astype(dg_ref.dtype), mask=mask)
+        grad_refs = {"gate": dg_ref, "up": du_ref}
+        for name, value in activations.hidden_backward(activation, gate, up, dz, weight):
+            if name == "act":
+                plt.store(
+                    dwp_ref.at[n_tile, pl.ds(row_start, block_m)],
+                    jnp.sum(dz * value, axis=1),
+                    mask=mask[:, 0],
+                )
+            else:
+                ref = grad_refs[name]
+                plt.store(ref.at[tile], value.astype(ref.dtype), mask=mask)
 
 
-def gmm_swiglu_bwd(
+def gmm_activation_bwd(
     dy: jax.Array,
     w_down: jax.Array,
-    gate: jax.Array,
+    gate: jax.Array | None,
     up: jax.Array,
     row_scale: jax.Array,
     schedule: GmmSchedule,
@@ -450,54 +462,62 @@ def gmm_swiglu_bwd(
     tiles: Tiles,
     backend: str,
     index: jax.Array | None = None,
+    activation: str = "swiglu",
     deterministic: bool = False,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Backward of ``y_r = w_r * (silu(gate_r) * up_r) @ w_down[e]`` for every row.
+) -> tuple[jax.Array | None, jax.Array, jax.Array]:
+    """Backward of ``y_r = w_r * a_r @ w_down[e]`` for every row, ``a`` the activation of
+    :func:`gmm_activation` (``f(gate_r) * up_r``, or ``f(up_r)`` when not gated).
 
-    With ``dz = dy_r @ w_down[e].T`` (float32) and ``a = silu(gate) * up``: ``d_gate``,
-    ``d_up`` (the SwiGLU backward of ``w_r * dz``) and the partial sums of ``dz . a`` per
-    column tile (summed over tiles, the gradient of the row's combine weight). The ``w_down``
-    gradient's left operand, ``a * w_r``, is the forward's (``gmm_swiglu(row_scale=)``).
+    With ``dz = dy_r @ w_down[e].T`` (float32): ``d_gate``, ``d_up`` (the activation's
+    backward of ``w_r * dz``, ``activations.hidden_backward``) and the partial sums of
+    ``dz . a`` per column tile (summed over tiles, the gradient of the row's combine weight).
+    The ``w_down`` gradient's left operand, ``a * w_r``, is the forward's
+    (``gmm_activation(row_scale=)``).
 
     Args:
         dy: ``[R_pad, d]`` rows, or ``[T, d]`` output gradients gathered through ``index``.
         w_down: ``[E, h, d]``.
-        gate, up: ``[R_pad, h]`` pre-activations saved by the forward.
+        gate, up: ``[R_pad, h]`` pre-activations saved by the forward (``gate`` ``None``
+            when not gated).
         row_scale: ``[R_pad]`` float32 combine weights ``w_r`` (0 on padding/dropped rows).
         schedule, tiles, backend, index: as for :func:`gmm`.
+        activation: as for :func:`gmm_activation`.
         deterministic: accepted for the kernel contract: every partial sum here is stored
             by the one program that owns its row, so the result is deterministic anyway.
 
     Returns:
-        ``d_gate, d_up`` (``[R_pad, h]``, ``gate.dtype``) and ``dw_partial``
-        (``[h / block_n, R_pad]`` float32).
+        ``d_gate, d_up`` (``[R_pad, h]``, ``up.dtype``; ``d_gate`` ``None`` when not gated)
+        and ``dw_partial`` (``[h / block_n, R_pad]`` float32).
     """
     del deterministic
-    num_rows, h_dim = gate.shape
+    gated = activations.check_gate(activation, gate, "gate")
+    num_rows, h_dim = up.shape
     d_dim = w_down.shape[2]
     block_n = fit_block(_capped_block_n(tiles, 32), h_dim)
     block_k = fit_block(tiles.block_k, d_dim)
     n_tiles = h_dim // block_n
     kernel = functools.partial(
-        _swiglu_bwd_kernel,
+        _activation_bwd_kernel,
         block_m=tiles.block_m,
         block_n=block_n,
         block_k=block_k,
         num_k=d_dim // block_k,
         gather=index is not None,
+        gated=gated,
+        activation=activation,
     )
-    args = [*schedule] + ([index] if index is not None else []) + [dy, w_down, gate, up]
-    rows = jax.ShapeDtypeStruct((num_rows, h_dim), gate.dtype)
-    return tuple(
-        _call(
-            kernel,
-            tiles=tiles,
-            backend=backend,
-            grid=(n_tiles, schedule.expert.shape[0]),
-            out_shape=[rows, rows, jax.ShapeDtypeStruct((n_tiles, num_rows), jnp.float32)],
-            name="moe_gmm_swiglu_bwd",
-        )(*args, row_scale)
-    )
+    pre = [gate, up] if gated else [up]
+    args = [*schedule] + ([index] if index is not None else []) + [dy, w_down, *pre]
+    rows = jax.ShapeDtypeStruct((num_rows, h_dim), up.dtype)
+    outs = _call(
+        kernel,
+        tiles=tiles,
+        backend=backend,
+        grid=(n_tiles, schedule.expert.shape[0]),
+        out_shape=[rows] * len(pre) + [jax.ShapeDtypeStruct((n_tiles, num_rows), jnp.float32)],
+        name=f"moe_gmm_{activation}_bwd",
+    )(*args, row_scale)
+    return tuple(outs) if gated else (None, *outs)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -11,9 +11,11 @@ against its ``block_m`` rows (``tl.dot`` needs at least 16, padding rows are mas
 
 Kernels (each wrapper builds one ``pallas_call``):
 
-- :func:`gate_up_swiglu`: ``a_r = w_r * silu(x_t @ w_gate[e]) * (x_t @ w_up[e])`` for each row
-  ``r`` (a copy of token ``t`` routed to ``e`` with combine weight ``w_r``), the rows' tokens
-  gathered from ``x`` inside the kernel, both projections in one pass over the column strips.
+- :func:`gate_up_activation`: ``a_r = w_r * f(x_t @ w_gate[e]) * (x_t @ w_up[e])`` for each
+  row ``r`` (a copy of token ``t`` routed to ``e`` with combine weight ``w_r``; ``f`` the
+  ``MoEConfig.activation``'s nonlinearity, ``tilax.moe.activations``; ``a_r = w_r *
+  f(x_t @ w_up[e])`` for the not-gated ``"gelu"``), the rows' tokens gathered from ``x``
+  inside the kernel, both projections in one pass over the column strips.
 - :func:`down`: ``out_r = a_r @ w_down[e]`` (the weighted copies; the combine adds a token's
   copies in XLA, in a fixed order).
 
@@ -34,6 +36,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from tilax import _pallas
+from tilax.moe import activations
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,15 +78,15 @@ def _gate_up_kernel(
     token_ref,
     scale_ref,
     x_ref,
-    wg_ref,
-    wu_ref,
-    a_ref,
-    *,
+    *refs,
+    activation,
     block_m,
     block_n,
     block_k,
     num_k,
 ):
+    # refs: (w_gate, w_up, out) for a gated activation, (w_up, out) for the not-gated one
+    *w_refs, a_ref = refs
     n_tile, item = pl.program_id(0), pl.program_id(1)
     rows = rows_ref[item]
 
@@ -94,17 +97,18 @@ def _gate_up_kernel(
         tokens = token_ref[pl.ds(start, block_m)]
 
         def body(k, accs):
-            acc_g, acc_u = accs
             k_start = pl.multiple_of(k * block_k, block_k)
             cols = k_start + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
             x = plt.load(x_ref.at[tokens[:, None], cols])
-            wg = wg_ref[expert, pl.ds(k_start, block_k), pl.ds(n_start, block_n)]
-            wu = wu_ref[expert, pl.ds(k_start, block_k), pl.ds(n_start, block_n)]
-            return acc_g + _dot(x, wg), acc_u + _dot(x, wu)
+            return tuple(
+                acc + _dot(x, w_ref[expert, pl.ds(k_start, block_k), pl.ds(n_start, block_n)])
+                for acc, w_ref in zip(accs, w_refs, strict=True)
+            )
 
-        zeros = jnp.zeros((block_m, block_n), jnp.float32)
-        gate, up = lax.fori_loop(0, num_k, body, (zeros, zeros))
-        act = gate * jax.nn.sigmoid(gate) * up * scale_ref[pl.ds(start, block_m)][:, None]
+        zeros = tuple(jnp.zeros((block_m, block_n), jnp.float32) for _ in w_refs)
+        *gate, up = lax.fori_loop(0, num_k, body, zeros)
+        hidden = activations.hidden(activation, gate[0] if gate else None, up)
+        act = hidden * scale_ref[pl.ds(start, block_m)][:, None]
         plt.store(
             a_ref.at[pl.ds(start, block_m), pl.ds(n_start, block_n)],
             act.astype(a_ref.dtype),
@@ -112,26 +116,43 @@ def _gate_up_kernel(
         )
 
 
-def gate_up_swiglu(
-    x, w_gate, w_up, schedule, row_token, row_scale, *, tiles: DecodeTiles, backend: str
+def gate_up_activation(
+    x,
+    w_gate,
+    w_up,
+    schedule,
+    row_token,
+    row_scale,
+    *,
+    tiles: DecodeTiles,
+    backend: str,
+    activation: str = "swiglu",
 ) -> jax.Array:
-    """The scaled SwiGLU activations of the row space, ``[R + block_m, h]`` in ``x.dtype``.
+    """The scaled activations of the row space, ``[R + block_m, h]`` in ``x.dtype``.
 
     Args:
         x: ``[T, d]`` tokens.
-        w_gate, w_up: ``[E, d, h]``.
+        w_gate, w_up: ``[E, d, h]`` (``w_gate`` ``None`` for the not-gated ``"gelu"``).
         schedule: a ``decode.DecodeSchedule`` (expert, first row and row count per item).
         row_token: ``[R + block_m]`` int32, the token of each row (any valid token on padding).
         row_scale: ``[R + block_m]`` float32 combine weight of each row.
         tiles, backend: the decode tiles; ``"triton"`` or ``"interpret"``.
+        activation: ``MoEConfig.activation`` (static): the epilogue's
+            ``activations.hidden``.
 
     Rows that no item keeps are left unwritten.
+
+    Raises:
+        ValueError: ``w_gate`` given for the not-gated activation, or missing for a gated
+            one.
     """
-    d_dim, h_dim = w_gate.shape[1], w_gate.shape[2]
+    gated = activations.check_gate(activation, w_gate, "w_gate")
+    d_dim, h_dim = w_up.shape[1], w_up.shape[2]
     block_n = _pallas.fit_block(tiles.block_n_gate_up, h_dim)
     block_k = _pallas.fit_block(tiles.block_k, d_dim)
     kernel = functools.partial(
         _gate_up_kernel,
+        activation=activation,
         block_m=tiles.block_m,
         block_n=block_n,
         block_k=block_k,
@@ -144,8 +165,8 @@ def gate_up_swiglu(
         num_stages=tiles.num_stages,
         grid=(h_dim // block_n, schedule.expert.shape[0]),
         out_shape=jax.ShapeDtypeStruct((row_token.shape[0], h_dim), x.dtype),
-        name="moe_decode_gate_up",
-    )(*schedule, row_token, row_scale, x, w_gate, w_up)
+        name=f"moe_decode_gate_up_{activation}",
+    )(*schedule, row_token, row_scale, x, *((w_gate, w_up) if gated else (w_up,)))
 
 
 def _down_kernel(
@@ -178,9 +199,9 @@ def down(act, w_down, schedule, *, tiles: DecodeTiles, backend: str) -> jax.Arra
     ``act.dtype`` (rows that no item keeps are left unwritten).
 
     Args:
-        act: ``[R + block_m, h]`` rows from :func:`gate_up_swiglu`.
+        act: ``[R + block_m, h]`` rows from :func:`gate_up_activation`.
         w_down: ``[E, h, d]``.
-        schedule, tiles, backend: as for :func:`gate_up_swiglu`.
+        schedule, tiles, backend: as for :func:`gate_up_activation`.
     """
     h_dim, d_dim = w_down.shape[1], w_down.shape[2]
     block_n = _pallas.fit_block(tiles.block_n_down, d_dim)

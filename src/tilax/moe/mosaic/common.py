@@ -192,7 +192,7 @@ def num_programs(tiles: Config) -> int:
 
 def compiler_params():
     """Warpgroup lowering (the default from jax 0.11, asked for explicitly on 0.10), and
-    approximate transcendentals (``exp``, ``rsqrt``: the SwiGLU epilogues' sigmoid)."""
+    approximate transcendentals (``exp``, ``rsqrt``: the activations' sigmoid in the epilogues)."""
     return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup,
                                 approx_math=True)
 
@@ -215,17 +215,10 @@ def sigmoid(x):
     ``approx_math`` (``common.compiler_params``) two MUFU instructions, ``ex2.approx`` and
     ``rsqrt.approx`` (relative errors near 2**-22), where ``jax.nn.sigmoid`` lowers to a
     precise ``exp`` and an IEEE division: the SwiGLU backward at the E8 layer's shapes took
-    1.44 ms instead of 1.57 on the H200."""
+    1.44 ms instead of 1.57 on the H200. The epilogues pass it to ``tilax.moe.activations``,
+    whose silu and gelu both take one sigmoid per element."""
     root = lax.rsqrt(1.0 + jnp.exp(-x))
     return root * root
-
-
-def swiglu_parts(gate, up):
-    """float32 ``sigmoid(gate)``, ``silu(gate)`` and ``silu(gate) * up``."""
-    sig = sigmoid(gate)
-    silu = gate * sig
-    return sig, silu, silu * up
-
 
 
 def mma_transforms(minor: int, dtype, swizzle: int | None = None) -> tuple:

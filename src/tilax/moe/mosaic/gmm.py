@@ -15,8 +15,8 @@ MMAs. Forward-type kernels follow the ``dispatch.GmmSchedule`` items of the Trit
 tile is staged in SMEM and only its rows ``[lo, hi)`` are stored, by one TMA store per set bit
 of ``hi - lo`` (a TMA store has no row mask), so every row is written by exactly one program.
 Rows a kernel reads through ``index`` are gathered in XLA first (Hopper's TMA copies tiles,
-not gathered rows; Blackwell's can gather), except in a forward's :func:`gmm_swiglu` with few
-column tiles, which gathers them with per-thread copies (``mosaic.gmm_gather``). A train step
+not gathered rows; Blackwell's can gather), except in a forward's :func:`gmm_activation` with
+few column tiles, which gathers them with per-thread copies (``mosaic.gmm_gather``). A train step
 reads sorted copies of ``x`` and ``dy`` that :func:`copy_rows` makes (``mosaic.gmm_rows``:
 each token read once, not once per copy as by a gather).
 
@@ -27,10 +27,12 @@ Kernels (each wrapper launches one):
   weights optionally transposed (``wgmma`` reads the transposed SMEM tile); without a scale,
   for short contractions whose output columns split over two warpgroups, the
   warp-specialised kernel of ``mosaic.gmm_ws``.
-- :func:`gmm_swiglu`: gate and up projections sharing the ``x`` tiles, SwiGLU (optionally
-  scaled per row by the combine weights) in the epilogue.
-- :func:`gmm_swiglu_bwd`: the down projection's input gradient with the SwiGLU backward in the
-  epilogue; the combine weights' gradient leaves as per-item row sums, added up in XLA.
+- :func:`gmm_activation`: gate and up projections sharing the ``x`` tiles, the activation
+  (``MoEConfig.activation``, from ``tilax.moe.activations``; optionally scaled per row by the
+  combine weights) in the epilogue; the up projection alone for the not-gated ``"gelu"``.
+- :func:`gmm_activation_bwd`: the down projection's input gradient with the activation's
+  backward in the epilogue; the combine weights' gradient leaves as per-item row sums, added
+  up in XLA.
 - :func:`gmm_combine`: the down projection with scaled float32 rows (:func:`gmm`), added into
   their tokens by an XLA scatter-add.
 - :func:`tgmm`: ``lhs[rows_e].T @ rhs[rows_e]`` (weight gradients); the first and last row
@@ -40,7 +42,7 @@ Kernels (each wrapper launches one):
   decoder's); elsewhere the path runs :func:`gmm` and :func:`tgmm`.
 
 The other kernels are not warp-specialised: two programs per SM overlap one's loads and
-epilogue with the other's MMAs (the SwiGLU kernels warp-specialised were no faster on the
+epilogue with the other's MMAs (the activation kernels warp-specialised were no faster on the
 H200: see docs/performance/moe.md). The plain grouped matmul over a short contraction is
 (``mosaic.gmm_ws``): its epilogue (a whole output tile stored) is then most of its time, and
 one memory warpgroup fetching across items hides it better (on the H200 at the E64
@@ -74,7 +76,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from tilax import _pallas
-from tilax.moe import rules
+from tilax.moe import activations, rules
 from tilax.moe.dispatch import GmmSchedule, RowLayout, take_rows
 from tilax.moe.mosaic import common, gmm_rows
 from tilax.moe.mosaic import gmm_dx as joined_dx
@@ -82,14 +84,14 @@ from tilax.moe.mosaic import gmm_gather as gather
 from tilax.moe.mosaic import gmm_ws as warp_specialised
 from tilax.moe.mosaic.common import Config, default_config, plgpu, tiles_for
 
-__all__ = ["Config", "default_config", "tiles_for", "copy_rows", "gmm", "gmm_swiglu",
-           "gmm_swiglu_bwd", "gmm_combine", "tgmm", "input_and_gate_up_grads"]
+__all__ = ["Config", "default_config", "tiles_for", "copy_rows", "gmm", "gmm_activation",
+           "gmm_activation_bwd", "gmm_combine", "tgmm", "input_and_gate_up_grads"]
 
 
 def gathers_in_training() -> bool:
     """Whether a train step's kernels gather rows through the sort index (the ``train_rows``
     rule of ``tilax.moe.rules``): by default they read sorted copies of ``x`` and ``dy``
-    (:func:`copy_rows`); only an inference forward's SwiGLU kernel gathers rows itself."""
+    (:func:`copy_rows`); only an inference forward's activation kernel gathers rows itself."""
     return rules.variant("train_rows") == "gather"
 
 
@@ -206,12 +208,12 @@ def gmm(
 
 
 # ----------------------------------------------------------------------------------------------
-# gmm_swiglu: a = silu(x_r @ w_gate[e]) * (x_r @ w_up[e])
+# gmm_activation: a = f(x_r @ w_gate[e]) * (x_r @ w_up[e]), or f(x_r @ w_up[e]) when not gated
 
 
-def gmm_swiglu(
+def gmm_activation(
     x: jax.Array,
-    w_gate: jax.Array,
+    w_gate: jax.Array | None,
     w_up: jax.Array,
     schedule: GmmSchedule,
     *,
@@ -220,16 +222,21 @@ def gmm_swiglu(
     index: jax.Array | None = None,
     row_scale: jax.Array | None = None,
     save_preactivations: bool = False,
-) -> tuple[jax.Array, ...]:
-    """Gate and up projections sharing each ``x`` tile, SwiGLU in the epilogue
-    (``triton.gmm_swiglu``'s contract): ``(a,)`` or ``(a, gate, up)``, each ``[R_pad, h]``
-    in ``x.dtype``, ``a`` scaled by ``row_scale`` when given (its rows arrive by TMA while
-    the contraction runs). Two accumulators: ``block_n`` is capped to keep both in
-    registers. Rows read through ``index`` are gathered by the kernel itself where that pays
-    (``mosaic.gmm_gather``), by XLA first elsewhere."""
+    activation: str = "swiglu",
+) -> tuple[jax.Array | None, ...]:
+    """Gate and up projections sharing each ``x`` tile, the activation in the epilogue
+    (``triton.gmm_activation``'s contract): ``(a,)`` or ``(a, gate, up)``, each ``[R_pad, h]``
+    in ``x.dtype`` (``gate`` ``None`` and ``w_gate`` ``None`` for the not-gated ``"gelu"``:
+    one projection), ``a`` scaled by ``row_scale`` when given (its rows arrive by TMA while
+    the contraction runs). Two accumulators when gated: ``block_n`` is capped to keep them in
+    registers (and as much for the not-gated one's epilogue). Rows read through ``index`` are
+    gathered by the kernel itself where that pays (``mosaic.gmm_gather``), by XLA first
+    elsewhere."""
     del backend
-    common.check_dtypes(x, w_gate, w_up)
-    d_dim, h_dim = x.shape[1], w_gate.shape[2]
+    gated = activations.check_gate(activation, w_gate, "w_gate")
+    weights_in = [w_gate, w_up] if gated else [w_up]
+    common.check_dtypes(x, *weights_in)
+    d_dim, h_dim = x.shape[1], w_up.shape[2]
     common.check_features(d_dim, h_dim)
     block_m = tiles.block_m
     # A train step's forward (``save_preactivations``) reads a sorted copy: its backward reads
@@ -244,10 +251,12 @@ def gmm_swiglu(
     if gathering:
         rows_m, block_n, block_k, row_stages, stages = gathering
     else:
+        # Two live tiles whether gated or not: the not-gated gelu's one accumulator leaves its
+        # epilogue (gelu's cubic and sigmoid) the registers of the gated kernel's second one.
         rows_m, block_n = block_m, common.capped_block_n(tiles, h_dim, 2)
         block_k, stages = common.fit_pipeline(
             tiles, common.fit_block(tiles.block_k, d_dim),
-            (block_m + 2 * block_n) * x.dtype.itemsize)
+            (block_m + len(weights_in) * block_n) * x.dtype.itemsize)
     # JAX's GPU interpreter cannot run the copies: there the sub-tiles read XLA's copy.
     copies_rows = bool(gathering) and not _pallas.interpreted()
     num_rows = index.shape[0] if index is not None else x.shape[0]
@@ -255,46 +264,47 @@ def gmm_swiglu(
         x, index = common.gathered(x, index), None
 
     scaled = row_scale is not None
-    inputs = [x, w_gate, w_up] + ([index] if copies_rows else []) + ([row_scale] if scaled else [])
+    num_w = len(weights_in)
+    inputs = [x, *weights_in] + ([index] if copies_rows else []) + ([row_scale] if scaled else [])
 
     def body(*refs):
-        schedule_refs, (x_g, wg_g, wu_g) = refs[:4], refs[4:7]
-        index_g = refs[7] if copies_rows else None
-        scale_g = refs[7 + copies_rows] if scaled else None
+        schedule_refs, x_g, w_gs = refs[:4], refs[4], refs[5 : 5 + num_w]
+        index_g = refs[5 + num_w] if copies_rows else None
+        scale_g = refs[5 + num_w + copies_rows] if scaled else None
         outs = refs[4 + len(inputs):]
 
         def tile_fn(item):
             """The item's ``[rows_m, block_n]`` tile of each output."""
-            weights = [
-                (wg_g.at[item.expert], (block_k, block_n), lambda k: (k, item.n)),
-                (wu_g.at[item.expert], (block_k, block_n), lambda k: (k, item.n)),
-            ]
+            weights = [(w_g.at[item.expert], (block_k, block_n), lambda k: (k, item.n))
+                       for w_g in w_gs]
 
-            def run(acc_gate, acc_up):
-                def step(_, x_smem, wg_smem, wu_smem):
-                    plgpu.wgmma(acc_gate, x_smem, wg_smem)
-                    plgpu.wgmma(acc_up, x_smem, wu_smem)
+            def run(*accs):
+                def step(_, x_smem, *w_smems):
+                    for acc, w_smem in zip(accs, w_smems, strict=True):
+                        plgpu.wgmma(acc, x_smem, w_smem)
 
                 if copies_rows:
                     rows = (x_g, gather.index_rows(index_g, item.row_start, rows_m))
-                    gather.pipeline(step, d_dim // block_k, rows, weights, row_stages, stages, 2)
+                    gather.pipeline(step, d_dim // block_k, rows, weights, row_stages, stages,
+                                    num_w)
                 else:
                     tile = item.row_start // rows_m
                     x_tiles = (x_g, (rows_m, block_k), lambda k: (tile, k))
                     common.pipeline(step, d_dim // block_k, [x_tiles, *weights], stages)
 
             def compute(wait):
-                gate, up = common.accumulate(2, rows_m, block_n, run)
+                preactivations = common.accumulate(num_w, rows_m, block_n, run)
                 (scale_smem,) = wait() if scaled else (None,)
 
                 def write(a_smem, *preactivation_smems):
-                    for rows, gate_h, up_h in common.row_blocks(gate, up):
-                        act = common.swiglu_parts(gate_h, up_h)[2]
+                    for rows, *pre_h in common.row_blocks(*preactivations):
+                        gate_h, up_h = pre_h if gated else (None, *pre_h)
+                        act = activations.hidden(activation, gate_h, up_h, common.sigmoid)
                         if scaled:
                             act = act * common.rows_to_tile(scale_smem[rows], act.shape)
                         a_smem.at[rows][...] = act.astype(a_smem.dtype)
                         for smem, value in zip(preactivation_smems,
-                                               (gate_h, up_h)[: len(outs) - 1], strict=True):
+                                               pre_h[: len(outs) - 1], strict=True):
                             smem.at[rows][...] = value.astype(smem.dtype)
 
                 common.stage_and_store(outs, item, rows_m, block_n, write)
@@ -315,19 +325,22 @@ def gmm_swiglu(
         common.for_each_item(schedule_refs, h_dim // block_n, block_m, item_fn)
 
     out = jax.ShapeDtypeStruct((num_rows, h_dim), x.dtype)
-    outs = [out] * (3 if save_preactivations else 1)
-    kernel = common.launch(body, outs, "moe_gmm_swiglu_mosaic", tiles)
-    return tuple(kernel(*schedule, *inputs))
+    outs = [out] * (1 + save_preactivations * num_w)
+    kernel = common.launch(body, outs, f"moe_gmm_{activation}_mosaic", tiles)
+    results = tuple(kernel(*schedule, *inputs))
+    if save_preactivations and not gated:
+        return results[0], None, results[1]
+    return results
 
 
 # ----------------------------------------------------------------------------------------------
-# gmm_swiglu_bwd: dz = dy_r @ w_down[e].T, then the SwiGLU backward in the epilogue
+# gmm_activation_bwd: dz = dy_r @ w_down[e].T, then the activation's backward in the epilogue
 
 
-def gmm_swiglu_bwd(
+def gmm_activation_bwd(
     dy: jax.Array,
     w_down: jax.Array,
-    gate: jax.Array,
+    gate: jax.Array | None,
     up: jax.Array,
     row_scale: jax.Array,
     schedule: GmmSchedule,
@@ -335,10 +348,12 @@ def gmm_swiglu_bwd(
     tiles: Config,
     backend: str,
     index: jax.Array | None = None,
+    activation: str = "swiglu",
     deterministic: bool = False,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Backward of ``y_r = w_r * (silu(gate_r) * up_r) @ w_down[e]``
-    (``triton.gmm_swiglu_bwd``'s contract).
+) -> tuple[jax.Array | None, jax.Array, jax.Array]:
+    """Backward of ``y_r = w_r * a_r @ w_down[e]``, ``a`` the activation of
+    :func:`gmm_activation` (``triton.gmm_activation_bwd``'s contract; ``gate`` ``None`` and
+    ``d_gate`` ``None`` when not gated).
 
     The gate and up tiles and the row weights arrive by TMA while the contraction runs. The
     combine weights' gradient (``dz . a`` per row) is stored per work item and column tile,
@@ -352,9 +367,11 @@ def gmm_swiglu_bwd(
         as ``[1, R_pad]`` float32 partial sums.
     """
     del backend
-    common.check_dtypes(dy, w_down, gate, up)
+    gated = activations.check_gate(activation, gate, "gate")
+    pre = [gate, up] if gated else [up]
+    common.check_dtypes(dy, w_down, *pre)
     dy = common.gathered(dy, index)
-    num_rows, h_dim = gate.shape
+    num_rows, h_dim = up.shape
     d_dim = w_down.shape[2]
     common.check_features(d_dim, h_dim)
     # dz, gate and up are live through the epilogue: budgeted as two tiles, since the
@@ -363,14 +380,16 @@ def gmm_swiglu_bwd(
     n_tiles, num_items = h_dim // block_n, schedule.expert.shape[0]
     block_k, stages = common.fit_pipeline(
         tiles, common.fit_block(tiles.block_k, d_dim), (block_m + block_n) * dy.dtype.itemsize,
-        live_bytes=2 * block_m * block_n * gate.dtype.itemsize + block_m * 4,
+        live_bytes=len(pre) * block_m * block_n * up.dtype.itemsize + block_m * 4,
     )
-    tile_smem = plgpu.SMEM((block_m, block_n), gate.dtype,
-                           transforms=common.mma_transforms(block_n, gate.dtype))
+    tile_smem = plgpu.SMEM((block_m, block_n), up.dtype,
+                           transforms=common.mma_transforms(block_n, up.dtype))
+    num_pre = len(pre)
 
     def body(*refs):
-        schedule_refs, (dy_g, w_g, g_g, u_g, scale_g), outs = refs[:4], refs[4:9], refs[9:]
-        dg_g, du_g, dw_items_g = outs
+        schedule_refs, (dy_g, w_g), pre_gs = refs[:4], refs[4:6], refs[6 : 6 + num_pre]
+        scale_g, outs = refs[6 + num_pre], refs[7 + num_pre:]
+        *grad_gs, dw_items_g = outs  # (d_gate, d_up) or (d_up,)
 
         def item_fn(item, item_index):
             tile = item.row_start // block_m
@@ -388,36 +407,40 @@ def gmm_swiglu_bwd(
 
             def compute(wait):
                 (dz,) = common.accumulate(1, block_m, block_n, run)
-                g_smem, u_smem, scale_smem = wait()
+                *pre_smems, scale_smem = wait()
 
                 # Each output is written as soon as it exists: fewer float32 tiles live.
-                def write(dg_smem, du_smem):
+                def write(*grad_smems):
                     row_sums = []
+                    targets = dict(zip(("gate", "up") if gated else ("up",), grad_smems,
+                                       strict=True))
                     for rows, dz_h in common.row_blocks(dz):
                         weight = common.rows_to_tile(scale_smem[rows], dz_h.shape)
-                        gate_t = g_smem.at[rows][...].astype(jnp.float32)
-                        up_t = u_smem.at[rows][...].astype(jnp.float32)
-                        sig, silu, act = common.swiglu_parts(gate_t, up_t)
-                        row_sums.append((rows, jnp.sum(dz_h * act, axis=1)))
-                        d_act = dz_h * weight
-                        du_smem.at[rows][...] = (d_act * silu).astype(du_smem.dtype)
-                        d_gate = d_act * up_t * (sig * (1.0 + gate_t * (1.0 - sig)))
-                        dg_smem.at[rows][...] = d_gate.astype(dg_smem.dtype)
+                        pre_t = [smem.at[rows][...].astype(jnp.float32) for smem in pre_smems]
+                        gate_t, up_t = pre_t if gated else (None, *pre_t)
+                        for name, value in activations.hidden_backward(
+                                activation, gate_t, up_t, dz_h, weight, common.sigmoid):
+                            if name == "act":
+                                row_sums.append((rows, jnp.sum(dz_h * value, axis=1)))
+                            else:
+                                smem = targets[name]
+                                smem.at[rows][...] = value.astype(smem.dtype)
                     common.store_vector(row_sums, block_m, dw_items_g.at[item.n, item_index])
 
-                common.stage_and_store([dg_g, du_g], item, block_m, block_n, write)
+                common.stage_and_store(grad_gs, item, block_m, block_n, write)
 
-            sources = [(g_g.at[tile_view], tile_smem), (u_g.at[tile_view], tile_smem),
-                       common.row_slice(scale_g, item, block_m)]
+            sources = [(pre_g.at[tile_view], tile_smem) for pre_g in pre_gs]
+            sources.append(common.row_slice(scale_g, item, block_m))
             common.with_fetched(sources, compute)
 
         common.for_each_item(schedule_refs, n_tiles, block_m, item_fn)
 
-    rows = jax.ShapeDtypeStruct((num_rows, h_dim), gate.dtype)
+    rows = jax.ShapeDtypeStruct((num_rows, h_dim), up.dtype)
     per_item = jax.ShapeDtypeStruct((n_tiles, num_items, block_m), jnp.float32)
-    d_gate, d_up, dw_items = common.launch(
-        body, [rows, rows, per_item], "moe_gmm_swiglu_bwd_mosaic", tiles
-    )(*schedule, dy, w_down, gate, up, row_scale)
+    *grads, dw_items = common.launch(
+        body, [rows] * num_pre + [per_item], f"moe_gmm_{activation}_bwd_mosaic", tiles
+    )(*schedule, dy, w_down, *pre, row_scale)
+    d_gate, d_up = grads if gated else (None, *grads)
     return d_gate, d_up, _owned_rows(dw_items.sum(0), schedule, num_rows, deterministic)[None]
 
 

@@ -1,19 +1,23 @@
-"""The shared expert's SwiGLU products on Mosaic GPU (Hopper): the activation and its backward
-in the products' epilogues.
+"""The shared expert's products on Mosaic GPU (Hopper): the activation and its backward in the
+products' epilogues.
 
-The shared expert is a dense SwiGLU over every token (``reference.shared_expert``). On XLA its
-gate and up products write ``[T, S]`` arrays that an elementwise pass reads back for the
+The shared expert is a dense expert over every token (``reference.shared_expert``) of the
+layer's activation (``MoEConfig.activation``, from ``tilax.moe.activations``). On XLA its gate
+and up products write ``[T, S]`` arrays that an elementwise pass reads back for the
 activation, and in the backward the down projection's input gradient is written and read back
 by two more passes with the saved products. Here two kernels do those passes in the products'
 epilogues:
 
-- :func:`swiglu_forward`: ``gate = x @ w_gate``, ``up = x @ w_up`` and
-  ``silu(gate) * up``, the three written from registers (gate and up are the backward's
-  residuals);
-- :func:`swiglu_backward`: ``dz = dy @ w_down.T`` with the SwiGLU backward in the epilogue,
-  the gate and up tiles landing by TMA while the contraction runs; the gate and up
+- :func:`activation_forward`: ``gate = x @ w_gate``, ``up = x @ w_up`` and the activation
+  (``silu(gate) * up`` for SwiGLU), the three written from registers (gate and up are the
+  backward's residuals);
+- :func:`activation_backward`: ``dz = dy @ w_down.T`` with the activation's backward in the
+  epilogue, the gate and up tiles landing by TMA while the contraction runs; the gate and up
   gradients leave side by side as one ``[T, 2S]`` array, so that the input gradient and the
   two weight gradients are one XLA product each against the weights side by side.
+
+The not-gated ``"gelu"`` has no ``w_gate``: the same kernels run the up product alone (one
+accumulator, one pre-activation written and read back, a ``[T, S]`` gradient).
 
 Both are warp-specialised as ``mosaic.gmm_ws``: one program per SM, a memory warpgroup
 streaming every (item, contraction step) of the program's items through one ring of SMEM
@@ -24,12 +28,15 @@ the column tiles of one row tile are neighbours, so its rows meet in L2.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
 from tilax import _pallas
+from tilax.moe import activations
 from tilax.moe.mosaic import common
 from tilax.moe.mosaic.common import plgpu
 
@@ -47,7 +54,7 @@ MAX_STAGES = 4
 def applies(x: jax.Array, shared: dict) -> bool:
     """Whether the kernels take these shapes and dtypes: 16-bit, tokens a multiple of 128,
     ``d_model`` of 64 and the hidden width of ``BLOCK_N``."""
-    d_dim, s_dim = shared["w_gate"].shape
+    d_dim, s_dim = shared["w_up"].shape
     return (
         jnp.dtype(x.dtype) in (jnp.bfloat16, jnp.float16)
         and all(w.dtype == x.dtype for w in shared.values())
@@ -103,19 +110,26 @@ def _run(pipeline, refs, scope, **scratch) -> None:
                   collective_axes="wg", **scratch)
 
 
-def swiglu_forward(x: jax.Array, w_gate: jax.Array, w_up: jax.Array):
-    """``(silu(gate) * up, gate, up)`` with ``gate = x @ w_gate`` and ``up = x @ w_up``, each
-    ``[T, S]`` in ``x.dtype`` (the activation from the float32 products)."""
+def activation_forward(activation: str, x: jax.Array, w_gate: jax.Array | None,
+                       w_up: jax.Array):
+    """``(a, gate, up)`` with ``gate = x @ w_gate``, ``up = x @ w_up`` and ``a`` the
+    activation (``activations.hidden``: ``silu(gate) * up`` for ``"swiglu"``), each ``[T, S]``
+    in ``x.dtype`` (the activation from the float32 products); ``gate`` is ``None`` (and
+    ``w_gate``) for the not-gated ``"gelu"``."""
+    gated = activations.check_gate(activation, w_gate, "w_gate")
+    weights = [w_gate, w_up] if gated else [w_up]
+    num_w = len(weights)
     num_rows, d_dim = x.shape
-    s_dim = w_gate.shape[1]
+    s_dim = w_up.shape[1]
     n_tiles, k_steps = s_dim // BLOCK_N, d_dim // BLOCK_K
     total = (num_rows // BLOCK_M) * n_tiles
     dtype = x.dtype
-    stage_bytes = (BLOCK_M + 2 * BLOCK_N) * BLOCK_K * dtype.itemsize
+    stage_bytes = (BLOCK_M + num_w * BLOCK_N) * BLOCK_K * dtype.itemsize
     staging_shape = (COMPUTE_WARPGROUPS, 2, WG_ROWS, EPI_N)
     stages = _stages(stage_bytes, 2 * WG_ROWS * EPI_N * COMPUTE_WARPGROUPS * dtype.itemsize)
 
-    def body(x_g, wg_g, wu_g, act_g, gate_g, up_g):
+    def body(x_g, *refs):
+        w_gs, act_g, pre_gs = refs[:num_w], refs[num_w], refs[num_w + 1:]
         my_items, coords = _coordinates(total, n_tiles, k_steps)
 
         def x_block(step):
@@ -129,10 +143,8 @@ def swiglu_forward(x: jax.Array, w_gate: jax.Array, w_up: jax.Array):
         specs = [
             plgpu.BlockSpec((BLOCK_M, BLOCK_K), x_block,
                             transforms=common.mma_transforms(BLOCK_K, dtype)),
-            plgpu.BlockSpec((BLOCK_K, BLOCK_N), w_block,
-                            transforms=common.mma_transforms(BLOCK_N, dtype)),
-            plgpu.BlockSpec((BLOCK_K, BLOCK_N), w_block,
-                            transforms=common.mma_transforms(BLOCK_N, dtype)),
+            *[plgpu.BlockSpec((BLOCK_K, BLOCK_N), w_block,
+                              transforms=common.mma_transforms(BLOCK_N, dtype))] * num_w,
         ]
 
         def pipeline(step_fn, context):
@@ -142,18 +154,18 @@ def swiglu_forward(x: jax.Array, w_gate: jax.Array, w_up: jax.Array):
             wg = lax.axis_index("wg")
             rows = pl.ds(wg * WG_ROWS, WG_ROWS)
 
-            def step_fn(indices, x_smem, wg_smem, wu_smem, accs):
-                acc_gate, acc_up = accs
+            def step_fn(indices, x_smem, *rest):
+                *w_smems, accs = rest
                 (step,) = indices
                 k = step % k_steps
 
                 @pl.when(k == 0)
                 def _zero():
-                    acc_gate[...] = jnp.zeros(acc_gate.shape, jnp.float32)
-                    acc_up[...] = jnp.zeros(acc_up.shape, jnp.float32)
+                    for acc in accs:
+                        acc[...] = jnp.zeros(acc.shape, jnp.float32)
 
-                plgpu.wgmma(acc_gate, x_smem.at[rows], wg_smem)
-                plgpu.wgmma(acc_up, x_smem.at[rows], wu_smem)
+                for acc, w_smem in zip(accs, w_smems, strict=True):
+                    plgpu.wgmma(acc, x_smem.at[rows], w_smem)
                 # The ring slot is released when this returns: the MMAs must have read it.
                 plgpu.wgmma_wait(0)
 
@@ -161,12 +173,13 @@ def swiglu_forward(x: jax.Array, w_gate: jax.Array, w_up: jax.Array):
                 def _epilogue():
                     m, n, _ = coords(step)
                     row_start = m * BLOCK_M + wg * WG_ROWS
-                    gate, up = acc_gate[...], acc_up[...]
+                    values = [acc[...] for acc in accs]
                     slot = 0
                     for col in range(0, BLOCK_N, EPI_N):
-                        gate_c, up_c = gate[:, col:col + EPI_N], up[:, col:col + EPI_N]
-                        act_c = common.swiglu_parts(gate_c, up_c)[2]
-                        for out_g, value in ((gate_g, gate_c), (up_g, up_c), (act_g, act_c)):
+                        pre_c = [value[:, col:col + EPI_N] for value in values]
+                        gate_c, up_c = pre_c if gated else (None, *pre_c)
+                        act_c = activations.hidden(activation, gate_c, up_c, common.sigmoid)
+                        for out_g, value in (*zip(pre_gs, pre_c, strict=True), (act_g, act_c)):
                             # The store two back read this slot.
                             plgpu.wait_smem_to_gmem(1, wait_read_only=True)
                             staging.at[wg, slot][...] = value.astype(dtype)
@@ -181,34 +194,42 @@ def swiglu_forward(x: jax.Array, w_gate: jax.Array, w_up: jax.Array):
                 return accs
 
             def context(run):
-                pl.run_scoped(lambda g, u: run((g, u)), plgpu.ACC((WG_ROWS, BLOCK_N)),
-                              plgpu.ACC((WG_ROWS, BLOCK_N)))
+                pl.run_scoped(lambda *accs: run(accs),
+                              *[plgpu.ACC((WG_ROWS, BLOCK_N))] * num_w)
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-            pipeline(step_fn, context)(x_g, wg_g, wu_g, allocations=allocations)
+            pipeline(step_fn, context)(x_g, *w_gs, allocations=allocations)
 
-        _run(pipeline, (x_g, wg_g, wu_g), scope,
+        _run(pipeline, (x_g, *w_gs), scope,
              staging=plgpu.SMEM(staging_shape, dtype,
                                 transforms=common.mma_transforms(EPI_N, dtype)))
 
     out = jax.ShapeDtypeStruct((num_rows, s_dim), dtype)
-    kernel = _warp_specialised(body, [out, out, out], "shared_swiglu_fwd_mosaic")
-    return tuple(kernel(x, w_gate, w_up))
+    kernel = _warp_specialised(body, [out] * (1 + num_w), f"shared_{activation}_fwd_mosaic")
+    act, *pre = kernel(x, *weights)
+    return (act, *pre) if gated else (act, None, *pre)
 
 
-def swiglu_backward(dy: jax.Array, w_down: jax.Array, gate: jax.Array, up: jax.Array):
-    """The gate and up gradients of ``(silu(gate) * up) @ w_down`` given ``dy``, side by side:
-    ``[T, 2S]`` in ``gate.dtype`` (``[:, :S]`` the gate's, ``[:, S:]`` the up's)."""
+def activation_backward(activation: str, dy: jax.Array, w_down: jax.Array,
+                        gate: jax.Array | None, up: jax.Array):
+    """The gate and up gradients of ``a @ w_down`` (``a`` the activation of ``gate`` and
+    ``up``) given ``dy``, side by side: ``[T, 2S]`` in ``up.dtype`` (``[:, :S]`` the gate's,
+    ``[:, S:]`` the up's); for the not-gated ``"gelu"`` (``gate`` ``None``) the up's alone,
+    ``[T, S]``."""
+    gated = activations.check_gate(activation, gate, "gate")
+    pre = [gate, up] if gated else [up]
+    num_pre = len(pre)
     num_rows, d_dim = dy.shape
     s_dim = w_down.shape[0]
     n_tiles, k_steps = s_dim // BLOCK_N, d_dim // BLOCK_K
     total = (num_rows // BLOCK_M) * n_tiles
-    dtype = gate.dtype
+    dtype = up.dtype
     stage_bytes = (BLOCK_M + BLOCK_N) * BLOCK_K * dtype.itemsize
-    tiles_shape = (COMPUTE_WARPGROUPS, 2, WG_ROWS, BLOCK_N)
-    stages = _stages(stage_bytes, 2 * BLOCK_M * BLOCK_N * dtype.itemsize)
+    tiles_shape = (COMPUTE_WARPGROUPS, num_pre, WG_ROWS, BLOCK_N)
+    stages = _stages(stage_bytes, num_pre * BLOCK_M * BLOCK_N * dtype.itemsize)
 
-    def body(dy_g, w_g, gate_g, up_g, out_g):
+    def body(dy_g, w_g, *refs):
+        pre_gs, out_g = refs[:num_pre], refs[num_pre]
         my_items, coords = _coordinates(total, n_tiles, k_steps)
 
         def dy_block(step):
@@ -232,7 +253,7 @@ def swiglu_backward(dy: jax.Array, w_down: jax.Array, gate: jax.Array, up: jax.A
         def scope(allocations, tiles, landed):
             wg = lax.axis_index("wg")
             rows = pl.ds(wg * WG_ROWS, WG_ROWS)
-            gate_smem, up_smem = tiles.at[wg, 0], tiles.at[wg, 1]
+            pre_smems = [tiles.at[wg, i] for i in range(num_pre)]  # gate's and up's, or up's
 
             def views(step):
                 m, n, _ = coords(step)
@@ -249,10 +270,9 @@ def swiglu_backward(dy: jax.Array, w_down: jax.Array, gate: jax.Array, up: jax.A
                     row_view, col = views(step)
                     # The previous item's gradients left from these tiles.
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                    plgpu.copy_gmem_to_smem(gate_g.at[row_view, pl.ds(col, BLOCK_N)], gate_smem,
-                                            landed.at[wg])
-                    plgpu.copy_gmem_to_smem(up_g.at[row_view, pl.ds(col, BLOCK_N)], up_smem,
-                                            landed.at[wg])
+                    for pre_g, pre_smem in zip(pre_gs, pre_smems, strict=True):
+                        plgpu.copy_gmem_to_smem(pre_g.at[row_view, pl.ds(col, BLOCK_N)],
+                                                pre_smem, landed.at[wg])
 
                 plgpu.wgmma(acc, dy_smem.at[rows], _pallas.transposed_ref(w_smem))
                 plgpu.wgmma_wait(0)
@@ -262,22 +282,23 @@ def swiglu_backward(dy: jax.Array, w_down: jax.Array, gate: jax.Array, up: jax.A
                     row_view, col = views(step)
                     dz = acc[...]
                     plgpu.barrier_wait(landed.at[wg])
+                    targets = dict(zip(("gate", "up") if gated else ("up",), pre_smems,
+                                       strict=True))
                     for c in range(0, BLOCK_N, EPI_N):
                         cols = pl.ds(c, EPI_N)
                         dz_c = dz[:, c:c + EPI_N]
-                        gate_c = gate_smem.at[:, cols][...].astype(jnp.float32)
-                        up_c = up_smem.at[:, cols][...].astype(jnp.float32)
-                        sig, silu, _ = common.swiglu_parts(gate_c, up_c)
+                        pre_c = [smem.at[:, cols][...].astype(jnp.float32) for smem in pre_smems]
+                        gate_c, up_c = pre_c if gated else (None, *pre_c)
                         # Each thread rewrites the elements it read: the tiles become the
                         # gradients in place.
-                        up_smem.at[:, cols][...] = (dz_c * silu).astype(dtype)
-                        d_gate = dz_c * up_c * (sig * (1.0 + gate_c * (1.0 - sig)))
-                        gate_smem.at[:, cols][...] = d_gate.astype(dtype)
+                        for name, value in activations.hidden_backward(
+                                activation, gate_c, up_c, dz_c, None, common.sigmoid):
+                            if name != "act":
+                                targets[name].at[:, cols][...] = value.astype(dtype)
                     plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(gate_smem,
-                                            out_g.at[row_view, pl.ds(col, BLOCK_N)])
-                    plgpu.copy_smem_to_gmem(up_smem,
-                                            out_g.at[row_view, pl.ds(s_dim + col, BLOCK_N)])
+                    for i, pre_smem in enumerate(pre_smems):  # [:, :S] the gate's if gated
+                        plgpu.copy_smem_to_gmem(
+                            pre_smem, out_g.at[row_view, pl.ds(i * s_dim + col, BLOCK_N)])
 
                 return acc
 
@@ -289,38 +310,42 @@ def swiglu_backward(dy: jax.Array, w_down: jax.Array, gate: jax.Array, up: jax.A
 
         _run(pipeline, (dy_g, w_g), scope,
              tiles=plgpu.SMEM(tiles_shape, dtype, transforms=common.mma_transforms(BLOCK_N, dtype)),
-             landed=plgpu.Barrier(num_arrivals=2, num_barriers=COMPUTE_WARPGROUPS))
+             landed=plgpu.Barrier(num_arrivals=num_pre, num_barriers=COMPUTE_WARPGROUPS))
 
-    out = jax.ShapeDtypeStruct((num_rows, 2 * s_dim), dtype)
-    return _warp_specialised(body, out, "shared_swiglu_bwd_mosaic")(dy, w_down, gate, up)
+    out = jax.ShapeDtypeStruct((num_rows, num_pre * s_dim), dtype)
+    return _warp_specialised(body, out, f"shared_{activation}_bwd_mosaic")(dy, w_down, *pre)
 
 
-@jax.custom_vjp
-def shared_expert(x, w_gate, w_up, w_down):
-    """``(silu(x @ w_gate) * (x @ w_up)) @ w_down`` in ``x.dtype``: ``reference.shared_expert``
-    with the SwiGLU in the kernels' epilogues."""
-    return _forward(x, w_gate, w_up, w_down)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def shared_expert(activation, x, w_gate, w_up, w_down):
+    """``a(x) @ w_down`` in ``x.dtype``, ``a`` the ``activation`` (``silu(x @ w_gate) *
+    (x @ w_up)`` for ``"swiglu"``; ``w_gate`` ``None`` for the not-gated ``"gelu"``):
+    ``reference.shared_expert`` with the activation in the kernels' epilogues."""
+    return _forward(activation, x, w_gate, w_up, w_down)[0]
 
 
 def _product(a, b, spec):
     return jnp.einsum(spec, a, b, preferred_element_type=a.dtype)
 
 
-def _forward(x, w_gate, w_up, w_down):
-    act, gate, up = swiglu_forward(x, w_gate, w_up)
+def _forward(activation, x, w_gate, w_up, w_down):
+    act, gate, up = activation_forward(activation, x, w_gate, w_up)
     return _product(act, w_down, "ts,sd->td"), (x, w_gate, w_up, w_down, act, gate, up)
 
 
-def _backward(residuals, dy):
+def _backward(activation, residuals, dy):
     x, w_gate, w_up, w_down, act, gate, up = residuals
     dy = dy.astype(x.dtype)
-    d_gate_up = swiglu_backward(dy, w_down, gate, up)
+    d_pre = activation_backward(activation, dy, w_down, gate, up)
+    dw_down = _product(act, dy, "ts,td->sd")
+    if w_gate is None:
+        return (_product(d_pre, w_up, "ts,ds->td"), None, _product(x, d_pre, "td,ts->ds"),
+                dw_down)
     w_gate_up = jnp.concatenate([w_gate, w_up], axis=1)
-    dx = _product(d_gate_up, w_gate_up, "ts,ds->td")
-    dw_gate_up = _product(x, d_gate_up, "td,ts->ds")
+    dx = _product(d_pre, w_gate_up, "ts,ds->td")
+    dw_gate_up = _product(x, d_pre, "td,ts->ds")
     s_dim = w_gate.shape[1]
-    return (dx, dw_gate_up[:, :s_dim], dw_gate_up[:, s_dim:],
-            _product(act, dy, "ts,td->sd"))
+    return dx, dw_gate_up[:, :s_dim], dw_gate_up[:, s_dim:], dw_down
 
 
 shared_expert.defvjp(_forward, _backward)
