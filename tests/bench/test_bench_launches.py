@@ -195,6 +195,7 @@ def test_suite_names_weights_and_docs_agree(full):
     assert conftest.SUITE_GROUPS["launches"] == ("kernel_mv_launches",)
     assert "kernel_mv_launches" in conftest.SUITE_GROUPS["rbf"]
     assert set(conftest.SUITE_WEIGHTS) == {*conftest.MOE_SUITES, *conftest.RBF_SUITES,
+                                           *conftest.GP_SUITES, *conftest.GP_BY_NAME,
                                            *conftest.MULTI_DEVICE_SUITES}
     table_row = next(line for line in conftest.__doc__.splitlines()
                      if line.startswith("kernel_mv_ "))
