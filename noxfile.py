@@ -1,5 +1,5 @@
-"""Sessions: tests, tests_jax011, docs, serve, lint, bench, wheelhouse, dist, release_docs,
-release_notes (``nox -l`` lists them)."""
+"""Sessions: tests, tests_kernels, tests_release, tests_jax011, docs, serve, lint, bench,
+wheelhouse, dist, release_docs, release_notes (``nox -l`` lists them)."""
 
 import contextlib
 import importlib.util
@@ -52,8 +52,19 @@ def tests(session: nox.Session) -> None:
     with shared_compilation_cache() as env:
         session.run(
             "pytest", "-n", "logical", "--maxprocesses", "4", "--dist", "loadgroup",
-            "-m", "not kernels", "--durations", "15", *session.posargs, env=env,
+            "-m", "not kernels and not release", "--durations", "15", *session.posargs,
+            env=env,
         )
+
+
+@nox.session
+def tests_release(session: nox.Session) -> None:
+    """The release checks (marked ``release``): the wheel run in a fresh environment and the
+    versioned docs build. Kept out of ``nox -s tests`` for its minutes; ``.ci/run`` runs it
+    after the tests."""
+    install_groups(session, "tests", "docs")
+    session.run("pytest", "tests/packaging", "-m", "release", "--durations", "5",
+                *session.posargs)
 
 
 @nox.session

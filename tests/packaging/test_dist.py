@@ -128,6 +128,7 @@ def test_sdist_holds_the_sources_and_no_data_site_or_tests(dists: Dists) -> None
         assert not any(name.startswith(folder) for name in names), folder
 
 
+@pytest.mark.release
 def test_wheel_runs_the_getting_started_page_in_a_fresh_environment(
         dists: Dists, tmp_path: Path) -> None:
     """A new virtual environment in a temporary folder (no system site-packages), the wheel

@@ -81,6 +81,7 @@ def page_config(html: str) -> dict:
                                 html, re.DOTALL)[1])
 
 
+@pytest.mark.release
 def test_versioned_build_makes_two_versions_and_the_latest_alias(tmp_path: Path) -> None:
     origin = tmp_path / "origin.git"
     checkout = throwaway_repository(tmp_path / "checkout")
