@@ -416,11 +416,13 @@ def test_a_case_limit_caps_its_timed_rounds(fake_benchmark):
     assert "error" not in fake_benchmark.extra_info
     stats = fake_benchmark.stats.stats
     assert (stats.rounds, stats.iterations) == (1, 1) and workload.calls == 3
-    # a fast call keeps its planned rounds; a case without a limit of its own is not capped
-    for case in (LimitedCase(10.0, workload=FakeWorkload(0.002)),
-                 FakeCase(workload=FakeWorkload(0.02))):
+    # a fast call keeps its planned rounds (a 5 s limit: room for them even when a loaded
+    # machine stretches each 2 ms sleep many times over); a case without a limit of its own is
+    # not capped by the session's
+    for case, row_limit_s in ((LimitedCase(10.0, workload=FakeWorkload(0.002)), 5.0),
+                              (FakeCase(workload=FakeWorkload(0.02)), 0.5)):
         benchmark = FakeBenchmark()
-        Runner(benchmark, make_state(target_time_s=1.0, row_limit_s=0.5)).run(case)
+        Runner(benchmark, make_state(target_time_s=1.0, row_limit_s=row_limit_s)).run(case)
         assert benchmark.stats.stats.rounds == 5
 
 
