@@ -79,84 +79,38 @@ def test_mosaic_copy_rows_is_the_gather(tokens, top_k, experts, width, dtype):
     assert np.array_equal(np.asarray(copied), np.asarray(x[layout.row_token]))
 
 
+# The router's scores and their tolerance against XLA's (the GPU's approximate exp and division).
+SCORES = {"softmax": (jax.nn.softmax, 2e-6), "sigmoid": (jax.nn.sigmoid, 4e-6)}
+
+
 @needs_mosaic
-@pytest.mark.parametrize(("tokens", "experts", "top_k"), [
-    (131072, 64, 8),  # the E64 decoder at the benchmark's size: 2048 blocks
-    (4096 + 64, 64, 8),  # 65 blocks
-    (1024, 8, 2),
-    (512, 16, 16),  # every expert ranked
+@pytest.mark.parametrize(("score_func", "tokens", "experts", "top_k"), [
+    ("softmax", 131072, 64, 8),  # the E64 decoder at the benchmark's size: 2048 blocks
+    ("softmax", 4096 + 64, 64, 8),  # 65 blocks
+    ("softmax", 1024, 8, 2),
+    ("softmax", 512, 16, 16),  # every expert ranked
+    ("sigmoid", 131072, 64, 8),
+    ("sigmoid", 1024, 8, 2),
 ])  # fmt: skip
-def test_mosaic_router_rank_is_xlas(tokens, experts, top_k):
-    """Logits as XLA adds the pieces, the softmax within the GPU's approximate ``exp`` and
-    division of XLA's, and the experts of XLA's argmax passes over the kernel's probabilities,
-    ties to the lower expert. A NaN logit makes its token's probabilities all NaN: the kernel
-    ranks its first k experts in order, where XLA's argmax on the GPU picks among the NaNs in
-    an order of its own (seen on the H200), so that token is checked apart."""
-    parts = router_logit_parts(np.random.default_rng(tokens), tokens, experts)
-    logits, probs, ids, top = jax.jit(mosaic_router.rank, static_argnums=1)(parts, top_k)
-    expected_logits = router.sum_thirds(parts)
-    np.testing.assert_array_equal(np.asarray(logits), np.asarray(expected_logits))
-    np.testing.assert_allclose(np.asarray(probs), np.asarray(jax.nn.softmax(expected_logits)),
-                               rtol=2e-6, atol=1e-30)
-    expected_top, expected_ids = router.top_k_experts(probs, top_k)
-    ids, top, nan_token = np.asarray(ids).T, np.asarray(top).T, tokens // 2
-    np.testing.assert_array_equal(ids[nan_token], np.arange(top_k))
-    assert np.isnan(top[nan_token]).all()
-    others = np.arange(tokens) != nan_token
-    np.testing.assert_array_equal(ids[others], np.asarray(expected_ids)[others])
-    np.testing.assert_array_equal(top[others], np.asarray(expected_top)[others])
-
-
-@needs_mosaic
-@pytest.mark.parametrize("aux", [False, True])
-def test_mosaic_route_matches_xla(aux):
-    """``router.route`` on the kernels at the E64 decoder's width: XLA's experts, and its
-    weights and gradients to float32 rounding, with and without the aux losses."""
-    rng = np.random.default_rng(7)
-    tokens, experts, top_k = 8192, 64, 8
-    x = jnp.asarray(rng.standard_normal((tokens, 512)), jnp.bfloat16)
-    weights = jnp.asarray(rng.standard_normal((512, experts)) * 0.05, jnp.float32)
-    cotangent = jnp.asarray(rng.standard_normal((tokens, top_k)), jnp.float32)
-
-    def loss(x, weights, backend):
-        routed = router.route(x, weights, top_k, True, backend=backend)
-        value = jnp.sum(routed.weights * cotangent)
-        if aux:
-            losses = router.router_aux(routed, experts)
-            value = value + losses["router_z_loss"] + losses["load_balance_loss"]
-        return value, (routed.expert_ids, routed.weights)
-
-    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True), static_argnums=2)
-    (value, (ids, w)), grads = step(x, weights, "mosaic")
-    (value_x, (ids_x, w_x)), grads_x = step(x, weights, None)
-    assert np.array_equal(np.asarray(ids), np.asarray(ids_x))
-    np.testing.assert_allclose(np.asarray(w), np.asarray(w_x), rtol=2e-6, atol=1e-7)
-    np.testing.assert_allclose(float(value), float(value_x), rtol=1e-5)
-    # The probabilities differ in their last bits (the GPU's approximate exp): the bfloat16
-    # input gradient by a rounding at most, the float32 router gradient by about as little.
-    assert peak_rel_err(grads[0], grads_x[0]) < 2**-8
-    assert peak_rel_err(grads[1], grads_x[1]) < 1e-5
-
-
-@needs_mosaic
-@pytest.mark.parametrize(("tokens", "experts", "top_k"), [
-    (131072, 64, 8),  # the E64 decoder at the benchmark's size
-    (1024, 8, 2),
-])  # fmt: skip
-def test_mosaic_router_rank_sigmoid_is_xlas(tokens, experts, top_k):
-    """Sigmoid scores: the kernel's within the GPU's approximate ``exp`` and division of
-    XLA's, and the experts of XLA's argmax passes over the kernel's scores (the NaN token
-    apart, as above)."""
+def test_mosaic_router_rank_is_xlas(score_func, tokens, experts, top_k):
+    """Logits as XLA adds the pieces, the scores within the GPU's approximate ``exp`` and
+    division of XLA's, and the experts of XLA's argmax passes over the kernel's scores, ties
+    to the lower expert. A NaN logit makes its token's softmax probabilities all NaN: the
+    kernel ranks its first k experts in order, where XLA's argmax on the GPU picks among the
+    NaNs in an order of its own (seen on the H200), so that token is checked apart."""
+    scores_of, rtol = SCORES[score_func]
     parts = router_logit_parts(np.random.default_rng(tokens), tokens, experts)
     logits, scores, ids, top = jax.jit(mosaic_router.rank, static_argnums=(1, 2))(
-        parts, top_k, "sigmoid")
+        parts, top_k, score_func)
     expected_logits = router.sum_thirds(parts)
     np.testing.assert_array_equal(np.asarray(logits), np.asarray(expected_logits))
-    np.testing.assert_allclose(np.asarray(scores), np.asarray(jax.nn.sigmoid(expected_logits)),
-                               rtol=4e-6, atol=1e-30)
+    np.testing.assert_allclose(np.asarray(scores), np.asarray(scores_of(expected_logits)),
+                               rtol=rtol, atol=1e-30)
     expected_top, expected_ids = router.top_k_experts(scores, top_k)
     ids, top, nan_token = np.asarray(ids).T, np.asarray(top).T, tokens // 2
     np.testing.assert_array_equal(ids[nan_token], np.arange(top_k))
+    if score_func == "softmax":
+        assert np.isnan(top[nan_token]).all()
     others = np.arange(tokens) != nan_token
     np.testing.assert_array_equal(ids[others], np.asarray(expected_ids)[others])
     np.testing.assert_array_equal(top[others], np.asarray(expected_top)[others])
@@ -164,18 +118,20 @@ def test_mosaic_router_rank_sigmoid_is_xlas(tokens, experts, top_k):
 
 @needs_mosaic
 @pytest.mark.parametrize("aux", [False, True])
-def test_mosaic_route_sigmoid_matches_xla(aux):
-    """Sigmoid scores and a routed scale on the kernels: XLA's experts, weights and
-    gradients, with and without the aux losses (the normalised scores' gradient)."""
-    rng = np.random.default_rng(8)
+@pytest.mark.parametrize(("score_func", "routed_scale"), [("softmax", 1.0), ("sigmoid", 2.5)])
+def test_mosaic_route_matches_xla(score_func, routed_scale, aux):
+    """``router.route`` on the kernels at the E64 decoder's width: XLA's experts, and its
+    weights and gradients to float32 rounding, with and without the aux losses (with sigmoid
+    scores, the normalised scores' gradient), softmax and sigmoid scores."""
+    rng = np.random.default_rng(7 if score_func == "softmax" else 8)
     tokens, experts, top_k = 8192, 64, 8
     x = jnp.asarray(rng.standard_normal((tokens, 512)), jnp.bfloat16)
     weights = jnp.asarray(rng.standard_normal((512, experts)) * 0.05, jnp.float32)
     cotangent = jnp.asarray(rng.standard_normal((tokens, top_k)), jnp.float32)
 
     def loss(x, weights, backend):
-        routed = router.route(x, weights, top_k, True, backend=backend, score_func="sigmoid",
-                              routed_scale=2.5)
+        routed = router.route(x, weights, top_k, True, backend=backend, score_func=score_func,
+                              routed_scale=routed_scale)
         value = jnp.sum(routed.weights * cotangent)
         if aux:
             losses = router.router_aux(routed, experts)
@@ -188,8 +144,11 @@ def test_mosaic_route_sigmoid_matches_xla(aux):
     (value, (ids, w)), grads = step(x, weights, "mosaic")
     (value_x, (ids_x, w_x)), grads_x = step(x, weights, None)
     assert np.array_equal(np.asarray(ids), np.asarray(ids_x))
-    np.testing.assert_allclose(np.asarray(w), np.asarray(w_x), rtol=4e-6, atol=1e-7)
+    np.testing.assert_allclose(np.asarray(w), np.asarray(w_x), rtol=SCORES[score_func][1],
+                               atol=1e-7)
     np.testing.assert_allclose(float(value), float(value_x), rtol=1e-5)
+    # The scores differ in their last bits (the GPU's approximate exp): the bfloat16 input
+    # gradient by a rounding at most, the float32 router gradient by about as little.
     assert peak_rel_err(grads[0], grads_x[0]) < 2**-8
     assert peak_rel_err(grads[1], grads_x[1]) < 1e-5
 
