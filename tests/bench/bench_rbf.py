@@ -196,7 +196,7 @@ SEED_TILES = ((64, 64, 64), (64, 64, 16), (128, 64, 16), (64, 128, 16), (128, 12
 
 def kernel_mv_cases(mode: str) -> list[RbfCase]:
     if mode == "smoke":
-        sizes, dim_out = [64], ((3, 1), (8, 16))
+        sizes, dim_out = [64], ((8, 16),)  # the suite's code path; tests/rbf covers shapes
     elif mode == "quick":
         sizes, dim_out = [4096, 65536], ((8, 16),)
     else:

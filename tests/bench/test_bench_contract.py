@@ -114,7 +114,7 @@ def test_smoke_run_writes_contract_rows(smoke_run):
     layer = rows["test_layer[layer-pallas-sorted-f32-T64-E4k2-d32h64-forward]"]
     assert layer["tflops"] > 0 and layer["rel_err_out"] < 1e-4
     assert 0 < layer["max_expert_frac"] <= 1
-    kernel = rows["test_kernel_mv[kernel_mv-xla-n64-d3-o1-fwd_bwd]"]
+    kernel = rows["test_kernel_mv[kernel_mv-xla-n64-d8-o16-fwd_bwd]"]
     assert set(kernel["rel_err"]) == {"dq", "dk", "dv", "dlengthscale"}
     assert max(kernel["rel_err"].values()) < 1e-4
     gp = rows["test_gp[gp-tilax-rbf-n64-d8-mll_grad]"]

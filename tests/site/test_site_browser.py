@@ -91,20 +91,41 @@ def open_page(browser, server, path):
     return page, errors, requests
 
 
-@pytest.mark.parametrize("name", REPORT_PAGES)
-def test_report_page_renders_offline(browser, server, name):
-    page, errors, requests = open_page(browser, server, f"reports/{name}.html")
+class ReportView:
+    """One report page, loaded once for the checks below: its page, console errors and the
+    requests it made while loading."""
+
+    def __init__(self, name, page, errors, requests):
+        self.name, self.page, self.errors, self.requests = name, page, errors, requests
+
+    def resize(self, width, height):
+        """Lay the page out at ``width`` x ``height`` (the charts follow their container)."""
+        self.page.set_viewport_size({"width": width, "height": height})
+        self.page.wait_for_timeout(100)
+        self.page.wait_for_function(ALL_CHARTS_SETTLED, timeout=60_000)
+
+
+@pytest.fixture(scope="module", params=REPORT_PAGES)
+def report_view(request, browser, server):
+    """Each report page, loaded once per module and shared by the checks that take it (a page
+    load is most of a check's time); every check sets the viewport it needs."""
+    page, errors, requests = open_page(browser, server, f"reports/{request.param}.html")
+    yield ReportView(request.param, page, errors, requests)
+    page.context.close()
+
+
+def test_report_page_renders_offline(report_view, server):
+    name, page, errors, requests = (report_view.name, report_view.page, report_view.errors,
+                                    report_view.requests)
     charts = page.evaluate(CHART_REPORT)
     if name == "runs":  # run panels are tables only
         assert page.locator("div.tilax-table table").count() > 0
     elif name == "history" and not charts:  # the stored data may hold no second dated run
         assert "no history to show" in page.locator("article").inner_text()
-        page.context.close()
         return
     elif name in AWAITING_RUN and not charts:  # no stored run may hold the suite yet
         assert AWAITING_RUN[name] in page.locator("article").inner_text()
         assert errors == []
-        page.context.close()
         return
     else:
         assert charts, f"{name} has no charts"
@@ -120,7 +141,6 @@ def test_report_page_renders_offline(browser, server, name):
                and urlsplit(url).netloc != local]
     assert foreign == []
     assert any(url.endswith("/assets/vendor/vega-bundle.js") for url in requests)
-    page.context.close()
 
 
 def test_headline_table_value_matches_the_stored_file(browser, server):
@@ -236,13 +256,11 @@ def test_history_view_flags_the_slower_run(browser, server, extra_runs):
     page.context.close()
 
 
-@pytest.mark.parametrize("name", REPORT_PAGES)
-def test_no_chart_text_is_smaller_than_10px(browser, server, name):
-    page, _, _ = open_page(browser, server, f"reports/{name}.html")
-    sizes = page.evaluate(SVG_TEXT_SIZES)
+def test_no_chart_text_is_smaller_than_10px(report_view):
+    report_view.resize(1280, 720)  # a laptop screen: the narrowest charts
+    sizes = report_view.page.evaluate(SVG_TEXT_SIZES)
     small = [s for s in sizes if s["px"] < 10 - 1e-6]
     assert small == [], small[:5]
-    page.context.close()
 
 
 KEY_COLUMNS_OVERFLOW = """() => {
@@ -262,13 +280,9 @@ KEY_COLUMNS_OVERFLOW = """() => {
 }"""
 
 
-@pytest.mark.parametrize("name", REPORT_PAGES)
-def test_key_columns_need_no_horizontal_scrolling_at_1280px(browser, server, name):
-    page, _, _ = open_page(browser, server, f"reports/{name}.html")
-    page.set_viewport_size({"width": 1280, "height": 900})
-    page.wait_for_timeout(100)
-    assert page.evaluate(KEY_COLUMNS_OVERFLOW) == []
-    page.context.close()
+def test_key_columns_need_no_horizontal_scrolling_at_1280px(report_view):
+    report_view.resize(1280, 900)
+    assert report_view.page.evaluate(KEY_COLUMNS_OVERFLOW) == []
 
 
 # What a reader sees: the home page's first screen, and report pages of a few screens each.
@@ -327,20 +341,16 @@ def test_home_first_screen_names_the_peers_with_ratios_and_a_stored_file(browser
     context.close()
 
 
-@pytest.mark.parametrize("name", REPORT_PAGES)
-def test_report_page_is_a_few_screens_with_readable_charts(browser, server, name):
+def test_report_page_is_a_few_screens_with_readable_charts(report_view):
     """With the "Earlier runs" sections closed, the page is at most 25 screens at 1440 x 900;
     every chart (earlier runs' too) is at most 1,000 px tall, draws at most 8 series, cuts
     no label short and labels nothing 'undefined'."""
-    context = browser.new_context(viewport=SCREEN)
-    page = context.new_page()
-    page.goto(f"{server}/reports/{name}.html", wait_until="load")
-    page.wait_for_function(ALL_CHARTS_SETTLED, timeout=60_000)
+    report_view.resize(SCREEN["width"], SCREEN["height"])
+    page = report_view.page
     height = page.evaluate(PAGE_HEIGHT_COLLAPSED)
-    assert height <= MAX_SCREENS * SCREEN["height"], f"{name}: {height} px"
+    assert height <= MAX_SCREENS * SCREEN["height"], f"{report_view.name}: {height} px"
     shapes = page.evaluate(CHART_SHAPES)
     assert [c for c in shapes if c["height"] > MAX_CHART_HEIGHT] == []
     assert [c for c in shapes if c["series"] > MAX_SERIES] == []
     assert [c for c in shapes if c["cut"]] == []
     assert [c for c in shapes if c["undefined"]] == []  # a field missing from the data
-    context.close()
