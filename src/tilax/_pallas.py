@@ -75,6 +75,13 @@ def interpreted() -> bool:
     return state is not None and state.value is not None
 
 
+def trace_facts() -> tuple:
+    """What a trace reads of the device besides JAX's own cache key: the facts of
+    :func:`assume_device` and whether kernels run in the interpreter. A function jitted inside
+    tilax takes it as a static argument, so each setting gets its own trace."""
+    return tuple(sorted(_ASSUMED.get().items())), interpreted()
+
+
 def gpu_compute_capability() -> tuple[int, int] | None:
     """Compute capability of the first CUDA device, or ``None`` off CUDA GPUs."""
     assumed = _ASSUMED.get()

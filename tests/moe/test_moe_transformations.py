@@ -1,6 +1,8 @@
 """The JAX transformations users reach for: jit without static_argnums, grad and vmap with the
 config positional, the mesh path outside jit, and vmap over every impl."""
 
+import dataclasses
+
 import ep_transformations
 import jax
 import jax.numpy as jnp
@@ -9,6 +11,7 @@ from helpers import rel_err
 from moe_testing import on_cpu_devices
 
 import tilax
+from tilax import _pallas
 
 CONFIG = dict(d_model=32, d_hidden=32, num_experts=4, top_k=2, dtype=jnp.float32)
 
@@ -25,6 +28,26 @@ def test_config_is_a_pytree_without_leaves():
     leaves, treedef = jax.tree_util.tree_flatten(config)
     assert leaves == []
     assert jax.tree_util.tree_unflatten(treedef, []) == config
+
+
+def test_an_eager_call_runs_the_layer_as_one_compiled_program():
+    """Outside ``jax.jit`` the layer still compiles as one program (a ``jit`` inside
+    ``moe_apply``), not one dispatch per operation: on a CPU that is the difference between
+    about 1 s and 5 s for a small layer's first call. The argument checks stay outside it,
+    and a change of the assumed device retraces it (``_pallas.trace_facts``)."""
+    params, x, config = _setup("blocked")
+    jaxpr = jax.make_jaxpr(lambda p, x: tilax.moe_apply(p, x, config))(params, x)
+    assert [eqn.primitive.name for eqn in jaxpr.eqns] == ["jit"]
+    y, _ = tilax.moe_apply(params, x, config)
+    fp8 = dataclasses.replace(config, dtype=jnp.bfloat16, quantize="fp8")
+    tilax.moe_apply(params, x, fp8)  # compiled for the CPU: the GPU's check still runs
+    with _pallas.assume_device(platform="gpu", device_kind="NVIDIA A100",
+                               compute_capability=(8, 0)):
+        with pytest.raises(ValueError, match="needs FP8 tensor cores"):
+            tilax.moe_apply(params, x, fp8)
+    with pytest.raises(ValueError, match="d_model"):
+        tilax.moe_apply(params, x[:, :3], config)
+    assert rel_err(tilax.moe_apply(params, x, config)[0], y) == 0
 
 
 @pytest.mark.parametrize("impl", ["ragged_dot", "blocked"])

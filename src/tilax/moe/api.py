@@ -19,6 +19,7 @@ and are differentiated by JAX around the custom-gradient expert path.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import numbers
 from typing import Any
@@ -685,13 +686,22 @@ def moe_apply(
         raise ValueError(f"x must hold at least one token, got shape {tuple(jnp.shape(x))}")
     if mesh is not None:
         expert_parallel.check_mesh(mesh, expert_axis, config.num_experts)
-    experts = routed_experts(config, None if mesh is not None else num_tokens)
-    if mesh is not None:
-        y, aux = expert_parallel.moe_apply_sharded(
+        experts = routed_experts(config, None)
+        return expert_parallel.moe_apply_sharded(
             params, x, config, experts, mesh=mesh, expert_axis=expert_axis
         )
-        return y, aux
+    experts = routed_experts(config, num_tokens)  # here: its errors come at every call
+    return _layer_on_one_device(params, x, config, experts, _pallas.trace_facts())
 
+
+@functools.partial(jax.jit, static_argnums=(3, 4))
+def _layer_on_one_device(params, x, config, experts, trace_facts):
+    """The layer on one device, compiled as one program: called eagerly, the layer would
+    dispatch (and compile) each of its operations apart, several times slower on a CPU. Inside
+    a caller's ``jax.jit`` this jit is inlined. ``config`` is a pytree without leaves;
+    ``trace_facts`` (``_pallas.trace_facts``) keys the trace on the assumed device."""
+    del trace_facts
+    num_tokens = math.prod(jnp.shape(x)[:-1])
     x2 = jnp.reshape(x, (num_tokens, config.d_model))
     routed = router.route_layer(x2, params, config, backend=_router_backend(experts))
     dtype = config.dtype
