@@ -164,6 +164,8 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "run_spread_basis": ("str", "where run_spread comes from: identical code (n files), floor, "
                                 "or none stored"),
     "inner": ("Int64", "calls per timed sample (seed files: inner; pytest-benchmark: iterations)"),
+    "steps_per_call": ("Int64", "train steps in one timed call (suite fp8_convergence: "
+                                "log_every; missing: one)"),
     "compile_s": ("float64", "first call including compilation, s"),
     "sync_call_s": ("float64", "one warm call and its wait on its own (host latency included: "
                                "the timed rounds queue calls back to back), s"),
@@ -196,7 +198,8 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "evals_per_s": ("float64", "GP: log-likelihood evaluations (with gradient) per second: "
                                "1 / median"),
     "cg_iterations": ("Int64", "GP: CG iterations of the evaluation (the most any column ran)"),
-    "steps": ("Int64", "GP fit: optimiser steps run"),
+    "steps": ("Int64", "GP fit: optimiser steps run; suite fp8_convergence: train steps of "
+                       "the run"),
     "fit_s": ("float64", "GP fit: wall time of the steps, compile included, s"),
     "converged": ("boolean", "GP fit: the stopping rule was met (every hyperparameter within "
                              "10% of the generating one)"),
@@ -233,6 +236,14 @@ COLUMNS: dict[str, tuple[str, str]] = {
                                 "to the log-hyperparameters, against the float64 dense one"),
     "rel_err_ref": ("str", "what the relative errors compare against"),
     "finite": ("boolean", "outputs were finite (NN suites)"),
+    # Training (suite fp8_convergence).
+    "loss_curve": ("object", "suite fp8_convergence: the training's loss curve, a tuple of "
+                             "(step, mean loss of the steps since the previous point, mean "
+                             "floor) tuples"),
+    "final_loss": ("float64", "suite fp8_convergence: mean loss of the last tenth of the "
+                              "steps"),
+    "final_floor": ("float64", "suite fp8_convergence: the loss floor (the teacher's entropy) "
+                               "over the same steps"),
     # Outcome.
     "superseded": ("boolean", "a peer's row measured before a later fix of that peer's glue "
                               "(data/provenance/peer-fixes.json): shown, never claimed"),

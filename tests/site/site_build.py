@@ -30,6 +30,8 @@ AWAITING_RUN = {
     EP_PAGE: "No expert-parallel run is stored yet",
     Path(site.page_module("moe_decode").PATH).stem: "No run of the decode suite is stored yet",
     Path(site.page_module("gp").PATH).stem: "No Gaussian-process run is stored yet",
+    Path(site.page_module("fp8_convergence").PATH).stem: (
+        "No run of the FP8 convergence suite is stored yet"),
 }
 SLOWER_COMMIT = "5e7e4a1"
 

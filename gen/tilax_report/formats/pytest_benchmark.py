@@ -49,10 +49,13 @@ SAME_NAME = [
     # Gaussian processes (suites gp, gp_fit)
     "mll", "mll_reference", "rel_err_mll", "rel_err_grad", "cg_iterations", "num_probes", "tol",
     "preconditioner_rank", "evals_per_s", "steps", "fit_s", "converged",
+    # MoE FP8 convergence (suite fp8_convergence)
+    "steps_per_call", "final_loss", "final_floor",
 ]
 # extra_info keys read into other columns (or, for child_times_s, into round_ms when the stats
 # carry no per-round data: a ladder step's child process times its calls itself).
-CONSUMED = {"rel_err", "wall_s", "child_times_s", "limit_bracket", "probed_sizes"}
+CONSUMED = {"rel_err", "wall_s", "child_times_s", "limit_bracket", "probed_sizes",
+            "loss_curve"}
 # machine_info keys copied under the same name.
 MACHINE = [
     "gpu_driver", "gpu_memory_gb", "compute_capability", "cuda", "jax", "jaxlib",
@@ -144,6 +147,8 @@ def _row(bench: dict[str, Any], where: str) -> dict[str, Any]:
             row["touched_weight_gbps"] = touched / (row["median_ms"] * 1e-3) / 1e9
     else:
         row.update({key: None for key in TIMING_DERIVED})
+    if extra.get("loss_curve") is not None:
+        row["loss_curve"] = _loss_curve(extra["loss_curve"], f"{where}.extra_info.loss_curve")
     if any(row.get(key) is not None for key in _REL_ERR_COLUMNS):
         row["rel_err_ref"] = REL_ERR_REF[extra["family"]]
     unknown = {k: v for k, v in extra.items() if k not in SAME_NAME and k not in CONSUMED}
@@ -171,3 +176,18 @@ def _timing(stats: Any, child_times: Any, where: str) -> dict[str, Any]:
         "round_ms": tuple(v * 1e3 for v in rounds) if rounds else None,
         "inner": stats.get("iterations"),
     }
+
+
+def _loss_curve(curve: Any, where: str) -> tuple[tuple[int, float, float], ...]:
+    """``[[step, loss, floor], ...]`` as a tuple of ``(step, loss, floor)`` tuples. A loss may
+    be NaN or infinite (a training that diverged is a result); a step must be an integer."""
+    points = []
+    for index, point in enumerate(as_list(curve, where)):
+        if not (isinstance(point, list) and len(point) == 3
+                and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in point)):
+            raise FormatError(f"{where}[{index}] is {point!r}, expected [step, loss, floor]")
+        step, loss, floor = point
+        if not float(step).is_integer():
+            raise FormatError(f"{where}[{index}]: step {step!r} is not an integer")
+        points.append((int(step), float(loss), float(floor)))
+    return tuple(points)

@@ -15,6 +15,7 @@ PAGES = [
     "moe_decoder",
     "moe_decode",
     "moe_ep",
+    "fp8_convergence",
     "rbf",
     "gp",
     "nn_suites",
