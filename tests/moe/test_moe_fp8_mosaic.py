@@ -214,9 +214,16 @@ def test_layer_forward_and_gradients_match_the_xla_fp8_path(rng, few_sms):
         y, _ = tilax.moe_apply(params, x, config)
         return jnp.sum(y.astype(jnp.float32) * jnp.linspace(-1, 1, y.size).reshape(y.shape))
 
-    with _pallas.assume_device(mosaic_unavailable_reason=None), gpu_interpreter():
-        y, _ = tilax.moe_apply(params, x, config)
-        grads = jax.grad(loss, argnums=(0, 1))(params, x, config)
+    with _pallas.assume_device(mosaic_unavailable_reason=None):
+        traced = str(
+            jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)), static_argnums=2)(params, x, config)
+        )
+        with gpu_interpreter():
+            y, _ = tilax.moe_apply(params, x, config)
+            grads = jax.grad(loss, argnums=(0, 1))(params, x, config)
+    # the kernels ran (the products of rows and the weight gradients), and no XLA FP8 product
+    assert "moe_gmm_fp8_mosaic" in traced and "moe_tgmm_fp8_mosaic" in traced
+    assert "ragged_dot" not in traced
     reference = _layer_config(impl="ragged_dot")
     y_ref, _ = tilax.moe_apply(params, x, reference)
     grads_ref = jax.grad(loss, argnums=(0, 1))(params, x, reference)

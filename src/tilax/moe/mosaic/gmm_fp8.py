@@ -57,7 +57,15 @@ from tilax.moe import dispatch, quantize
 from tilax.moe.mosaic import common
 from tilax.moe.mosaic.common import Config, plgpu
 
-__all__ = ["STEP", "grouped_matmul_fp8", "grouped_matmul_t_fp8", "token_major", "default_tiles"]
+__all__ = [
+    "STEP",
+    "default_tiles",
+    "grouped_matmul_fp8",
+    "grouped_matmul_t_fp8",
+    "tile_offsets",
+    "tiles_for",
+    "token_major",
+]
 
 F32 = jnp.float32
 FP8 = jnp.float8_e4m3fn
@@ -65,6 +73,12 @@ FP8 = jnp.float8_e4m3fn
 STEP = quantize.TILE
 # Two float32 tiles live: the step's partial product and the promoted sum.
 LIVE_TILES = 2
+
+
+def tiles_for(config) -> Config:
+    """The tiles for an ``MoEConfig`` (``common.tiles_for``: ``block_m``, ``num_stages``; the
+    kernels fix ``block_k`` and cap ``block_n``)."""
+    return common.tiles_for(config)
 
 
 def default_tiles() -> Config:
