@@ -112,10 +112,11 @@ def _train_step(config, cotangent):
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
 
 
-@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
-def test_fp8_layer_train_step_matches_the_xla_fp8_path(activation):
+@pytest.mark.parametrize(("activation", "recompute"), [("swiglu", False), ("gelu", True)])
+def test_fp8_layer_train_step_matches_the_xla_fp8_path(activation, recompute):
     """The train step's output and gradients (routed weights, router, x) with the kernels
-    against the XLA FP8 path (``impl="ragged_dot"``); ``"gelu"`` has no gate projection."""
+    against the XLA FP8 path (``impl="ragged_dot"``); ``"gelu"`` has no gate projection, and
+    runs with ``recompute`` (the experts under ``jax.checkpoint``)."""
     dims = dict(
         d_model=D_MODEL,
         d_hidden=D_HIDDEN,
@@ -123,6 +124,7 @@ def test_fp8_layer_train_step_matches_the_xla_fp8_path(activation):
         top_k=TOP_K,
         quantize="fp8",
         activation=activation,
+        recompute=recompute,
     )
     config = tilax.MoEConfig(**dims, impl="mosaic")
     reference = tilax.MoEConfig(**dims, impl="ragged_dot")

@@ -205,8 +205,15 @@ def test_auto_keeps_the_xla_fp8_path_until_measured():
 
 @needs_interpreter
 @pytest.mark.kernels
-def test_layer_forward_and_gradients_match_the_xla_fp8_path(rng, few_sms):
-    config = _layer_config(impl="mosaic")
+@pytest.mark.parametrize(
+    "options",
+    [dict(), dict(activation="gelu", routing="capacity", capacity_factor=0.7)],
+)
+def test_layer_forward_and_gradients_match_the_xla_fp8_path(rng, few_sms, options):
+    """SwiGLU dropless; and the not-gated gelu (no gate product) with capacity routing (dropped
+    copies: rows past the groups). Not ``recompute``: the interpreter's callbacks carry effects
+    that ``jax.checkpoint`` refuses (test_moe_fp8_gpu.py runs it)."""
+    config = _layer_config(impl="mosaic", **options)
     params = tilax.moe_init(jax.random.key(0), config)
     x = jnp.asarray(rng.standard_normal((48, 128)), jnp.bfloat16)
 
@@ -224,7 +231,7 @@ def test_layer_forward_and_gradients_match_the_xla_fp8_path(rng, few_sms):
     # the kernels ran (the products of rows and the weight gradients), and no XLA FP8 product
     assert "moe_gmm_fp8_mosaic" in traced and "moe_tgmm_fp8_mosaic" in traced
     assert "ragged_dot" not in traced
-    reference = _layer_config(impl="ragged_dot")
+    reference = _layer_config(impl="ragged_dot", **options)
     y_ref, _ = tilax.moe_apply(params, x, reference)
     grads_ref = jax.grad(loss, argnums=(0, 1))(params, x, reference)
     # bfloat16 outputs of equal float32 sums (up to order): a bfloat16 ulp where the sums
