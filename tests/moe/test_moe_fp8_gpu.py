@@ -10,13 +10,15 @@ narrower accumulator (about 14 bits, DeepSeek-V3 section 3.3.2: the reason for p
 128), while XLA's reference sums the same exact products in float32: each partial may be off
 by a few 2**-14 of its magnitude, so the products are held to 2e-3 of the peak output. The
 layer then differs where such a difference flips a bfloat16 rounding of an intermediate (and
-with it an e4m3 rounding in the next quantisation), averaged over the sums: 2e-2 of each
-output's and gradient's peak. A wrong scale or a missed step gives errors of order 1.
+with it an e4m3 rounding, or a tile's amax and so its scale, in the next quantisation),
+averaged over the sums: held to 3e-2 of each output's and gradient's peak (the bfloat16 layer's
+tolerance against the float32 oracle in test_moe_mosaic_gpu.py). A wrong scale or a missed
+step gives errors of order 1.
 
-Run on the GPU host (about 2 minutes, most of it compiling)::
+Run on the GPU host (most of it compiling; spread over three workers)::
 
     XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_FLAGS=--xla_gpu_autotune_level=0 \\
-        PYTHONPATH=src:tests python -m pytest tests/moe/test_moe_fp8_gpu.py -q -n 0
+        PYTHONPATH=src:tests python -m pytest tests/moe/test_moe_fp8_gpu.py -q -n 3
 """
 
 import jax
@@ -45,7 +47,7 @@ ROWS = TOKENS * TOP_K
 GROUP_SIZES = np.array([1001, 2900, 10923, 0, 4095, 6000, 3300, 4500])
 assert GROUP_SIZES.sum() == ROWS - 49
 PRODUCT_TOLERANCE = 2e-3
-LAYER_TOLERANCE = 2e-2
+LAYER_TOLERANCE = 3e-2
 
 
 def _gmm_fp8():
