@@ -65,7 +65,12 @@ def _product(impl, rows, weight, group_sizes, out_dtype=jnp.bfloat16):
         )
     w_q, w_scales = weight
     return _mosaic_kernels().grouped_matmul_fp8(
-        q, scales, jnp.swapaxes(w_q, -1, -2), w_scales, group_sizes, tiles=impl,
+        q,
+        scales,
+        jnp.swapaxes(w_q, -1, -2),
+        w_scales,
+        group_sizes,
+        tiles=impl,
         out_dtype=out_dtype,
     )
 
@@ -155,8 +160,7 @@ def _experts_fp8_bwd(impl, activation, residuals, dy):
         dx_rows = dx_rows + _product(impl, d_gate, quantize.transpose_blocks(*q_gate), sizes, F32)
     d_x = dispatch.sum_copies(dx_rows.astype(dtype), layout)
     xs = _rows(x, layout)
-    d_w_gate = (None if d_gate is None
-                else _weight_grad(impl, xs, d_gate, tiles, num_experts, dtype))
+    d_w_gate = None if d_gate is None else _weight_grad(impl, xs, d_gate, tiles, num_experts, dtype)
     d_w_up = _weight_grad(impl, xs, d_up, tiles, num_experts, dtype)
     return d_x, d_w_gate, d_w_up, d_w_down, d_weights.astype(weights.dtype), None
 
@@ -171,7 +175,10 @@ def _routed(impl):
             products = _mosaic_kernels().tiles_for(config)
             row_multiple = products.block_m
         layout = dispatch.sort_by_expert(
-            copies.expert_ids, w_up.shape[0], capacity=copies.capacity, kept=copies.kept,
+            copies.expert_ids,
+            w_up.shape[0],
+            capacity=copies.capacity,
+            kept=copies.kept,
             row_multiple=row_multiple,
         )
         run = functools.partial(experts_fp8, products, config.activation)
