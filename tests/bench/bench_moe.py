@@ -14,7 +14,11 @@ Suites (``extra_info["suite"]``) mirror the stored seed files:
   experts with 4 kept, top-8, ``routed_scale`` 2.5, the shared expert) beside the same shape's
   softmax router, bfloat16 train steps at 16k and 131k tokens in one process: tilax's default
   (Mosaic GPU, sorted) and fused, PyTorch compiled in the same math; tokamax's glue routes
-  softmax top-k only (a recorded ``unsupported:`` row).
+  softmax top-k only (a recorded ``unsupported:`` row). And FP8 experts
+  (``MoEConfig(quantize="fp8")``, rows carry ``quantize`` and ``fp8`` in their name) on the FP8
+  Mosaic GPU kernels (``impl="mosaic"``), each right after the bfloat16 row of the default
+  impl (Mosaic GPU, sorted) of the same case: the E8 layer at 131k tokens (forward and train
+  step) and the E64 decoder's train step at 131k.
 - ``decoder``: the decoder layer of the H100 seed (E64 top-8, expert width 128, shared expert
   1024, d512) at 16k/131k/1M tokens, bfloat16.
 - ``pieces``: the train-step cost split of the sorted Pallas path (route, sort_permute,
@@ -88,6 +92,7 @@ class MoECase:
     recompute: bool = False  # MoEConfig.recompute, the memory-saving option
     deterministic: bool = False  # MoEConfig.deterministic, bitwise repeatable results
     activation: str = "swiglu"  # MoEConfig.activation
+    quantize: str | None = None  # MoEConfig.quantize ("fp8": the FP8 experts)
     # options of tilax.moe.rules' variant rules, ``(rule, option)`` pairs taken with
     # ``rules.choose`` while the row's function is traced (the ``variants`` suite)
     variants: tuple[tuple[str, Any], ...] = ()
@@ -111,6 +116,8 @@ class MoECase:
         if self.routing != "dropless" and self.impl != "dense":
             parts.append(self.routing)
         parts.append("bf16" if self.dtype == "bfloat16" else "f32")
+        if self.quantize:
+            parts.append(self.quantize)
         parts.append(f"T{self.tokens}-E{self.experts}k{self.top_k}-d{self.d_model}h{self.d_hidden}")
         if self.shared_hidden:
             parts.append(f"S{self.shared_hidden}")
@@ -175,6 +182,8 @@ class MoECase:
             info["deterministic"] = True
         if self.activation != "swiglu":  # missing: the default (every run before the option)
             info["activation"] = self.activation
+        if self.quantize:  # missing: no quantisation (every run before the option)
+            info["quantize"] = self.quantize
         if self.variants:
             info["variant"] = ",".join(f"{rule}={option}" for rule, option in self.variants)
         if self.router_label():
@@ -338,6 +347,14 @@ def router_cases(tokens, router: dict, shape: dict, impls, priority: int) -> lis
     return [pair for case in cases for pair in (case, dataclasses.replace(case, **router))]
 
 
+def fp8_cases(tokens, shape, ops, priority: int) -> list[MoECase]:
+    """bfloat16 rows of the default impl on the H200 (Mosaic GPU, sorted), each followed by
+    the same case with ``quantize="fp8"`` on the FP8 Mosaic GPU kernels: the pair a ratio is
+    formed from runs back to back in one process."""
+    cases = _layer_cases("layer", MOSAIC[:1], tokens, ["bfloat16"], ops, shape, priority)
+    return [pair for case in cases for pair in (case, dataclasses.replace(case, quantize="fp8"))]
+
+
 def layer_cases(mode: str) -> list[MoECase]:
     if mode == "smoke":
         shape = SMOKE_LAYER
@@ -352,6 +369,9 @@ def layer_cases(mode: str) -> list[MoECase]:
                            skew=0.9)
             + router_cases([64], SMOKE_DEEPSEEK_ROUTER, SMOKE_DECODER,
                            (P_SORTED, TORCH_COMPILE, TOKAMAX), 10)
+            # the quantize field's code path, on the XLA FP8 path a CPU runs
+            + [dataclasses.replace(case, quantize="fp8") for case in _layer_cases(
+                "layer", (RAGGED,), [64], ["bfloat16"], ["forward"], shape, 10)]
         )
     if mode == "quick":
         return (_layer_cases("layer", LAYER_CORE[:1] + LAYER_CORE[2:], [32768], BOTH_DTYPES,
@@ -360,6 +380,9 @@ def layer_cases(mode: str) -> list[MoECase]:
     return _first_of_each_id(
         # the DeepSeek-style router against the same shape's softmax router, then the rest
         router_cases([16384, 131072], DEEPSEEK_ROUTER, SEED_DECODER, ROUTER_IMPLS, 8)
+        # the FP8 experts beside the bfloat16 default: the E8 headline and the E64 decoder
+        + fp8_cases([131072], SEED_LAYER, BOTH_OPS, 9)
+        + fp8_cases([131072], SEED_DECODER, ["train_step"], 9)
         +
         # the headline comparison first: every impl at 32k and 131k, both dtypes and ops
         _layer_cases("layer", LAYER_ALL, [32768, 131072], BOTH_DTYPES, BOTH_OPS, SEED_LAYER, 10)
@@ -526,6 +549,8 @@ def moe_config(case: MoECase, *, dtype=None, routing=None, impl=None, dispatch=N
         kwargs["recompute"] = True
     if case.deterministic:
         kwargs["deterministic"] = True
+    if case.quantize and routing != "dense" and dtype is None and impl == case.impl:
+        kwargs["quantize"] = case.quantize  # the case's own layer (not its dense reference)
     return tilax.MoEConfig(**kwargs)
 
 

@@ -50,3 +50,23 @@ def test_deepseek_router_rows_beside_the_softmax_rows():
         (impl, dispatch, tokens, "train_step")
         for impl, dispatch, _ in bench_moe.ROUTER_IMPLS for tokens in (16384, 131072)}
     assert {"mosaic", "torch_grouped_mm_compile"} <= {case.impl for case in deepseek}
+
+
+def test_fp8_rows_beside_the_bfloat16_default():
+    """The layer suite's FP8 rows (issue 79): ``quantize="fp8"`` on the FP8 Mosaic GPU kernels
+    at the E8 headline (131k tokens, forward and train step) and the E64 decoder's train step,
+    each in the file of the same case's bfloat16 row of the default impl (Mosaic GPU, sorted);
+    the layer's config carries ``quantize``, its dense float32 reference does not."""
+    cases = bench_moe.layer_cases("full")
+    fp8 = [case for case in cases if case.quantize]
+    assert {(case.experts, case.tokens, case.op) for case in fp8} == {
+        (8, 131072, "forward"), (8, 131072, "train_step"), (64, 131072, "train_step")}
+    ids = {case.id for case in cases}
+    for case in fp8:
+        assert (case.impl, case.dispatch, case.dtype) == ("mosaic", "sorted", "bfloat16")
+        assert "-bf16-fp8-" in case.id and case.extra_info()["quantize"] == "fp8"
+        assert case.id.replace("-fp8", "") in ids
+        assert bench_moe.moe_config(case).quantize == "fp8"
+        assert bench_moe.moe_config(case, dtype=None, routing="dense").quantize is None
+    smoke = [case for case in bench_moe.layer_cases("smoke") if case.quantize]
+    assert [(case.impl, case.op) for case in smoke] == [("ragged_dot", "forward")]

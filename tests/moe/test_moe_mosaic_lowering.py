@@ -241,3 +241,16 @@ def test_deepseek_style_routing_lowers(router, ranked_by_kernel):
     expected = KERNELS["fused"] + ROW_COPIES + SHARED - JOINED + ROUTER * ranked_by_kernel
     assert module.count(MOSAIC_CALL) == expected
     assert module.count(ROUTER_KERNEL) == int(ranked_by_kernel)
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+def test_fp8_train_step_lowers(activation):
+    # quantize="fp8": every expert product on the FP8 kernels (mosaic.gmm_fp8): forward and
+    # input gradients (gate, up, down; d_act, dx from up and gate) and the weight gradients,
+    # one each fewer without the gate; the router runs in XLA on this path (fp8.py).
+    config = tilax.MoEConfig(**LAYER, impl="mosaic", quantize="fp8", activation=activation)
+    products = 6 if activation == "swiglu" else 4
+    module = lower_train_step(config, 4096)
+    assert module.count("moe_gmm_fp8_mosaic_mosaic_gpu") == products
+    assert module.count("moe_tgmm_fp8_mosaic_mosaic_gpu") == products // 2
+    assert module.count(MOSAIC_CALL) == products + products // 2

@@ -47,7 +47,7 @@ DISPATCHES = ("sorted", "gather", "fused", "fused_gsum")
 ROUTINGS = ("dropless", "capacity", "dense")
 DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 QUANTIZE = ("fp8",)
-FP8_IMPLS = ("auto", "blocked", "ragged_dot")  # the impls with an FP8 path (fp8.py)
+FP8_IMPLS = ("auto", "blocked", "ragged_dot", "mosaic")  # the impls with an FP8 path (fp8.py)
 
 
 @jax.tree_util.register_static
@@ -140,10 +140,12 @@ class MoEConfig:
             tiles of activations and gradients, 128 x 128 blocks of weights, float32
             accumulation promoted every 128 of the contraction, bfloat16 outputs; DeepSeek-V3's
             recipe, ``tilax.moe.quantize``). Needs ``dtype=bfloat16``, routed (not dense)
-            routing, ``impl`` in ``"auto"``/``"blocked"``/``"ragged_dot"`` (today the XLA
-            path, ``tilax.moe.fp8``; no FP8 kernel yet) and, on a GPU, FP8 tensor cores
-            (compute capability 8.9+). Router, shared expert and master weights stay as they
-            are.
+            routing, ``impl`` in ``"auto"``/``"blocked"``/``"ragged_dot"`` (the XLA path,
+            ``tilax.moe.fp8``) or ``"mosaic"`` (the Mosaic GPU FP8 kernels on Hopper,
+            ``tilax.moe.mosaic.gmm_fp8``; ``d_model`` and ``d_hidden`` multiples of 128;
+            not yet measured, so ``"auto"`` keeps the XLA path) and, on a GPU, FP8 tensor
+            cores (compute capability 8.9+). Router, shared expert and master weights stay as
+            they are.
         deterministic: bitwise repeatable results: repeated calls of one compiled train step
             on the same inputs give bitwise identical ``y`` and gradients on the GPU, for
             every impl. Every sum runs in a fixed order: no float atomics and no scatter-add
@@ -270,8 +272,13 @@ class MoEConfig:
             if dtype != jnp.bfloat16 or self.impl not in FP8_IMPLS or self.routing == "dense":
                 raise ValueError(
                     f"quantize={self.quantize!r} runs with dtype=bfloat16, routing "
-                    f"'dropless' or 'capacity' and impl in {FP8_IMPLS} (no FP8 kernels yet), "
+                    f"'dropless' or 'capacity' and impl in {FP8_IMPLS}, "
                     f"got dtype={dtype}, routing={self.routing!r}, impl={self.impl!r}")
+            if self.impl == "mosaic" and (self.d_model % 128 or self.d_hidden % 128):
+                raise ValueError(
+                    f"quantize={self.quantize!r} with impl='mosaic' needs d_model and d_hidden "
+                    f"multiples of 128 (one FP8 scale tile a wgmma step), got d_model="
+                    f"{self.d_model}, d_hidden={self.d_hidden}")
         for name in ("block_m", "block_n", "block_k"):
             value = getattr(self, name)
             if value is not None:
@@ -523,7 +530,8 @@ IMPLEMENTATIONS = {
     **{backend: pallas.PallasExperts(backend) for backend in pallas.KERNELS},
     "decode": decode.DecodeExperts(),
 }
-FP8_IMPLEMENTATIONS = {"blocked": fp8.routed_blocked, "ragged_dot": fp8.routed_ragged_dot}
+FP8_IMPLEMENTATIONS = {"blocked": fp8.routed_blocked, "ragged_dot": fp8.routed_ragged_dot,
+                       "mosaic": fp8.routed_mosaic}
 
 
 def routed_experts(config: MoEConfig, num_tokens: int | None = None):
@@ -543,8 +551,9 @@ def resolve_impl(config: MoEConfig, num_tokens: int | None = None) -> str:
     ``impl="auto"`` follows ``tilax.moe.rules``: on a CPU its platform rule (``"blocked"``),
     on GPUs ``"decode"`` where a decode rule covers the batch, ``"mosaic"`` where a backend
     rule holds a measured win for the config on this GPU, else ``"triton"``. With
-    ``quantize="fp8"`` the XLA impl it names runs the FP8 experts (``fp8.py``); ``"auto"``
-    takes the rules' ``QUANTIZE_RULES`` row for the platform.
+    ``quantize="fp8"`` the impl it names runs the FP8 experts (``fp8.py``: the XLA impls, or
+    ``"mosaic"``'s FP8 kernels); ``"auto"`` takes the rules' ``QUANTIZE_RULES`` row for the
+    platform.
 
     Raises:
         ValueError: ``impl="mosaic"`` on a device that cannot run Mosaic GPU (with the reason),

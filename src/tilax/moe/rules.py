@@ -197,15 +197,18 @@ class QuantizeRule:
 _QUANTIZE_ROWS = (
     QuantizeRule(
         "fp8", "cpu", "blocked",
-        unmeasured="the FP8 experts have only their XLA path (fp8.py) so far; 'blocked' "
+        unmeasured="the FP8 experts' kernels (impl='mosaic') run on Hopper only: a CPU runs "
+                   "the XLA path (fp8.py); 'blocked' "
                    "because the platform rule measured it faster than 'ragged_dot' for the "
                    "bfloat16 layer on a CPU, not measured with quantize='fp8'",
     ),
     QuantizeRule(
         "fp8", "gpu", "ragged_dot",
-        unmeasured="no FP8 kernel yet (the Mosaic GPU FP8 grouped matmuls are planned, "
-                   "docs/performance/moe.md 'FP8: the plan'); the FP8 path runs its products "
-                   "as bfloat16 ones, and for the bfloat16 layer 'ragged_dot' was the faster "
+        unmeasured="the Mosaic GPU FP8 kernels (impl='mosaic', tilax.moe.mosaic.gmm_fp8; "
+                   "sm90) have no stored H200 run yet, so auto keeps the XLA FP8 path until "
+                   "the layer suite's quantize='fp8' rows show them faster; that path runs "
+                   "its products as bfloat16 ones, and for the bfloat16 layer 'ragged_dot' "
+                   "was the faster "
                    "XLA impl on the H200 (E8 top-2 train step 81.75 ms against 115.83 at "
                    "131,072 tokens, h200-20261130-4cab2a4-layer-131k-e64-skew.json; 21.64 "
                    "against 29.61 at 32,768, h200-20261130-4cab2a4-layer-32k-4k.json); not "
