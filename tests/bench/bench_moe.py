@@ -18,7 +18,12 @@ Suites (``extra_info["suite"]``) mirror the stored seed files:
   (``MoEConfig(quantize="fp8")``, rows carry ``quantize`` and ``fp8`` in their name) on the FP8
   Mosaic GPU kernels (``impl="mosaic"``), each right after the bfloat16 row of the default
   impl (Mosaic GPU, sorted) of the same case: the E8 layer at 131k tokens (forward and train
-  step) and the E64 decoder's train step at 131k.
+  step) and the E64 decoder's train step at 131k; beside them the PyTorch peer's FP8 rows
+  (``torch_grouped_mm``/``torch_grouped_mm_compile`` with ``quantize="fp8"``, after their
+  bfloat16 rows: ``torch._scaled_grouped_mm`` with torchao's rowwise recipe, a coarser one
+  than tilax's 1 x 128 / 128 x 128 tiles; ``bench_torch_moe`` says how, and its rows carry
+  ``fp8_scaling``, ``fp8_weight_grad``, ``fp8_fast_accum``, ``fp8_bound_out`` and
+  ``fp8_bound_grad``).
 - ``decoder``: the decoder layer of the H100 seed (E64 top-8, expert width 128, shared expert
   1024, d512) at 16k/131k/1M tokens, bfloat16.
 - ``pieces``: the train-step cost split of the sorted Pallas path (route, sort_permute,
@@ -184,6 +189,10 @@ class MoECase:
             info["activation"] = self.activation
         if self.quantize:  # missing: no quantisation (every run before the option)
             info["quantize"] = self.quantize
+            if self.impl in TORCH_IMPLS:  # the peer's recipe (rowwise scales, not tilax's)
+                import bench_torch_moe
+
+                info.update(bench_torch_moe.FP8_RECIPE)
         if self.variants:
             info["variant"] = ",".join(f"{rule}={option}" for rule, option in self.variants)
         if self.router_label():
@@ -347,11 +356,16 @@ def router_cases(tokens, router: dict, shape: dict, impls, priority: int) -> lis
     return [pair for case in cases for pair in (case, dataclasses.replace(case, **router))]
 
 
+# Impls with FP8 rows in the layer suite: tilax's default on the H200 (Mosaic GPU, sorted) and
+# the PyTorch peer on torch._scaled_grouped_mm (rowwise scales), eager and compiled.
+FP8_IMPLS = (MOSAIC[0], TORCH, TORCH_COMPILE)
+
+
 def fp8_cases(tokens, shape, ops, priority: int) -> list[MoECase]:
-    """bfloat16 rows of the default impl on the H200 (Mosaic GPU, sorted), each followed by
-    the same case with ``quantize="fp8"`` on the FP8 Mosaic GPU kernels: the pair a ratio is
-    formed from runs back to back in one process."""
-    cases = _layer_cases("layer", MOSAIC[:1], tokens, ["bfloat16"], ops, shape, priority)
+    """bfloat16 rows of :data:`FP8_IMPLS`, each followed by the same case with
+    ``quantize="fp8"`` (the FP8 Mosaic GPU kernels; the PyTorch peer's FP8 path): the pair a
+    ratio is formed from runs back to back in one process."""
+    cases = _layer_cases("layer", FP8_IMPLS, tokens, ["bfloat16"], ops, shape, priority)
     return [pair for case in cases for pair in (case, dataclasses.replace(case, quantize="fp8"))]
 
 
@@ -369,9 +383,10 @@ def layer_cases(mode: str) -> list[MoECase]:
                            skew=0.9)
             + router_cases([64], SMOKE_DEEPSEEK_ROUTER, SMOKE_DECODER,
                            (P_SORTED, TORCH_COMPILE, TOKAMAX), 10)
-            # the quantize field's code path, on the XLA FP8 path a CPU runs
+            # the quantize field's code path, on the XLA FP8 path a CPU runs, and the PyTorch
+            # FP8 peer (an unavailable row without torch or a GPU)
             + [dataclasses.replace(case, quantize="fp8") for case in _layer_cases(
-                "layer", (RAGGED,), [64], ["bfloat16"], ["forward"], shape, 10)]
+                "layer", (RAGGED, TORCH), [64], ["bfloat16"], ["forward"], shape, 10)]
         )
     if mode == "quick":
         return (_layer_cases("layer", LAYER_CORE[:1] + LAYER_CORE[2:], [32768], BOTH_DTYPES,
