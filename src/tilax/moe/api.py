@@ -700,16 +700,18 @@ def moe_apply(
             params, x, config, experts, mesh=mesh, expert_axis=expert_axis
         )
     experts = routed_experts(config, num_tokens)  # here: its errors come at every call
-    return _layer_on_one_device(params, x, config, experts, _pallas.trace_facts())
+    trace_key = (_pallas.trace_facts(), rules.chosen())
+    return _layer_on_one_device(params, x, config, experts, trace_key)
 
 
 @functools.partial(jax.jit, static_argnums=(3, 4))
-def _layer_on_one_device(params, x, config, experts, trace_facts):
+def _layer_on_one_device(params, x, config, experts, trace_key):
     """The layer on one device, compiled as one program: called eagerly, the layer would
     dispatch (and compile) each of its operations apart, several times slower on a CPU. Inside
     a caller's ``jax.jit`` this jit is inlined. ``config`` is a pytree without leaves;
-    ``trace_facts`` (``_pallas.trace_facts``) keys the trace on the assumed device."""
-    del trace_facts
+    ``trace_key`` keys the trace on what the trace reads besides its arguments: the assumed
+    device (``_pallas.trace_facts``) and the variant choices (``rules.chosen``)."""
+    del trace_key
     num_tokens = math.prod(jnp.shape(x)[:-1])
     x2 = jnp.reshape(x, (num_tokens, config.d_model))
     routed = router.route_layer(x2, params, config, backend=_router_backend(experts))

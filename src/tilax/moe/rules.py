@@ -456,6 +456,12 @@ def choose(**options: Any) -> Iterator[None]:
         _CHOSEN.reset(token)
 
 
+def chosen() -> tuple:
+    """The options :func:`choose` sets around the caller, as a hashable key: a function jitted
+    inside tilax takes it as a static argument, so that each choice gets its own trace."""
+    return tuple(sorted(_CHOSEN.get().items()))
+
+
 def variant(name: str) -> Any:
     """The option of variant rule ``name`` in force: its ``pick``, or what :func:`choose`
     selected around the trace."""
