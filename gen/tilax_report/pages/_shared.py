@@ -53,6 +53,17 @@ def by_run_newest_first(rows: pd.DataFrame, order: pd.Series
     return newest, earlier
 
 
+def sections_newest_first(page, rows: pd.DataFrame, order: pd.Series, draw) -> None:
+    """``draw(device, run, rows)`` for each run of :func:`by_run_newest_first`: the newest runs
+    open, the earlier ones folded under :func:`earlier_summary`."""
+    newest, earlier = by_run_newest_first(rows, order)
+    for group in newest:
+        draw(*group)
+    with page.collapsed(earlier_summary(earlier)):
+        for group in earlier:
+            draw(*group)
+
+
 def earlier_summary(groups: list, what: str = "run") -> str:
     """'Earlier runs (12)' for the folded section."""
     return f"Earlier {what}s ({len(groups)}): older code or the same GPU measured before"

@@ -43,12 +43,8 @@ def build(results: StoredResults) -> str:
         + ". The newest run on each GPU comes first; earlier runs are folded under *Earlier "
         "runs*. Dense rows beyond the device's memory are skipped, not attempted."
     )
-    newest, earlier = _shared.by_run_newest_first(rows, ready.order)
-    for device, run, run_rows in newest:
-        _run_section(page, device, run, run_rows)
-    with page.collapsed(_shared.earlier_summary(earlier)):
-        for device, run, run_rows in earlier:
-            _run_section(page, device, run, run_rows)
+    _shared.sections_newest_first(
+        page, rows, ready.order, lambda *group: _run_section(page, *group))
     return page.render()
 
 

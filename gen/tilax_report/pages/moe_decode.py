@@ -89,12 +89,8 @@ def build(results: StoredResults) -> str:
     )
     bandwidth = copy_bandwidth(results.rows)
     layer = with_shares(decode[decode["impl"] != COPY], bandwidth)
-    newest, earlier = _shared.by_run_newest_first(layer, ready.order)
-    for _, _, rows in newest:
-        _run_section(page, rows, bandwidth)
-    with page.collapsed(_shared.earlier_summary(earlier)):
-        for _, _, rows in earlier:
-            _run_section(page, rows, bandwidth)
+    _shared.sections_newest_first(
+        page, layer, ready.order, lambda _, __, rows: _run_section(page, rows, bandwidth))
     return page.render()
 
 

@@ -71,12 +71,8 @@ def build(results: StoredResults) -> str:
     dates, order = ready.dates, ready.order
     steps = scaling.step_rows(rows)
     _summary(page, steps, rows, order)
-    newest, earlier = _shared.by_run_newest_first(rows, order)
-    for _, run, run_rows in newest:
-        _run_section(page, run_rows, steps[steps["run"] == run], dates)
-    with page.collapsed(_shared.earlier_summary(earlier)):
-        for _, run, run_rows in earlier:
-            _run_section(page, run_rows, steps[steps["run"] == run], dates)
+    _shared.sections_newest_first(page, rows, order, lambda _, run, run_rows: _run_section(
+        page, run_rows, steps[steps["run"] == run], dates))
     return page.render()
 
 

@@ -116,12 +116,7 @@ def _block_m(page: Page, rows: pd.DataFrame, order: pd.Series) -> None:
         )
         page.chart(chart, group, _not_drawn(group))
 
-    newest, earlier = _shared.by_run_newest_first(rows, order)
-    for group in newest:
-        draw(*group)
-    with page.collapsed(_shared.earlier_summary(earlier)):
-        for group in earlier:
-            draw(*group)
+    _shared.sections_newest_first(page, rows, order, draw)
 
 
 def _slab(page: Page, rows: pd.DataFrame) -> None:
@@ -193,12 +188,7 @@ def _maxtok(page: Page, ladder: pd.DataFrame, summary: pd.DataFrame, order: pd.S
         page.chart(chart, group, "A cross on the top edge marks the size that failed "
                                  "(hover for the error); skipped sizes are not drawn.")
 
-    newest, earlier = _shared.by_run_newest_first(ladder, order)
-    for group in newest:
-        draw(*group)
-    with page.collapsed(_shared.earlier_summary(earlier)):
-        for group in earlier:
-            draw(*group)
+    _shared.sections_newest_first(page, ladder, order, draw)
     keys = ["source_file", "run", "gpu", "code", "label"]
     limits = analysis.ladder_limits(ladder.assign(code=ladder["code"].fillna("")),
                                     summary.assign(code=summary["code"].fillna("")),

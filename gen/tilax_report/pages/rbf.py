@@ -114,12 +114,8 @@ def _per_device(page: Page, rows: pd.DataFrame, order: pd.Series | None, draw) -
     earlier ones folded."""
     if order is None:
         order = pd.Series(range(len(rows["run"].unique())), index=rows["run"].unique())
-    newest, earlier = _shared.by_run_newest_first(rows, order)
-    for device, run, group in newest:
-        draw(run, f"{analysis.short_gpu(device)}, run {run}", group)
-    with page.collapsed(_shared.earlier_summary(earlier)):
-        for device, run, group in earlier:
-            draw(run, f"{analysis.short_gpu(device)}, run {run}", group)
+    _shared.sections_newest_first(page, rows, order, lambda device, run, group: draw(
+        run, f"{analysis.short_gpu(device)}, run {run}", group))
 
 
 def _kernel_mv(page: Page, rows: pd.DataFrame, order: pd.Series) -> None:
