@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from gp_oracle import dense_posterior, gp_data
 
 import tilax
@@ -40,3 +41,29 @@ def test_posterior_without_preconditioner_and_empty_queries():
     np.testing.assert_allclose(variance, variance_ref, atol=1e-3)
     mean, variance = tilax.gp.posterior(params, x, y, x_star[:0], impl="xla")
     assert mean.shape == variance.shape == (0,)
+
+
+def test_eager_calls_run_as_one_compiled_program_each():
+    """Outside ``jax.jit``, ``mll`` and ``posterior`` still compile as one program each (a
+    ``jit`` inside), not their preconditioner and CG loops piece by piece at every call; the
+    argument checks stay outside it and raise at every call."""
+    x, y = gp_data(60, 2, seed=3, noise=0.1)
+    params = {"lengthscale": 0.5, "outputscale": 1.0, "noise": 0.1}
+    x_star = x[:5]
+    key = jax.random.key(0)
+    calls = {
+        "mll": lambda p, x, y: tilax.gp.mll(p, x, y, key=key, impl="xla"),
+        "posterior": lambda p, x, y: tilax.gp.posterior(p, x, y, x_star, impl="xla"),
+    }
+    for name, call in calls.items():
+        jaxpr = jax.make_jaxpr(call)(params, x, y)
+        # (the parameters' casts to the compute dtype may stay outside)
+        outside = [e.primitive.name for e in jaxpr.eqns
+                   if e.primitive.name != "convert_element_type"]
+        assert outside == ["jit"], name
+        first = call(params, x, y)
+        for again, before in zip(jax.tree.leaves(call(params, x, y)), jax.tree.leaves(first),
+                                 strict=True):
+            np.testing.assert_array_equal(again, before)
+        with pytest.raises(ValueError, match="positive"):
+            call(dict(params, noise=-1.0), x, y)

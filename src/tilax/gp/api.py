@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tilax import _pallas
 from tilax.gp import cg, lanczos, preconditioner
 from tilax.gp.kernels import kernel_sum
 
@@ -229,6 +230,15 @@ def _mll_bwd(estimator, saved, cotangents):
 _mll.defvjp(_mll_fwd, _mll_bwd)
 
 
+# Jitted also when called eagerly: the preconditioner and CG loops would otherwise compile
+# piece by piece at every call. ``trace_facts`` (tilax._pallas) keys the trace on what "auto"
+# reads of the device besides the arguments.
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _mll_program(estimator, trace_facts, *args):
+    del trace_facts
+    return _mll(estimator, *args)
+
+
 def mll(
     params: Mapping[str, Any],
     x,
@@ -319,7 +329,8 @@ def mll(
     params = _check_params(params, x.shape[1])
     dtype = _compute_dtype(x, y, *params)
     params = tuple(p.astype(dtype) for p in params)
-    value, info = _mll(estimator, *params, x.astype(dtype), y.astype(dtype), key)
+    value, info = _mll_program(estimator, _pallas.trace_facts(), *params, x.astype(dtype),
+                               y.astype(dtype), key)
     return (value, info) if return_info else value
 
 
@@ -393,10 +404,12 @@ def posterior(
     m = x_star.shape[0]
     if m == 0:
         return jnp.zeros((0,), dtype), jnp.zeros((0,), dtype)
-    return _posterior(model, query_batch, params, x, y, x_star)
+    return _posterior(model, query_batch, _pallas.trace_facts(), params, x, y, x_star)
 
 
-def _posterior(model, query_batch, params, x, y, x_star):
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))  # as _mll_program
+def _posterior(model, query_batch, trace_facts, params, x, y, x_star):
+    del trace_facts
     lengthscale, outputscale, _ = params
     precond, _ = model.preconditioner(*params, x)
     alpha = model.solve(params, x, y[:, None], precond).solution
