@@ -167,6 +167,17 @@ def test_kde_weights_of_any_size(impl, scale, log):
     np.testing.assert_allclose(np.asarray(out), expected, rtol=2e-5)
 
 
+@pytest.mark.parametrize("scale", [1e-45, 1e-40, 3.4e38])
+def test_kde_weights_of_any_size_under_jit(scale):
+    """The same inside a caller's ``jax.jit``: XLA fuses the weights' normalisation there, and
+    on a CPU (denormals flushed) subnormal weights once gave NaN or 0."""
+    weights = (np.array([1.0, 0.5, 0.25], np.float32) * np.float32(scale)).astype(np.float32)
+    out = jax.jit(lambda w: tilax.rbf_kde_density(QUERIES, KEYS, 0.8, weights=w, impl="xla"))(
+        weights)
+    expected = _kde_f64(QUERIES, KEYS, np.float32(0.8), weights.astype(np.float64), log=False)
+    np.testing.assert_allclose(np.asarray(out), expected, rtol=2e-5)
+
+
 def test_kde_weights_gradient_through_normalisation():
     weights = np.array([1.0, 0.5, 0.25], np.float32)
 

@@ -117,7 +117,9 @@ def split_exponent(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     nmant, bias, uint = _layout(x.dtype)
     frac_mask = jnp.asarray((1 << nmant) - 1, uint)
     one = jnp.asarray(bias << nmant, uint)
-    bits = lax.bitcast_convert_type(jnp.abs(x), uint)
+    # |x| from the bits: a float abs would read a subnormal x as 0 in code XLA compiles with
+    # denormals flushed (a fused program on a CPU).
+    bits = lax.bitcast_convert_type(x, uint) & jnp.asarray(jnp.iinfo(uint).max >> 1, uint)
     field = (bits >> nmant).astype(jnp.int32)
     normal = lax.bitcast_convert_type((bits & frac_mask) | one, x.dtype)
     # A subnormal number is its fraction bits times 2^(1 - bias - nmant); as an integer converted
@@ -167,22 +169,40 @@ def log_positive(x: jax.Array) -> jax.Array:
     return jnp.where(normal, jnp.log(jnp.where(normal, x, 1.0)), from_bits)
 
 
-def normalized_weights(weights: jax.Array) -> jax.Array:
-    """Non-negative ``weights: [..., M]`` (not all zero) divided by their sum over ``M``, for any
-    finite size: first rescaled by a power of two so that the largest is in ``[1, 2)`` (the sum
-    of 1e38s would overflow, 1e-45s are flushed to zero), then divided by their sum."""
-    nmant, bias, uint = _layout(weights.dtype)
-    bits = lax.bitcast_convert_type(lax.stop_gradient(weights), uint)
-    positive = (bits << 1) != 0  # the sign bit dropped: nonzero, read from the bits
+def _rescaled_weights(weights: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(weights / 2^e, 2^-e)`` with ``2^e`` the largest weight's power of two (per row over
+    ``M``), the first from the bits alone, the second clamped below overflow."""
+    _, bias, uint = _layout(weights.dtype)
+    positive = (lax.bitcast_convert_type(weights, uint) << 1) != 0  # the sign bit dropped
     mantissa, exponent = split_exponent(weights)
     exponent = jnp.where(positive, exponent, jnp.iinfo(jnp.int32).min // 2)
     largest = jnp.max(exponent, axis=-1, keepdims=True)
-    # The values from the bits; the derivative (w / 2^e_max) through a clamped factor.
     values = jnp.where(positive, times_power_of_two(mantissa, exponent - largest), 0.0)
-    factor = times_power_of_two(jnp.ones((), weights.dtype), -largest)
-    factor = jnp.minimum(factor, jnp.finfo(weights.dtype).max)
-    rescaled = values + (weights - lax.stop_gradient(weights)) * factor
-    return rescaled / jnp.sum(rescaled, axis=-1, keepdims=True)
+    return values, times_power_of_two(jnp.ones((), weights.dtype), jnp.minimum(-largest, bias))
+
+
+# A custom JVP so that the value never reads the weights as floats: in code XLA fuses on a CPU
+# (under jit) LLVM turns a bit test of a float that is also read as a float into a float
+# comparison, which reads a subnormal weight as 0 (denormals are flushed there).
+@jax.custom_jvp
+def normalized_weights(weights: jax.Array) -> jax.Array:
+    """Non-negative ``weights: [..., M]`` (not all zero) divided by their sum over ``M``, for any
+    finite size: first rescaled by a power of two so that the largest is in ``[1, 2)`` (the sum
+    of 1e38s would overflow, 1e-45s are flushed to zero), then divided by their sum. The
+    derivative is that of ``w / sum(w)`` with the rescaling factor clamped at the float's
+    largest power of two."""
+    values, _ = _rescaled_weights(weights)
+    return values / jnp.sum(values, axis=-1, keepdims=True)
+
+
+@normalized_weights.defjvp
+def _normalized_weights_jvp(primals, tangents):
+    (weights,), (d_weights,) = primals, tangents
+    values, factor = _rescaled_weights(weights)
+    total = jnp.sum(values, axis=-1, keepdims=True)
+    out = values / total
+    d_rescaled = d_weights * factor
+    return out, (d_rescaled - out * jnp.sum(d_rescaled, axis=-1, keepdims=True)) / total
 
 
 def scale_by(x: jax.Array, lengthscale: jax.Array) -> jax.Array:
