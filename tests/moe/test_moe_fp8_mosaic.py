@@ -13,6 +13,8 @@ The interpreter checks indices, scales and stored rows, not layouts, swizzles or
 test_moe_fp8_gpu.py runs the kernels on Hopper.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -68,12 +70,16 @@ def _forward_operands(rng, k_dim, n_dim):
     return xq, xs, wq, ws, jnp.asarray(GROUP_SIZES, jnp.int32)
 
 
+# The XLA FP8 product the kernels must match, jitted: one compile, not one per operation.
+_xla_product = jax.jit(functools.partial(quantize.grouped_matmul, out_dtype=jnp.float32))
+
+
 @needs_interpreter
 def test_grouped_matmul_fp8_matches_the_xla_product(rng, few_sms):
     """K = 256: two promotion steps; N = 192: the last 64 columns are half a weight block."""
     n_dim = 192
     xq, xs, wq, ws, sizes = _forward_operands(rng, 256, n_dim)
-    expected = quantize.grouped_matmul(xq, xs, wq, ws, sizes, out_dtype=jnp.float32)
+    expected = _xla_product(xq, xs, wq, ws, sizes)
     with gpu_interpreter():
         out = gmm_fp8.grouped_matmul_fp8(
             xq, xs, jnp.swapaxes(wq, 1, 2), ws, sizes, tiles=TILES, out_dtype=jnp.float32
@@ -87,7 +93,7 @@ def test_grouped_matmul_fp8_matches_the_xla_product(rng, few_sms):
         out2 = gmm_fp8.grouped_matmul_fp8(
             xq, xs2, jnp.swapaxes(wq, 1, 2), ws, sizes, tiles=TILES, out_dtype=jnp.float32
         )
-    expected2 = quantize.grouped_matmul(xq, xs2, wq, ws, sizes, out_dtype=jnp.float32)
+    expected2 = _xla_product(xq, xs2, wq, ws, sizes)
     assert peak_rel_err(out2[:NUM_ROWS], expected2[:NUM_ROWS]) < TOLERANCE
     assert not np.allclose(np.asarray(out2[3]), np.asarray(out[3]))
 
@@ -95,7 +101,7 @@ def test_grouped_matmul_fp8_matches_the_xla_product(rng, few_sms):
 @needs_interpreter
 def test_grouped_matmul_fp8_rounds_once_to_bfloat16(rng, few_sms):
     xq, xs, wq, ws, sizes = _forward_operands(rng, 128, 64)
-    expected = quantize.grouped_matmul(xq, xs, wq, ws, sizes, out_dtype=jnp.float32)
+    expected = _xla_product(xq, xs, wq, ws, sizes)
     with gpu_interpreter():
         out = gmm_fp8.grouped_matmul_fp8(xq, xs, jnp.swapaxes(wq, 1, 2), ws, sizes, tiles=TILES)
     assert out.dtype == jnp.bfloat16

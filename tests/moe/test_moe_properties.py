@@ -1,6 +1,8 @@
 """Property-based tests of the public MoE functions against a float64 NumPy oracle (issue 76):
 over shapes, dtypes, input scales, routings and the XLA impls (the Pallas kernels have their own
-tests at fixed shapes). Few examples at small shapes, derandomized, so CI is repeatable."""
+tests at fixed shapes). Few examples at small shapes, derandomized, so CI is repeatable. Marked
+``kernels`` (``nox -s tests_kernels``) for the compiles at every new shape; tests/moe's unit
+tests hold each impl against the oracle every day."""
 
 from __future__ import annotations
 
@@ -8,10 +10,13 @@ import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from helpers import rel_err
 from hypothesis import assume, given, settings
 
 import tilax
+
+pytestmark = pytest.mark.kernels
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 # Against the oracle on the inputs as rounded to their dtype: float32 matmuls, or bfloat16

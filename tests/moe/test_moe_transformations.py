@@ -174,8 +174,10 @@ def test_mesh_y_split_over_tokens_where_they_divide(mesh_shape, axis_names, toke
     on_cpu_devices(ep_transformations.check_y_sharding, mesh_shape, axis_names, tokens)
 
 
+# Every day each impl and each routing at least once; the other pairs in tests_kernels.
 VMAP_CASES = [
-    ("ragged_dot", "dropless", False), ("ragged_dot", "capacity", False),
+    pytest.param("ragged_dot", "dropless", False, marks=pytest.mark.kernels),
+    pytest.param("ragged_dot", "capacity", False, marks=pytest.mark.kernels),
     ("ragged_dot", "dropless", True), ("blocked", "dropless", False),
     ("blocked", "capacity", False), ("auto", "dense", False),
     pytest.param("pallas", "dropless", False, marks=pytest.mark.kernels),

@@ -1,6 +1,8 @@
 """Property-based tests of the public RBF functions against the float64 oracle (issue 76): over
 shapes, dtypes, data scales and lengthscale (bandwidth) ratios from subnormal to huge, impls and
-precisions. Few examples at small shapes, derandomized, so that CI is repeatable and fast."""
+precisions. Few examples at small shapes, derandomized, so that CI is repeatable. Marked
+``kernels`` (``nox -s tests_kernels``): the search compiles every impl at new shapes (15 s on
+the 2-core machine); tests/rbf's unit tests hold each impl against the oracle every day."""
 
 from __future__ import annotations
 
@@ -8,10 +10,13 @@ import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from rbf_oracle import kde_density, kernel_mv
 
 import tilax
+
+pytestmark = pytest.mark.kernels
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 # Relative tolerance of a result against the oracle on the inputs as rounded to their dtype:
