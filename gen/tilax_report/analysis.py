@@ -21,7 +21,10 @@ import pandas as pd
 from . import verdict
 
 RUN_KEYS = ["run", "device"]
-MOE_CONFIG = ["d_model", "d_hidden", "experts", "top_k", "shared_hidden", "skew", "activation"]
+# A case is one layer: another activation or router (sigmoid scores, bias, groups) is another
+# case, never ranked against the softmax top-k rows of the same shape.
+MOE_CONFIG = ["d_model", "d_hidden", "experts", "top_k", "shared_hidden", "skew", "activation",
+              "router"]
 MOE_CASE = [*MOE_CONFIG, "dtype", "op", "tokens"]
 RBF_CONFIG = ["dim", "out", "batch"]
 RBF_CASE = ["suite", *RBF_CONFIG, "op", "n", "m"]

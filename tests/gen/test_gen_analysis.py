@@ -48,6 +48,16 @@ def test_ranking_is_within_each_run():
     assert by_run.loc["b", "ratio"] == 2.0
 
 
+def test_another_router_is_another_case():
+    """Rows of one run that differ only in the router (sigmoid scores, bias, groups) are two
+    cases: a softmax row is never ranked against a sigmoid one."""
+    sigmoid = "sigmoid bias groups 8/4 scale 2.5"
+    rows = [{**row, "router": sigmoid, "median_ms": row["median_ms"] * 4} for row in TWO_RUNS[:2]]
+    ranked = analysis.rank_within_run(tiny_table(TWO_RUNS[:2] + rows), analysis.MOE_CASE)
+    assert sorted(ranked["ratio"]) == [3.0, 3.0] and len(ranked) == 2
+    assert set(ranked["config"]) == {"E8 top-2 d512 h1024", f"E8 top-2 d512 h1024 {sigmoid}"}
+
+
 def test_speedup_baseline_comes_from_the_same_run():
     speed = analysis.speedups(tiny_table(TWO_RUNS), analysis.MOE_CASE, "ragged_dot/sorted")
     # Run b has no ragged_dot: its rows get no speedup rather than run a's baseline.
