@@ -215,12 +215,34 @@ def scale_by(x: jax.Array, lengthscale: jax.Array) -> jax.Array:
     turns a zero cotangent into ``0 * inf = NaN``. Values beyond ``2 sqrt(max)`` (whose squares
     overflow) are clamped there.
     """
-    fixed = lax.stop_gradient(lengthscale)
-    # Beyond sqrt(max) a square overflows anyway: clamped there, a scaled difference is never
-    # inf (at subnormal lengthscales it would be), so its derivative is never 0 * inf.
-    bound = 2.0 * math.sqrt(float(jnp.finfo(x.dtype).max))
-    scaled = jnp.clip(divide_by(x, fixed), -bound, bound)
-    return scaled * jnp.exp(log_positive(fixed) - log_positive(lengthscale))
+    return Scale.of(lengthscale).apply(x)
+
+
+@dataclasses.dataclass(frozen=True)
+class Scale:
+    """What :func:`scale_by` computes of the lengthscale, once for every ``x`` it scales (and,
+    for a ``[D]`` lengthscale, ``scale[d]`` for dimension ``d``): one copy of the bit-level
+    work in the program instead of one per call."""
+
+    mantissa: jax.Array
+    exponent: jax.Array
+    factor: jax.Array  # exp(log l0 - log l): exactly 1, carrying the lengthscale's derivative
+
+    @classmethod
+    def of(cls, lengthscale: jax.Array) -> Scale:
+        fixed = lax.stop_gradient(lengthscale)
+        mantissa, exponent = split_exponent(fixed)
+        return cls(mantissa, exponent, jnp.exp(log_positive(fixed) - log_positive(lengthscale)))
+
+    def __getitem__(self, d) -> Scale:
+        return Scale(self.mantissa[d], self.exponent[d], self.factor[d])
+
+    def apply(self, x: jax.Array) -> jax.Array:
+        # Beyond sqrt(max) a square overflows anyway: clamped there, a scaled difference is
+        # never inf (at subnormal lengthscales it would be), so its derivative is never 0 * inf.
+        bound = 2.0 * math.sqrt(float(jnp.finfo(x.dtype).max))
+        scaled = jnp.clip(times_power_of_two(x, -self.exponent) / self.mantissa, -bound, bound)
+        return scaled * self.factor
 
 
 def centered_scaled(queries, points, scale, dtype=None):

@@ -48,10 +48,11 @@ def _expansion_half_sq(qs, ks):
 def _exact_half_sq(q, k, lengthscale):
     """``0.5 sum_d ((q_id - k_jd) / l_d)^2`` as ``[..., N, M]`` from coordinate differences."""
     per_dimension = jnp.ndim(lengthscale) == 1
+    scales = numerics.Scale.of(lengthscale)  # once, not once per dimension
     total = None
     for d in range(q.shape[-1]):
-        scale = lengthscale[d] if per_dimension else lengthscale
-        scaled = numerics.scale_by(q[..., :, None, d] - k[..., None, :, d], scale)
+        scale = scales[d] if per_dimension else scales
+        scaled = scale.apply(q[..., :, None, d] - k[..., None, :, d])
         # Each square and the result pass through a max with 0 (a no-op) that XLA cannot fuse
         # into the sums: every recomputation of an exponent (XLA recomputes per use, and in the
         # backward pass) then rounds alike. A fused multiply-add would not round the product,
