@@ -18,7 +18,7 @@ from helpers import rel_err
 from rbf_oracle import kde_value_and_grads, kernel_mv_value_and_grads
 
 import tilax
-from tilax.rbf import numerics
+from tilax.rbf import numerics, reference
 
 IMPLS = ("pallas", "xla", "dense")
 PRECISIONS = (None, "high", "highest")  # None is "default"
@@ -282,7 +282,6 @@ def test_the_lengthscales_bit_level_work_is_done_once_not_per_dimension(per_dime
     its compile time) does not grow with them per dimension (at D = 8 a GP gradient's program
     was twice the size). Per dimension only the scaling itself remains: its two power-of-two
     factors, built from bits (14 bit-level operations per dimension before)."""
-    from tilax.rbf import reference
 
     def bit_ops(dim):
         q, v = jnp.ones((16, dim)), jnp.ones((16, 2))
