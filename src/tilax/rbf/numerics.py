@@ -257,7 +257,8 @@ def centered_scaled(queries, points, scale, dtype=None):
     points = points.astype(dtype)
     scale = jnp.asarray(scale).astype(dtype)
     center = lax.stop_gradient(jnp.mean(points, axis=-2, keepdims=True))
-    return scale_by(queries - center, scale), scale_by(points - center, scale)
+    scale = Scale.of(scale)
+    return scale.apply(queries - center), scale.apply(points - center)
 
 
 def spread_ratio(qs: jax.Array, ks: jax.Array) -> jax.Array:
