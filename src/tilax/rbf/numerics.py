@@ -205,24 +205,19 @@ def _normalized_weights_jvp(primals, tangents):
     return out, (d_rescaled - out * jnp.sum(d_rescaled, axis=-1, keepdims=True)) / total
 
 
-def scale_by(x: jax.Array, lengthscale: jax.Array) -> jax.Array:
-    """``x / lengthscale`` whose derivative in the lengthscale stays finite at any lengthscale.
+@dataclasses.dataclass(frozen=True)
+class Scale:
+    """``x / lengthscale`` whose derivative in the lengthscale stays finite at any lengthscale:
+    ``Scale.of(l).apply(x)``, the lengthscale's part computed once for every ``x`` it scales
+    (``scale[d]``: dimension ``d`` of a ``[D]`` lengthscale), not once per coordinate.
 
     Written ``(x / l0) * exp(log l0 - log l)`` with ``l0 = stop_gradient(l)``: the value is the
-    correctly rounded ``x / l`` (the factor is exactly 1; :func:`divide_by`, so that a subnormal
-    lengthscale divides too), and the derivative is formed as ``(x / l0) * (-1 / l)``.
+    correctly rounded ``x / l`` (the factor is exactly 1; as :func:`divide_by`, so that a
+    subnormal lengthscale divides too), and the derivative is formed as ``(x / l0) * (-1 / l)``.
     Differentiating ``x / l`` directly forms ``1 / l^2``, which overflows for ``l < 1e-19`` and
     turns a zero cotangent into ``0 * inf = NaN``. Values beyond ``2 sqrt(max)`` (whose squares
     overflow) are clamped there.
     """
-    return Scale.of(lengthscale).apply(x)
-
-
-@dataclasses.dataclass(frozen=True)
-class Scale:
-    """What :func:`scale_by` computes of the lengthscale, once for every ``x`` it scales (and,
-    for a ``[D]`` lengthscale, ``scale[d]`` for dimension ``d``): one copy of the bit-level
-    work in the program instead of one per call."""
 
     mantissa: jax.Array
     exponent: jax.Array
@@ -255,9 +250,8 @@ def centered_scaled(queries, points, scale, dtype=None):
     dtype = dtype or compute_dtype(queries, points)
     queries = queries.astype(dtype)
     points = points.astype(dtype)
-    scale = jnp.asarray(scale).astype(dtype)
+    scale = Scale.of(jnp.asarray(scale).astype(dtype))
     center = lax.stop_gradient(jnp.mean(points, axis=-2, keepdims=True))
-    scale = Scale.of(scale)
     return scale.apply(queries - center), scale.apply(points - center)
 
 
@@ -294,7 +288,7 @@ def exact_scales(lengthscale: jax.Array, magnitude: jax.Array | None = None):
     one value; ``r`` then carries the rest, up to ``RESIDUAL_MAX``, and far pairs still get
     exponents beyond float32), or below at ``2^-126`` for lengthscales beyond ``1e38``. Any
     positive lengthscale, subnormal included (its exponent is read from its bits). No gradient:
-    callers differentiate through :func:`scale_by` or an identity.
+    callers differentiate through :class:`Scale` or an identity.
     """
     mantissa, exponent = split_exponent(lengthscale.astype(jnp.float32))
     # s = (c / m) 2^-e with c / m in (c / 2, c]: one rounding, as c / l would have.
