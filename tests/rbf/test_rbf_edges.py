@@ -5,6 +5,7 @@ path, KDE weights of any finite size, and the public API's type information."""
 from __future__ import annotations
 
 import inspect
+import os
 import typing
 import warnings
 from pathlib import Path
@@ -176,6 +177,14 @@ def test_kde_weights_of_any_size_under_jit(scale):
         weights)
     expected = _kde_f64(QUERIES, KEYS, np.float32(0.8), weights.astype(np.float64), log=False)
     np.testing.assert_allclose(np.asarray(out), expected, rtol=2e-5)
+
+
+def test_this_folder_runs_with_the_default_cpu_codegen(request):
+    """The check above fails on the broken normalisation only with XLA's default CPU emitters,
+    not the older ones ``nox -s tests`` uses to compile the other folders faster: tests/rbf is
+    marked ``codegen`` (tests/conftest.py) and its run keeps the default."""
+    assert request.node.get_closest_marker("codegen") is not None
+    assert "xla_cpu_use_fusion_emitters=false" not in os.environ.get("XLA_FLAGS", "")
 
 
 def test_kde_weights_gradient_through_normalisation():
