@@ -292,3 +292,21 @@ def test_the_lengthscales_bit_level_work_is_done_once_not_per_dimension(per_dime
         return str(jaxpr).count("bitcast_convert_type")
 
     assert (bit_ops(8) - bit_ops(2)) / 6 <= 2
+
+
+def test_the_exact_distance_program_does_not_grow_with_the_dimension():
+    """The exact path sums the dimensions in a loop, ``EXACT_DIMS_UNROLLED`` per step (each
+    step recomputed in the backward pass): the programs of a gradient at D = 64 and D = 16 are
+    the same size (unrolled, at D = 64 a CPU took 8 s to compile the gradient, 1.4 s looped)."""
+
+    def jaxpr_lines(dim):
+        q, v, lengthscale = jnp.ones((16, dim)), jnp.ones((16, 2)), jnp.ones(dim)
+
+        def loss(q, lengthscale):
+            return reference.kernel_mv_xla(q, q, v, lengthscale, precision="highest").sum()
+
+        return len(str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(q, lengthscale)).split("\n"))
+
+    assert reference.EXACT_DIMS_UNROLLED < 16
+    assert jaxpr_lines(64) == jaxpr_lines(16)
+
