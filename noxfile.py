@@ -101,11 +101,14 @@ def older_cpu_emitters(session: nox.Session) -> dict[str, str]:
 def run_by_codegen(session: nox.Session, marks: str, *args: str) -> None:
     """pytest over the cores on the tests ``marks`` selects, in two runs: those also marked
     ``codegen`` with XLA's default CPU emitters, then the others with the older ones, each run
-    printing its 15 slowest tests. A run that selects nothing passes."""
-    faster = older_cpu_emitters(session)
+    printing its 15 slowest tests. A run that selects nothing passes. A ``-m`` of the
+    session's arguments replaces the selection: one run, with the default emitters."""
+    runs = [(f"({marks}) and codegen", {}),
+            (f"({marks}) and not codegen", older_cpu_emitters(session))]
+    if "-m" in session.posargs:
+        runs = runs[:1]
     with shared_compilation_cache() as env:
-        for selection, codegen in [(f"({marks}) and codegen", {}),
-                                   (f"({marks}) and not codegen", faster)]:
+        for selection, codegen in runs:
             session.run(
                 "pytest", "-n", "logical", "--maxprocesses", "4", "-m", selection,
                 "--durations", "15", *args, *session.posargs, env=env | codegen,
