@@ -66,7 +66,9 @@ def _exact_half_sq(q, k, lengthscale):
         return (square if total is None else total + square), None
 
     dim = q.shape[-1]
-    if dim <= EXACT_DIMS_UNROLLED:  # as a loop of one step: a GP gradient's first call 25% slower
+    # Up to EXACT_DIMS_UNROLLED unrolled: as a loop of one step, a GP gradient's first call at
+    # D = 8 took 6.4-6.7 s of CPU against 4.9-5.5 unrolled.
+    if dim <= EXACT_DIMS_UNROLLED:
         total = None
         for d in range(dim):
             total, _ = add_dimension(total, d)
