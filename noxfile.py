@@ -103,10 +103,9 @@ def run_by_codegen(session: nox.Session, marks: str, *args: str) -> None:
     ``codegen`` with XLA's default CPU emitters, then the others with the older ones, each run
     printing its 15 slowest tests. A run that selects nothing passes. A ``-m`` of the
     session's arguments replaces the selection: one run, with the default emitters."""
-    runs = [(f"({marks}) and codegen", {}),
-            (f"({marks}) and not codegen", older_cpu_emitters(session))]
-    if "-m" in session.posargs:
-        runs = runs[:1]
+    runs = [(f"({marks}) and codegen", {})]
+    if "-m" not in session.posargs:
+        runs.append((f"({marks}) and not codegen", older_cpu_emitters(session)))
     with shared_compilation_cache() as env:
         for selection, codegen in runs:
             session.run(

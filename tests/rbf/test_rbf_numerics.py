@@ -309,4 +309,3 @@ def test_the_exact_distance_program_does_not_grow_with_the_dimension():
 
     assert reference.EXACT_DIMS_UNROLLED < 16
     assert jaxpr_lines(64) == jaxpr_lines(16)
-
