@@ -90,3 +90,19 @@ def test_without_preconditioner():
     value = jax.jit(lambda p: tilax.gp.mll(p, x, y, key=jax.random.key(0), impl="xla",
                                            preconditioner_rank=0, num_probes=64))(params)
     assert abs(float(value) - value_ref) <= 0.05 * abs(value_ref)
+
+
+def test_the_default_preconditioner_is_complete_up_to_1024_points():
+    # 800 points in 8 dimensions: rank 50 (the default above 1 024 points) is 10-20% off here.
+    # At rank n, 537 of the 800 pivots are used, the last ones just above rounding level:
+    # factorising their block again in float32 gave NaN gradients (now the block's factor is
+    # the pivots' rows).
+    x, y = gp_data(800, 8, seed=8, noise=0.01)
+    params = as_params(np.linspace(0.3, 0.9, 8) * np.sqrt(8), 1.0, 0.01)
+    value_ref, grads_ref, _, _ = dense_mll(params, x, y)
+    value, grads = jax.jit(jax.value_and_grad(lambda p: tilax.gp.mll(
+        p, x, y, key=jax.random.key(0), impl="xla")))(params)
+    assert abs(float(value) - value_ref) <= 1e-4 * abs(value_ref)
+    assert rel_err(grads, grads_ref) <= 1e-3, (grads, grads_ref)
+    assert [tilax.gp.api.preconditioner_rank_for(None, n) for n in (800, 1024, 1025)] == [
+        800, 1024, 50]

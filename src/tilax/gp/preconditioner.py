@@ -10,6 +10,7 @@ of ``L L^T`` (see ``Preconditioner``) and sampled from (``z = L e + sqrt(noise) 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -66,18 +67,45 @@ def pivoted_cholesky(
     return PivotedCholesky(factor, pivots, used)
 
 
-def nystrom_factor(columns: jax.Array, pivot_block: jax.Array, used: jax.Array) -> jax.Array:
+def nystrom_factor(columns: jax.Array, pivot_block: jax.Array,
+                   pivoted: PivotedCholesky) -> jax.Array:
     """The pivoted Cholesky factor from its pivot columns: ``L = A[:, S] chol(A[S, S])^-T``.
 
-    ``columns = A[:, S]`` (``[n, rank]``) and ``pivot_block = A[S, S]`` in pivot order; unused
-    steps (``used`` False) give zero columns. Equal to ``pivoted_cholesky``'s factor up to
-    rounding, and differentiable in ``A``'s entries with the pivots held fixed.
+    ``columns = A[:, S]`` (``[n, rank]``) and ``pivot_block = A[S, S]`` in pivot order, for the
+    pivots ``S`` of ``pivoted`` (unused steps give zero columns). Equal to ``pivoted.factor`` up
+    to rounding, and differentiable in ``A``'s entries with the pivots held fixed.
+    ``chol(A[S, S])`` is ``pivoted.factor``'s pivot rows, differentiated as a Cholesky factor
+    of ``pivot_block``: factorising the block again fails in float32 (NaN) once the late
+    pivots near rounding level make it numerically singular, as at a rank near ``n``.
     """
+    used = pivoted.used
     both_used = used[:, None] & used[None, :]
-    pivot_block = jnp.where(both_used, pivot_block, jnp.eye(used.shape[0], dtype=columns.dtype))
+    identity = jnp.eye(used.shape[0], dtype=columns.dtype)
+    pivot_block = jnp.where(both_used, pivot_block, identity)
+    known_factor = jnp.where(both_used, jnp.tril(pivoted.factor[pivoted.pivots]), identity)
+    block_cholesky = _cholesky_of(pivot_block, known_factor.astype(columns.dtype))
     columns = jnp.where(used[None, :], columns, 0)
-    block_cholesky = jnp.linalg.cholesky(pivot_block)
     return jax.scipy.linalg.solve_triangular(block_cholesky, columns.T, lower=True).T
+
+
+@jax.custom_jvp
+def _cholesky_of(matrix: jax.Array, factor: jax.Array) -> jax.Array:
+    """``factor``, a lower Cholesky factor of ``matrix`` already known, with the derivative of
+    ``jnp.linalg.cholesky(matrix)``; ``factor`` itself is not differentiated."""
+    del matrix
+    return factor
+
+
+@_cholesky_of.defjvp
+def _cholesky_of_jvp(primals, tangents):
+    # d chol(A) = L Phi(L^-1 dA L^-T), Phi: the lower triangle with half the diagonal (the
+    # tangent symmetrised first, as jnp.linalg.cholesky's own rule does).
+    _, factor = primals
+    d_matrix = (tangents[0] + tangents[0].T) / 2
+    solve = functools.partial(jax.scipy.linalg.solve_triangular, factor, lower=True)
+    inner = solve(solve(d_matrix).T)  # L^-1 dA L^-T (symmetric)
+    phi = jnp.tril(inner) - 0.5 * jnp.diag(jnp.diagonal(inner))
+    return factor, factor @ phi
 
 
 class Preconditioner(NamedTuple):
