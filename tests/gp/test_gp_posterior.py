@@ -24,6 +24,9 @@ def test_posterior_mean_and_variance_match_dense():
     assert mean.shape == variance.shape == (80,) and mean.dtype == jnp.float32
     np.testing.assert_allclose(mean, mean_ref, atol=2e-3 * np.max(np.abs(mean_ref)))
     np.testing.assert_allclose(variance, variance_ref, atol=2e-3 * 1.5)
+    # Near the data each variance is small (3e-4 to 2e-3 here), and CG's error in it grows as
+    # the square of the tolerance: the default's is 0.1% (22% at tol=1e-4).
+    np.testing.assert_allclose(variance[:40], variance_ref[:40], rtol=1e-2)
     assert np.all(np.asarray(variance) >= 0)
     # Far from the data the posterior is the prior.
     np.testing.assert_allclose(variance[40:], 1.5, rtol=0.05)

@@ -286,7 +286,8 @@ def mll(
     pivoted-Cholesky preconditioner. The value is a stochastic estimate: its error falls as
     ``1 / sqrt(num_probes)`` and with a better preconditioner (a higher rank). Up to 1 024
     points the default preconditioner is complete (rank ``n``): ``P`` is then ``C`` up to
-    rounding, and the value and gradient are exact to about ``1e-4``, whatever the kernel.
+    rounding, and the value and gradient are all but exact whatever the kernel (over 96
+    settings at 1 000 points in float32, relative errors at most ``2.2e-4`` and ``2.3e-2``).
 
     Differentiable (reverse mode, a ``custom_vjp``) with respect to ``params``, ``x`` and ``y``
     by the standard estimator ``d/dtheta = 0.5 alpha^T (dC/dtheta) alpha - 0.5 tr(C^-1
@@ -367,7 +368,7 @@ def posterior(
     x_star,
     *,
     kernel: str = "rbf",
-    tol: float = 1e-4,
+    tol: float = 1e-6,
     max_iters: int = 1000,
     preconditioner_rank: int | None = None,
     query_batch: int = 256,
@@ -393,7 +394,10 @@ def posterior(
       x: training inputs ``[n, D]``; y: training targets ``[n]``.
       x_star: query points ``[m, D]``.
       kernel: as in ``tilax.gp.mll``.
-      tol: CG relative residual tolerance (default ``1e-4``).
+      tol: CG relative residual tolerance (default ``1e-6``). The variance's error is about
+        ``outputscale^2 tol^2 |k_j|^2 / noise``, which near dense data is a large part of a
+        small variance: 500 points in 2 dimensions with noise 0.01 gave variances 22% off at
+        ``1e-4`` and 0.1% at ``1e-6``, the solves taking 10-45% longer.
       max_iters: most CG iterations per solve (default 1000).
       preconditioner_rank: pivoted-Cholesky preconditioner rank, as in ``tilax.gp.mll``
         (default ``None``: ``n`` up to 1 024 points, 50 above).
