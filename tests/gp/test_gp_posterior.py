@@ -70,3 +70,19 @@ def test_eager_calls_run_as_one_compiled_program_each():
             np.testing.assert_array_equal(again, before)
         with pytest.raises(ValueError, match="positive"):
             call(dict(params, noise=-1.0), x, y)
+
+
+def test_info_reports_whether_cg_converged():
+    x, y = gp_data(300, 2, seed=0, noise=0.01)
+    params = {"lengthscale": 0.3, "outputscale": 1.0, "noise": 0.01}
+    mean, variance, info = tilax.gp.posterior(params, x, y, x[:20], impl="xla",
+                                              return_info=True)
+    assert mean.shape == variance.shape == (20,)
+    assert 1 <= int(info["cg_iterations"]) < 1000 and float(info["relative_residual"]) <= 1e-6
+    # A noise of 1e-5 under 300 points within a lengthscale is beyond float32 (the guide's
+    # "Limits of float32"): CG breaks down, and the info says so.
+    params = dict(params, noise=1e-5)
+    *_, info = tilax.gp.posterior(params, x, y, x[:20], impl="xla", return_info=True)
+    assert float(info["relative_residual"]) > 1e-2
+    *_, info = tilax.gp.posterior(params, x, y, x[:0], impl="xla", return_info=True)
+    assert int(info["cg_iterations"]) == 0

@@ -374,7 +374,8 @@ def posterior(
     query_batch: int = 256,
     impl: str = "auto",
     precision: str | None = "highest",
-) -> tuple[jax.Array, jax.Array]:
+    return_info: bool = False,
+):
     r"""Posterior mean and variance of the latent function at ``x_star``.
 
     ``mean = outputscale * K(x_star, x) C^-1 y`` and
@@ -403,9 +404,14 @@ def posterior(
         (default ``None``: ``n`` up to 1 024 points, 50 above).
       query_batch: queries per variance solve (default 256).
       impl, precision: the kernel sum's, as in ``tilax.gp.mll`` (default ``"highest"``).
+      return_info: also return a dict with ``cg_iterations`` (int32: the most iterations any
+        of the solves ran) and ``relative_residual`` (the largest final ``|r| / |b|`` over
+        all their columns): a residual above ``tol`` says CG did not converge, e.g. with a
+        ``noise`` too small for float32 (the guide's "Limits of float32").
 
     Returns:
-      ``(mean, variance)``, each ``[m]``.
+      ``(mean, variance)``, each ``[m]``, or ``(mean, variance, info)`` with
+      ``return_info=True``.
 
     Raises:
       TypeError, ValueError: as ``tilax.gp.mll``, and for ``x_star`` of the wrong shape or a
@@ -428,10 +434,13 @@ def posterior(
     dtype = _compute_dtype(x, y, x_star, *params)
     params = tuple(p.astype(dtype) for p in params)
     x, y, x_star = x.astype(dtype), y.astype(dtype), x_star.astype(dtype)
-    m = x_star.shape[0]
-    if m == 0:
-        return jnp.zeros((0,), dtype), jnp.zeros((0,), dtype)
-    return _posterior(model, query_batch, _pallas.trace_facts(), params, x, y, x_star)
+    if x_star.shape[0] == 0:
+        mean = variance = jnp.zeros((0,), dtype)
+        info = {"cg_iterations": jnp.int32(0), "relative_residual": jnp.zeros((), dtype)}
+    else:
+        mean, variance, info = _posterior(model, query_batch, _pallas.trace_facts(), params, x,
+                                          y, x_star)
+    return (mean, variance, info) if return_info else (mean, variance)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))  # as _mll_program
@@ -439,8 +448,8 @@ def _posterior(model, query_batch, trace_facts, params, x, y, x_star):
     del trace_facts
     lengthscale, outputscale, _ = params
     precond, _ = model.preconditioner(*params, x)
-    alpha = model.solve(params, x, y[:, None], precond).solution
-    mean = outputscale * model.kernel_mv(x_star, x, alpha, lengthscale)[:, 0]
+    solved = model.solve(params, x, y[:, None], precond)
+    mean = outputscale * model.kernel_mv(x_star, x, solved.solution, lengthscale)[:, 0]
 
     m, dim = x_star.shape
     batch = min(query_batch, m)
@@ -451,8 +460,11 @@ def _posterior(model, query_batch, trace_facts, params, x, y, x_star):
 
     def batch_variance(points):
         cross = outputscale * model.kernel_mv(x, points, identity, lengthscale)  # [n, batch]
-        solved = model.solve(params, x, cross, precond).solution
-        return outputscale - jnp.sum(cross * solved, axis=0)
+        solved_batch = model.solve(params, x, cross, precond)
+        variance = outputscale - jnp.sum(cross * solved_batch.solution, axis=0)
+        return variance, solved_batch.iterations, jnp.max(solved_batch.relative_residuals)
 
-    variance = jax.lax.map(batch_variance, batches).reshape(-1)[:m]
-    return mean, jnp.maximum(variance, 0)
+    variance, iterations, residuals = jax.lax.map(batch_variance, batches)
+    info = {"cg_iterations": jnp.maximum(solved.iterations, jnp.max(iterations)),
+            "relative_residual": jnp.maximum(solved.relative_residuals[0], jnp.max(residuals))}
+    return mean, jnp.maximum(variance.reshape(-1)[:m], 0), info
