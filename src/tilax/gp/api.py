@@ -319,8 +319,8 @@ def mll(
         iterations of each probe (default 100; fewer when its CG converges earlier).
       preconditioner_rank: rank of the pivoted-Cholesky preconditioner (0: none,
         ``P = noise * I``). Default ``None``: ``n`` up to 1 024 points (exact; ``O(n^3)``
-        work, 0.06 s for a value and gradient at 512 points and 0.5 s at 1 024 on a 2-core
-        CPU), 50 above (``O(n * 50)`` memory; raise it where the estimate must be closer: the
+        work: a value and gradient takes 0.06-0.12 s at 512 points and 0.5 s at 1 024 on a
+        2-core CPU), 50 above (``O(n * 50)`` memory; raise it where the estimate must be closer: the
         Gaussian-process guide measures the error per kernel).
       impl: the kernel sum's implementation (``"auto"``: Pallas on a GPU, XLA on a CPU).
       precision: the kernel sum's precision (default ``"highest"``: on the default
