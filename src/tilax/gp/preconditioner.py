@@ -83,7 +83,7 @@ def nystrom_factor(columns: jax.Array, pivot_block: jax.Array,
     identity = jnp.eye(used.shape[0], dtype=columns.dtype)
     pivot_block = jnp.where(both_used, pivot_block, identity)
     known_factor = jnp.where(both_used, jnp.tril(pivoted.factor[pivoted.pivots]), identity)
-    block_cholesky = _cholesky_of(pivot_block, known_factor.astype(columns.dtype))
+    block_cholesky = _cholesky_of(pivot_block, known_factor)
     columns = jnp.where(used[None, :], columns, 0)
     return jax.scipy.linalg.solve_triangular(block_cholesky, columns.T, lower=True).T
 
