@@ -1,5 +1,6 @@
 """tilax.gp.reference.dense_mll (the dense baseline of the gp benchmarks) against the float64
-NumPy oracle: its value and its jax.grad, float64 and float32, scalar and ARD lengthscales."""
+NumPy oracle: its value and its jax.grad, float64 and float32, scalar and ARD lengthscales,
+every kernel of tilax.gp.mll."""
 
 from __future__ import annotations
 
@@ -9,22 +10,30 @@ import numpy as np
 import pytest
 from gp_oracle import dense_mll as oracle_mll
 from gp_oracle import gp_data
+from gp_oracle import kernel_matrix as oracle_matrix
 
 from tilax.gp.reference import dense_mll, kernel_matrix
 
 
+@pytest.mark.parametrize("kernel", ["rbf", "matern12", "matern32", "matern52"])
 @pytest.mark.parametrize("lengthscale", [0.3, [0.2, 0.5, 1.0]])
-def test_value_and_gradient_match_the_oracle_in_float64(lengthscale):
+def test_value_and_gradient_match_the_oracle_in_float64(lengthscale, kernel):
     x, y = gp_data(200, 3, seed=1, noise=0.01)
+    x[7] = x[3]  # a repeated point: zero distance off the diagonal too
     params = {"lengthscale": np.asarray(lengthscale), "outputscale": 1.3, "noise": 0.02}
-    value, grads, _, _ = oracle_mll(params, x, y)
+    value, grads, d_x, d_y = oracle_mll(params, x, y, kernel)
     with jax.enable_x64(True):
         ours = {k: jnp.asarray(v, jnp.float64) for k, v in params.items()}
         x64, y64 = jnp.asarray(x, jnp.float64), jnp.asarray(y, jnp.float64)
-        got, got_grads = jax.value_and_grad(lambda p: dense_mll(p, x64, y64))(ours)
+        got, (got_grads, got_x, got_y) = jax.value_and_grad(
+            lambda p, a, b: dense_mll(p, a, b, kernel=kernel), argnums=(0, 1, 2))(ours, x64, y64)
         assert float(got) == pytest.approx(value, rel=1e-10)
         for name in params:
             np.testing.assert_allclose(np.asarray(got_grads[name]), grads[name], rtol=1e-7)
+        assert np.all(np.isfinite(np.asarray(got_x)))
+        np.testing.assert_allclose(np.asarray(got_x), d_x, rtol=1e-6,
+                                   atol=1e-8 * np.max(np.abs(d_x)))
+        np.testing.assert_allclose(np.asarray(got_y), d_y, rtol=1e-9)
 
 
 def test_float32_is_float32_accurate_at_moderate_conditioning():
@@ -37,11 +46,18 @@ def test_float32_is_float32_accurate_at_moderate_conditioning():
     assert float(got) == pytest.approx(value, rel=1e-4)
 
 
-def test_kernel_matrix_is_the_rbf_matrix_and_names_its_kernels():
+@pytest.mark.parametrize("kernel", ["rbf", "matern12", "matern32", "matern52"])
+def test_kernel_matrix_matches_the_oracle_and_names_its_kernels(kernel):
     a = np.random.default_rng(3).normal(size=(5, 2)).astype(np.float32)
     b = np.random.default_rng(4).normal(size=(7, 2)).astype(np.float32)
-    squared = np.sum((a[:, None] - b[None]) ** 2 / 0.7**2, axis=-1)
-    np.testing.assert_allclose(np.asarray(kernel_matrix("rbf", a, b, 0.7)),
-                               np.exp(-0.5 * squared), rtol=1e-5, atol=1e-6)
-    with pytest.raises(ValueError, match="kernel must be one of 'rbf'"):
+    b[2] = a[1]
+    expected, _, _ = oracle_matrix(a, b, 0.7, kernel)
+    np.testing.assert_allclose(np.asarray(kernel_matrix(kernel, a, b, 0.7)), expected,
+                               rtol=1e-5, atol=1e-6)
+    # Equal points at distance exactly 0 in float32 (the expansion |a|^2 + |b|^2 - 2 a.b gave
+    # Matérn-1/2 diagonals down to 0.996 on such points).
+    points = np.random.default_rng(5).normal(size=(200, 8)).astype(np.float32)
+    np.testing.assert_array_equal(np.diag(np.asarray(kernel_matrix(kernel, points, points, 0.5))),
+                                  1.0)
+    with pytest.raises(ValueError, match="kernel must be one of 'rbf', 'matern12'"):
         kernel_matrix("matern99", a, b, 0.7)
