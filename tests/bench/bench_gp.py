@@ -72,12 +72,13 @@ REFERENCE_GRAD_COPIES = 6  # float64 n x n arrays of the reference's value and g
 REFERENCE_VALUE_COPIES = 4  # ... of its value alone (distances, covariance, factor, workspace)
 #: tilax.gp.mll's settings in the suite, shared by the GPyTorch peer (its settings of the same
 #: names: cg_tolerance, max_cg_iterations, num_trace_samples, max_preconditioner_size,
-#: max_lanczos_quadrature_iterations): tilax's defaults except tol (0.01 instead of 1e-3) and
-#: the preconditioner rank (400 instead of 50; Wang et al. 2019 used 100 at a million points).
-#: The rank: CG's iterations grow about as sqrt(n) on these data (on a CPU, tol 0.01, rank
-#: 100: 9 at n = 2 048, 18 at 8 192) and fall with the rank (8 192 points: 33, 18, 13, 6 at
-#: ranks 50, 100, 200, 400), while a rank-400 factor costs a small part of one CG iteration
-#: at a million points; ``gp_rank`` measures the choice on the GPU.
+#: max_lanczos_quadrature_iterations): tilax's defaults except tol (0.01 instead of 1e-3), with
+#: the default rank above 1 024 points, 400, written out (a row keeps its rank whatever the
+#: default; Wang et al. 2019 used 100 at a million points). The rank: CG's iterations grow
+#: about as sqrt(n) on these data (on a CPU, tol 0.01, rank 100: 9 at n = 2 048, 18 at 8 192)
+#: and fall with the rank (8 192 points: 33, 18, 13, 6 at ranks 50, 100, 200, 400), while a
+#: rank-400 factor costs a small part of one CG iteration at a million points; ``gp_rank``
+#: measures the choice on the GPU.
 MLL_SETTINGS = {"num_probes": 16, "tol": 0.01, "preconditioner_rank": 400, "max_iters": 1000,
                 "lanczos_iters": 100}
 
