@@ -86,3 +86,22 @@ def test_info_reports_whether_cg_converged():
     assert float(info["relative_residual"]) > 1e-2
     *_, info = tilax.gp.posterior(params, x, y, x[:0], impl="xla", return_info=True)
     assert int(info["cg_iterations"]) == 0
+
+
+def test_the_mean_alone_skips_the_variance_solves():
+    # 1 500 points: the default preconditioner (rank 400) is incomplete, so every solve
+    # iterates and the variance's batched solves are most of the work.
+    x, y = gp_data(1500, 3, seed=4, noise=0.01)
+    params = {"lengthscale": 0.3, "outputscale": 1.0, "noise": 0.01}
+    x_star = x[:40] + 0.01
+    mean, variance, info = tilax.gp.posterior(params, x, y, x_star, impl="xla",
+                                              query_batch=8, return_info=True)
+    alone, alone_info = tilax.gp.posterior(params, x, y, x_star, impl="xla",
+                                           return_variance=False, return_info=True)
+    np.testing.assert_allclose(np.asarray(alone), np.asarray(mean), rtol=1e-6, atol=1e-6)
+    assert float(alone_info["relative_residual"]) <= 1e-6
+    # Its program holds one CG loop (the mean's), the full one two (the variance's in a map).
+    loops = {flag: str(jax.make_jaxpr(lambda xs, flag=flag: tilax.gp.posterior(
+        params, x, y, xs, impl="xla", return_variance=flag))(x_star)).count("while[")
+        for flag in (True, False)}
+    assert loops == {True: 2, False: 1}

@@ -378,6 +378,7 @@ def posterior(
     query_batch: int = 256,
     impl: str = "auto",
     precision: str | None = "highest",
+    return_variance: bool = True,
     return_info: bool = False,
 ):
     r"""Posterior mean and variance of the latent function at ``x_star``.
@@ -389,9 +390,10 @@ def posterior(
 
     ``C^-1 y`` is one preconditioned CG solve. The variance is exact up to the CG tolerance:
     one batched CG solve per ``query_batch`` queries (their columns ``k_j`` solved together,
-    each iteration one kernel sum with ``query_batch`` columns), not a low-rank cache; it
-    costs about as many kernel sums as a solve per batch, and memory ``O(n * query_batch)``.
-    Rounding can make a variance slightly negative; it is clamped at zero. Not
+    each iteration one kernel sum with ``query_batch`` columns), not a low-rank cache (the
+    Gaussian-process guide says why); it costs about as many kernel sums as a solve per batch,
+    and memory ``O(n * query_batch)``: with many queries, the variance is nearly all of the
+    cost (``return_variance=False`` skips it). Rounding can make a variance slightly negative; it is clamped at zero. Not
     differentiable (the CG loops are ``while`` loops); works under ``jax.jit``.
 
     Args:
@@ -408,6 +410,8 @@ def posterior(
         (default ``None``: ``n`` up to 1 024 points, 400 above).
       query_batch: queries per variance solve (default 256).
       impl, precision: the kernel sum's, as in ``tilax.gp.mll`` (default ``"highest"``).
+      return_variance: compute the variance (default ``True``); ``False`` returns the mean
+        alone, at the cost of one CG solve and one kernel sum.
       return_info: also return a dict with ``cg_iterations`` (int32: the most iterations any
         of the solves ran) and ``relative_residual`` (the largest final ``|r| / |b|`` over
         all their columns): a residual above ``tol`` says CG did not converge, e.g. with a
@@ -415,7 +419,8 @@ def posterior(
 
     Returns:
       ``(mean, variance)``, each ``[m]``, or ``(mean, variance, info)`` with
-      ``return_info=True``.
+      ``return_info=True``; without the variance (``return_variance=False``), ``mean`` or
+      ``(mean, info)``.
 
     Raises:
       TypeError, ValueError: as ``tilax.gp.mll``, and for ``x_star`` of the wrong shape or a
@@ -442,18 +447,25 @@ def posterior(
         mean = variance = jnp.zeros((0,), dtype)
         info = {"cg_iterations": jnp.int32(0), "relative_residual": jnp.zeros((), dtype)}
     else:
-        mean, variance, info = _posterior(model, query_batch, _pallas.trace_facts(), params, x,
-                                          y, x_star)
-    return (mean, variance, info) if return_info else (mean, variance)
+        batch = query_batch if return_variance else None
+        mean, variance, info = _posterior(model, batch, _pallas.trace_facts(), params, x, y,
+                                          x_star)
+    outputs = (mean, variance) if return_variance else (mean,)
+    outputs += (info,) if return_info else ()
+    return outputs[0] if len(outputs) == 1 else outputs
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))  # as _mll_program
 def _posterior(model, query_batch, trace_facts, params, x, y, x_star):
+    """Mean, variance and info; ``query_batch=None``: the mean alone (variance ``None``)."""
     del trace_facts
     lengthscale, outputscale, _ = params
     precond, _ = model.preconditioner(*params, x)
     solved = model.solve(params, x, y[:, None], precond)
     mean = outputscale * model.kernel_mv(x_star, x, solved.solution, lengthscale)[:, 0]
+    if query_batch is None:
+        return mean, None, {"cg_iterations": solved.iterations,
+                            "relative_residual": solved.relative_residuals[0]}
 
     m, dim = x_star.shape
     batch = min(query_batch, m)
