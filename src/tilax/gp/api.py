@@ -393,8 +393,9 @@ def posterior(
     each iteration one kernel sum with ``query_batch`` columns), not a low-rank cache (the
     Gaussian-process guide says why); it costs about as many kernel sums as a solve per batch,
     and memory ``O(n * query_batch)``: with many queries, the variance is nearly all of the
-    cost (``return_variance=False`` skips it). Rounding can make a variance slightly negative; it is clamped at zero. Not
-    differentiable (the CG loops are ``while`` loops); works under ``jax.jit``.
+    cost (``return_variance=False`` skips it). Rounding can make a variance slightly
+    negative; it is clamped at zero. Not differentiable (the CG loops are ``while`` loops);
+    works under ``jax.jit``.
 
     Args:
       params: as in ``tilax.gp.mll``.
