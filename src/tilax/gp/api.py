@@ -29,9 +29,10 @@ PARAM_NAMES = ("lengthscale", "outputscale", "noise")
 # The default preconditioner: complete (rank n) up to this many points, where it makes the value
 # and gradient exact to rounding (GPyTorch likewise solves by Cholesky up to 800 points); rank
 # DEFAULT_RANK above, where the estimates' error depends on the data (the GP guide's table).
-# 400, not 50: at 2 048-4 096 points (CPU) CG ran 3-6 times fewer iterations, a value and
-# gradient took as long or up to 2.2 times less, and the value was closer; at a million points
-# the rank-400 factor costs a small part of one CG iteration (the GP guide).
+# 400, not 50: at 2 048-8 192 points (CPU) CG ran 2-6 times fewer iterations, a value and
+# gradient took up to 2.4 times less (more only where CG converged in a few iterations
+# anyway), and the value was as close or closer. At a million points its O(400^2 n) work is
+# far less than one CG iteration's n^2 kernel sum (the gp_rank bench suite measures it).
 FULL_RANK_MAX_N = 1024
 DEFAULT_RANK = 400
 
