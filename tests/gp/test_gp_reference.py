@@ -9,10 +9,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from gp_oracle import dense_mll as oracle_mll
+from gp_oracle import dense_posterior as oracle_posterior
 from gp_oracle import gp_data
 from gp_oracle import kernel_matrix as oracle_matrix
 
-from tilax.gp.reference import dense_mll, kernel_matrix
+from tilax.gp.reference import dense_mll, dense_posterior, kernel_matrix
 
 
 @pytest.mark.parametrize("kernel", ["rbf", "matern12", "matern32", "matern52"])
@@ -34,6 +35,22 @@ def test_value_and_gradient_match_the_oracle_in_float64(lengthscale, kernel):
         np.testing.assert_allclose(np.asarray(got_x), d_x, rtol=1e-6,
                                    atol=1e-8 * np.max(np.abs(d_x)))
         np.testing.assert_allclose(np.asarray(got_y), d_y, rtol=1e-9)
+
+
+@pytest.mark.parametrize("kernel", ["rbf", "matern12", "matern32", "matern52"])
+def test_posterior_matches_the_oracle_in_float64(kernel):
+    x, y = gp_data(150, 3, seed=3, noise=0.01)
+    x_star = np.concatenate([x[:5], x[:5] + 0.05, np.full((1, 3), 5.0, np.float32)])
+    params = {"lengthscale": np.asarray([0.2, 0.5, 1.0]), "outputscale": 1.3, "noise": 0.02}
+    mean_ref, variance_ref = oracle_posterior(params, x, y, x_star, kernel)
+    with jax.enable_x64(True):
+        ours = {k: jnp.asarray(v, jnp.float64) for k, v in params.items()}
+        mean, variance = dense_posterior(ours, jnp.asarray(x, jnp.float64),
+                                         jnp.asarray(y, jnp.float64),
+                                         jnp.asarray(x_star, jnp.float64), kernel=kernel)
+    np.testing.assert_allclose(np.asarray(mean), mean_ref, rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(np.asarray(variance), variance_ref, rtol=1e-7, atol=1e-12)
+    assert float(variance[-1]) == pytest.approx(1.3, rel=1e-6)  # far away: the prior
 
 
 def test_float32_is_float32_accurate_at_moderate_conditioning():

@@ -1,4 +1,5 @@
-"""The dense reference of ``tilax.gp.mll``: the ``n x n`` covariance and its Cholesky factor.
+"""The dense reference of ``tilax.gp.mll`` and ``tilax.gp.posterior``: the ``n x n``
+covariance and its Cholesky factor.
 
 Plain XLA, O(n^2) memory and O(n^3) time: the baseline the GP benchmarks time beside the
 matrix-free ``tilax.gp.mll`` where it fits on the device (suite ``gp``), and the exact value
@@ -87,9 +88,38 @@ def dense_mll(params: Mapping[str, Any], x: jax.Array, y: jax.Array, *,
       The scalar log marginal likelihood (not divided by ``n``).
     """
     n = x.shape[0]
-    covariance = params["outputscale"] * kernel_matrix(kernel, x, x, params["lengthscale"])
-    covariance = covariance + params["noise"] * jnp.eye(n, dtype=covariance.dtype)
-    factor = jnp.linalg.cholesky(covariance)
+    factor = _covariance_factor(params, x, kernel)
     white = jax.scipy.linalg.solve_triangular(factor, y, lower=True)
     return (-0.5 * jnp.dot(white, white) - jnp.sum(jnp.log(jnp.diag(factor)))
             - 0.5 * n * math.log(2 * math.pi))
+
+
+def dense_posterior(params: Mapping[str, Any], x: jax.Array, y: jax.Array, x_star: jax.Array,
+                    *, kernel: str = "rbf") -> tuple[jax.Array, jax.Array]:
+    """Posterior mean and variance of ``tilax.gp.posterior`` by a Cholesky factorisation.
+
+    ``mean = outputscale * K(x_star, x) C^-1 y``, ``variance_j = outputscale -
+    outputscale^2 k_j^T C^-1 k_j`` (of the noise-free function, clamped at zero) with
+    ``C = L L^T`` as in ``dense_mll``. Computes in the dtype of ``x``.
+
+    Args:
+      params, x, y, kernel: as in ``dense_mll``.
+      x_star: query points ``[m, D]``.
+
+    Returns:
+      ``(mean, variance)``, each ``[m]``.
+    """
+    factor = _covariance_factor(params, x, kernel)
+    cross = params["outputscale"] * kernel_matrix(kernel, x, x_star, params["lengthscale"])
+    white_y = jax.scipy.linalg.solve_triangular(factor, y, lower=True)
+    white_cross = jax.scipy.linalg.solve_triangular(factor, cross, lower=True)
+    mean = white_cross.T @ white_y
+    variance = params["outputscale"] - jnp.sum(white_cross * white_cross, axis=0)
+    return mean, jnp.maximum(variance, 0)
+
+
+def _covariance_factor(params: Mapping[str, Any], x: jax.Array, kernel: str) -> jax.Array:
+    """The Cholesky factor ``L`` of ``C = outputscale * K(x, x) + noise * I``."""
+    covariance = params["outputscale"] * kernel_matrix(kernel, x, x, params["lengthscale"])
+    covariance = covariance + params["noise"] * jnp.eye(x.shape[0], dtype=covariance.dtype)
+    return jnp.linalg.cholesky(covariance)
