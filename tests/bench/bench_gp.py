@@ -77,8 +77,8 @@ REFERENCE_VALUE_COPIES = 4  # ... of its value alone (distances, covariance, fac
 #: default; Wang et al. 2019 used 100 at a million points). The rank: CG's iterations grow
 #: about as sqrt(n) on these data (on a CPU, tol 0.01, rank 100: 9 at n = 2 048, 18 at 8 192)
 #: and fall with the rank (8 192 points: 33, 18, 13, 6 at ranks 50, 100, 200, 400), while a
-#: rank-400 factor costs a small part of one CG iteration at a million points; ``gp_rank``
-#: measures the choice on the GPU.
+#: rank-400 factor's O(400^2 n) work is far less than one CG iteration's n^2 kernel sum at a
+#: million points (an estimate); ``gp_rank`` measures the choice on the GPU.
 MLL_SETTINGS = {"num_probes": 16, "tol": 0.01, "preconditioner_rank": 400, "max_iters": 1000,
                 "lanczos_iters": 100}
 

@@ -1,6 +1,6 @@
-"""tilax.gp.reference.dense_mll (the dense baseline of the gp benchmarks) against the float64
-NumPy oracle: its value and its jax.grad, float64 and float32, scalar and ARD lengthscales,
-every kernel of tilax.gp.mll."""
+"""tilax.gp.reference (dense_mll, the dense baseline of the gp benchmarks, and dense_posterior)
+against the float64 NumPy oracle: values and jax.grad, float64 and float32, scalar and ARD
+lengthscales, every kernel of tilax.gp.mll."""
 
 from __future__ import annotations
 
