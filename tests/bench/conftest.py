@@ -311,8 +311,6 @@ def _device_bytes() -> int | None:
 def pytest_configure(config):
     config.addinivalue_line(
         "markers", "bench_suite(name): a tests/bench benchmark of the named suite")
-    config.addinivalue_line(
-        "markers", "bench_contract: checks a smoke run of the bench suite (smoke mode only)")
     mode = resolve_mode(config)
     values = dict(MODE_SETTINGS[mode])
     budget = config.getoption("bench_budget") or os.environ.get("TILAX_BENCH_BUDGET")
@@ -406,14 +404,15 @@ def pytest_generate_tests(metafunc):
 
 def pytest_collection_modifyitems(session, config, items):
     """Drop unselected suites; run bench rows by priority (ladders first, then the headline
-    comparisons), keeping every other test where it was."""
+    comparisons). The other tests of tests/bench (the harness's unit tests) run only in smoke
+    mode, where they stay first: a quick or full run times rows and nothing else."""
     bench, other, dropped = [], [], []
     mode = config.stash[STATE].settings.mode
     for item in items:
-        if item.get_closest_marker("bench_contract") is not None and mode != "smoke":
-            dropped.append(item)  # a GPU run checks each of its own rows instead
-        elif item.get_closest_marker("bench_suite") is None:
-            other.append(item)
+        if item.get_closest_marker("bench_suite") is None:
+            # (a GPU run would spend its budget's minutes on them; it checks each of its own
+            # rows as it finishes instead of test_bench_contract's smoke run)
+            (other if mode == "smoke" else dropped).append(item)
             continue
         elif benchmarks_disabled(config):
             # pytest-benchmark times nothing here (it turns itself off in xdist workers), and

@@ -1,6 +1,6 @@
 """The bench suite's own checks: file naming, the rows side file, and a real smoke run whose
-JSON must satisfy the extra_info contract (runs in smoke mode only; in GPU runs every row is
-checked as it finishes by the ``bench`` fixture)."""
+JSON must satisfy the extra_info contract (in GPU runs every row is checked as it finishes by
+the ``bench`` fixture instead)."""
 
 import datetime
 import json
@@ -72,29 +72,51 @@ BENCH_ROW_FILES = ["tests/bench/test_bench_moe.py", "tests/bench/test_bench_rbf.
                    "tests/bench/test_bench_gp.py"]
 
 
+def child_env() -> dict[str, str]:
+    """The environment of a child pytest over tests/bench: not an xdist worker (where the rows
+    are deselected), the same tilax as this process."""
+    env = {name: value for name, value in os.environ.items()
+           if not name.startswith("PYTEST_XDIST")}
+    env["TILAX_BENCH_COMMIT"] = "test"
+    import tilax
+
+    src = str(Path(tilax.__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join([src, env.get("PYTHONPATH", "")])
+    return env
+
+
+@pytest.mark.parametrize("mode, unit_tests_run", [("--bench-quick", False),
+                                                  ("--bench-smoke", True)])
+def test_a_timed_run_collects_its_rows_only(mode, unit_tests_run):
+    """A quick or full run (a GPU call) times rows and runs no unit test of tests/bench; smoke
+    mode (``nox -s tests``) keeps them."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "tests/bench/test_bench_moe.py",
+         "tests/bench/test_bench_peer_probes.py", "-p", "no:cacheprovider", "-p", "no:xdist", "-q",
+         "--collect-only", mode, "--bench-suite", "pieces"],
+        cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ids = [line for line in proc.stdout.splitlines() if "::" in line]
+    assert any("::test_pieces[" in node for node in ids), ids
+    assert any("test_bench_peer_probes.py::" in node for node in ids) == unit_tests_run, ids
+
+
 @pytest.fixture(scope="module")
 def smoke_run(tmp_path_factory):
     """A real bench run of every row in smoke mode, in a subprocess: ``(document, side file,
     pytest's output)``."""
     output = tmp_path_factory.mktemp("smoke") / "run.json"
-    env = {name: value for name, value in os.environ.items()
-           if not name.startswith("PYTEST_XDIST")}
-    env["TILAX_BENCH_COMMIT"] = "test"
-    import tilax  # the child pytest imports the same tilax as this one
-
-    src = str(Path(tilax.__file__).resolve().parents[1])
-    env["PYTHONPATH"] = os.pathsep.join([src, env.get("PYTHONPATH", "")])
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", *BENCH_ROW_FILES, "-p", "no:cacheprovider",
          "-p", "no:xdist", "-q", "--bench-smoke", f"--benchmark-json={output}"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=900,
+        cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=900,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     side = read_side_file(output.with_suffix("").with_suffix(".rows.jsonl"))
     return json.loads(output.read_text()), side, proc.stdout
 
 
-@pytest.mark.bench_contract
 def test_smoke_run_writes_contract_rows(smoke_run):
     """Every row of the smoke run satisfies the contract, one row per test that ran, failures
     are rows with an error, the ladder has steps with peak_mb and a summary."""
@@ -134,7 +156,6 @@ def test_smoke_run_writes_contract_rows(smoke_run):
     assert [b["stats"]["median"] for b in side_ladder] == [b["stats"]["median"] for b in ladder]
 
 
-@pytest.mark.bench_contract
 def test_smoke_run_names_the_code_it_measured(smoke_run):
     """The file's provenance: the git tree ids of src/ and tests/bench/ as they were on disk,
     and no claim that they match the declared commit where that cannot be checked."""

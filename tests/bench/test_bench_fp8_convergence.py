@@ -15,7 +15,6 @@ def test_fp8_convergence(bench, case):
     bench.run(case)
 
 
-@pytest.mark.bench_contract
 def test_both_runs_share_seeds_and_data_learn_and_store_their_curves():
     cases = bench_fp8_convergence.suite_cases("fp8_convergence", "smoke")
     assert [case.quantize for case in cases] == [None, "fp8"]
@@ -44,7 +43,6 @@ def test_both_runs_share_seeds_and_data_learn_and_store_their_curves():
         assert info["impl"] == api.resolve_impl(case.config())  # what impl="auto" runs
 
 
-@pytest.mark.bench_contract
 def test_a_row_without_its_curve_breaks_the_contract():
     case = bench_fp8_convergence.suite_cases("fp8_convergence", "smoke")[1]
     info = case.extra_info() | {"compile_s": 1.0, "tflops": 1.0}

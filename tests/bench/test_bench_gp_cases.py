@@ -1,5 +1,5 @@
 """The Gaussian-process suites' grids, pre-checks and rows (``bench_gp``), the data of the
-known GP, and the fit's two endings (smoke mode only: ``bench_contract``): on a CPU, small n."""
+known GP, and the fit's two endings: on a CPU, small n."""
 
 import bench_gp
 import numpy as np
@@ -121,7 +121,6 @@ def run_fit(case):
     return info
 
 
-@pytest.mark.bench_contract
 def test_a_fit_that_meets_the_rule_is_a_measured_row_with_its_time():
     # from the generating hyperparameters with small steps: within 10% after the first step
     start = tuple(bench_gp.GENERATING[k] for k in bench_gp.PARAM_NAMES)
@@ -132,7 +131,6 @@ def test_a_fit_that_meets_the_rule_is_a_measured_row_with_its_time():
     assert bench_gp.within(info["final"])
 
 
-@pytest.mark.bench_contract
 def test_a_fit_stopped_short_is_a_failed_row_that_keeps_its_steps():
     case = bench_gp.FitCase(64, max_steps=2, **bench_gp.SMOKE_SETTINGS)
     info = run_fit(case)

@@ -1,13 +1,9 @@
 """The known GP of the Gaussian-process benchmarks (``bench_gp``): the generating
 hyperparameters are what the data's exact likelihood recovers, so the million-point fit's
-stopping rule (within 10% of them) is reachable. Smoke mode only (``bench_contract``): a dense
-float64 fit at n = 2048 on a CPU."""
+stopping rule (within 10% of them) is reachable: a dense float64 fit at n = 2048 on a CPU."""
 
 import bench_gp
 import numpy as np
-import pytest
-
-pytestmark = pytest.mark.bench_contract
 
 
 def test_the_generating_hyperparameters_are_recovered():

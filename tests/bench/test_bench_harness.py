@@ -1,7 +1,7 @@
 """The timing harness on fake cases and a fake ``benchmark`` (no JAX, no rows written): skips,
 failures, rates, the ladder's jumps and bisection, and the budget split. The real
 pytest-benchmark fixture is exercised by the smoke rows themselves (see
-test_bench_contract.py). Smoke mode only (``bench_contract``).
+test_bench_contract.py).
 """
 
 import math
@@ -12,8 +12,6 @@ from types import SimpleNamespace
 import pytest
 from bench_harness import BudgetPlan, Runner, Settings, State, split_budget
 from bench_ladder import ladder_outcome, search_ladder
-
-pytestmark = pytest.mark.bench_contract
 
 
 class FakeBenchmark:

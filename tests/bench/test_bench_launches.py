@@ -1,6 +1,6 @@
 """The launch sweep's case grid (``bench_rbf.launch_cases``), on CPU without running a kernel:
-counts, ids, the default launch of each group, the order and the configs it builds. Smoke mode
-only (``bench_contract``); the smoke rows themselves run in test_bench_rbf.py."""
+counts, ids, the default launch of each group, the order and the configs it builds; the smoke
+rows themselves run in test_bench_rbf.py."""
 
 import collections
 import dataclasses
@@ -11,8 +11,6 @@ from pathlib import Path
 import bench_rbf
 import pytest
 from bench_rows import check_extra_info
-
-pytestmark = pytest.mark.bench_contract
 
 BENCH_DIR = Path(__file__).resolve().parent
 GROUPS = ("fast_fwd", "fast_bwd", "exact_fwd", "exact_bwd")

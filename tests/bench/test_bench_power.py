@@ -1,5 +1,5 @@
 """The power sampler (``bench_power``) against a fake ``nvidia-smi``, and the harness storing
-its medians on a timed row (no GPU here). Smoke mode only (``bench_contract``)."""
+its medians on a timed row (no GPU here)."""
 
 import datetime
 import os
@@ -8,11 +8,8 @@ import sys
 import time
 
 import bench_power
-import pytest
 from bench_harness import Runner
 from test_bench_harness import FakeBenchmark, FakeCase, FakeWorkload, make_state
-
-pytestmark = pytest.mark.bench_contract
 
 # Answers the one-field probe with a number (or, for the fields in REJECT, as a driver that
 # lacks them does), and the looping query with timestamped lines every 20 ms until stopped.
