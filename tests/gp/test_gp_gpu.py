@@ -10,11 +10,11 @@ The CPU tests run the same estimators on the interpreted kernels at smaller size
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from gp_oracle import dense_mll, dense_posterior, gp_data
 from helpers import rel_err
+from test_gp_mll import NAMES, as_params
 
 import tilax
 
@@ -24,11 +24,6 @@ pytestmark = [
 ]
 
 KERNELS = ("rbf", "matern12", "matern32", "matern52")
-
-
-def as_params(lengthscale, outputscale, noise) -> dict:
-    return {"lengthscale": jnp.asarray(lengthscale, jnp.float32),
-            "outputscale": jnp.float32(outputscale), "noise": jnp.float32(noise)}
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
@@ -43,7 +38,7 @@ def test_mll_gradient_and_posterior_at_1000_points_match_dense_cholesky(kernel):
         argnums=0), static_argnums=1)
     value, grads = fn(params, "auto")
     assert abs(float(value) - value_ref) <= 1e-3 * abs(value_ref), (float(value), value_ref)
-    for name in ("lengthscale", "outputscale", "noise"):
+    for name in NAMES:
         assert rel_err(grads[name], grads_ref[name]) <= 0.05, (name, grads[name], grads_ref[name])
     # The same probes through XLA's products: the kernels change the estimate by rounding only.
     value_xla, grads_xla = fn(params, "xla")
