@@ -19,11 +19,6 @@ TESTS = Path(__file__).resolve().parent
 # conftest keeps the run's budget, ladders and finished rows per process and runs the rows in
 # priority order.
 FOLDER_GROUPS = {TESTS / "site": "site", TESTS / "bench": "bench"}
-# Folders whose tests are marked ``codegen``: they hold bit-level numerics (subnormal-safe
-# scales and weights) against what XLA's CPU code generation makes of them, so ``nox -s tests``
-# runs them with XLA's default CPU emitters and the rest with the faster-compiling older ones
-# (noxfile.py, ``older_cpu_emitters``).
-CODEGEN_FOLDERS = (TESTS / "rbf",)
 XDIST_ENVIRONMENT = ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_XDIST_TESTRUNUID")
 
 # Every test process gets eight virtual CPU devices before any conftest starts JAX's backend
@@ -65,12 +60,6 @@ def pytest_xdist_make_scheduler(config, log):
             return super()._split_scope(nodeid)
 
     return FolderGroupScheduling(config, log)
-
-
-def pytest_collection_modifyitems(items):
-    for item in items:
-        if any(item.path.is_relative_to(folder) for folder in CODEGEN_FOLDERS):
-            item.add_marker(pytest.mark.codegen)
 
 
 @pytest.fixture(autouse=True)

@@ -86,12 +86,13 @@ def finish(chart: alt.TopLevelMixin, title: str | alt.TitleParams | None = None
     label cut short (a limit of 0 is none: a cut label names nothing)."""
     if title:
         chart = chart.properties(title=title)
-    return (
-        chart.configure(font=FONT)
-        .configure_axis(labelFontSize=11, titleFontSize=12, gridOpacity=0.5, labelLimit=0)
-        .configure_legend(labelFontSize=11, titleFontSize=12, labelLimit=0)
-        .configure_header(labelFontSize=12, titleFontSize=12)
-        .configure_title(fontSize=14, anchor="start")
+    # One configure call: each copies the whole chart (five took a fifth of the site's build).
+    return chart.configure(
+        font=FONT,
+        axis=alt.AxisConfig(labelFontSize=11, titleFontSize=12, gridOpacity=0.5, labelLimit=0),
+        legend=alt.LegendConfig(labelFontSize=11, titleFontSize=12, labelLimit=0),
+        header=alt.HeaderConfig(labelFontSize=12, titleFontSize=12),
+        title=alt.TitleConfig(fontSize=14, anchor="start"),
     )
 
 
@@ -185,11 +186,11 @@ def lines(
     if spread and {"q1_ms", "q3_ms"} <= set(data.columns) and data["q1_ms"].notna().any():
         layers.append(base.mark_rule(strokeWidth=2).encode(
             alt.Y("q1_ms:Q", scale=_scale(log_y)), alt.Y2("q3_ms:Q")))
-    chart = alt.layer(*layers).properties(width=width, height=height)
     if row is None and column is None:
         chart = alt.layer(*layers, data=data).properties(width=width, height=height)
     else:
-        chart = _facet(chart, data, row, column)
+        chart = _facet(alt.layer(*layers).properties(width=width, height=height), data, row,
+                       column)
     return finish(chart, title)
 
 
@@ -377,9 +378,9 @@ def ladder(
                 tooltip=tooltip([color, x, "status", "error_short"]),
             )
         )
-    chart = alt.layer(*layers).properties(width=width, height=height)
     if column is None:
         chart = alt.layer(*layers, data=data).properties(width=width, height=height)
     else:
-        chart = _facet(chart, data, None, column)
+        chart = _facet(alt.layer(*layers).properties(width=width, height=height), data, None,
+                       column)
     return finish(chart, title)

@@ -5,8 +5,8 @@ A block is runnable when the line right before its opening fence is the HTML com
 The runnable blocks of one page run in page order as one script in a fresh Python process,
 like a reader who copies them one after another into a file. Pages choose their sizes from
 the device (``jax.default_backend()``), so each page runs twice where it can: on the CPU
-backend with none of this environment's tilax, JAX or XLA settings, where it must need less
-than a minute of CPU time (what a reader on a CPU laptop gets), and, on a machine with a GPU,
+backend with none of this environment's tilax, JAX, XLA or BLAS settings, where it must need
+less than a minute of CPU time (what a reader on a CPU laptop gets), and, on a machine with a GPU,
 on the GPU at its GPU sizes.
 """
 
@@ -33,8 +33,8 @@ CPU_LIMIT_S = 60
 # pages run at their GPU sizes.
 CPU_WALL_LIMIT_S = 180
 GPU_WALL_LIMIT_S = 900
-# Settings a reader who copies the code would not have.
-NOT_A_READERS_ENVIRONMENT = ("TILAX_", "JAX_", "XLA_")
+# Settings a reader who copies the code would not have (nox -s tests sets one BLAS thread).
+NOT_A_READERS_ENVIRONMENT = ("TILAX_", "JAX_", "XLA_", "OPENBLAS_")
 
 # Pages that must keep at least one runnable block: losing the marker must not silently turn
 # the examples of these pages into untested text.
@@ -72,8 +72,8 @@ def run_page(page: Path, directory: Path, env: dict[str, str], wall_limit_s: flo
 
 
 def run_page_on_a_cpu(page: Path, directory: Path, cpu_limit_s: float = CPU_LIMIT_S) -> float:
-    """Run ``page`` as a reader on a CPU laptop would: the CPU backend, none of the tilax, JAX
-    or XLA settings of this environment. Fail if it uses more than ``cpu_limit_s`` of CPU."""
+    """Run ``page`` as a reader on a CPU laptop would: the CPU backend, none of the tilax, JAX,
+    XLA or BLAS settings of this environment. Fail if it uses more than ``cpu_limit_s`` of CPU."""
     env = {name: value for name, value in os.environ.items()
            if not name.startswith(NOT_A_READERS_ENVIRONMENT)}
     env["JAX_PLATFORMS"] = "cpu"  # what a machine without a GPU gets

@@ -61,6 +61,7 @@ def test_output_dtype_follows_inputs(impl, dtype):
 # Item 7: every representable lengthscale, subnormal included, on every impl and precision
 
 
+@pytest.mark.codegen
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("lengthscale", TINY_SCALES + HUGE_SCALES)
@@ -72,6 +73,7 @@ def test_kernel_mv_at_extreme_lengthscales(impl, precision, lengthscale):
     np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.codegen
 @pytest.mark.parametrize("impl", IMPLS)
 def test_kernel_mv_per_dimension_subnormal_lengthscale(impl):
     lengthscale = np.array([1e-45, 1.0], np.float32)  # one dimension exact, one ordinary
@@ -81,6 +83,7 @@ def test_kernel_mv_per_dimension_subnormal_lengthscale(impl):
     np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.codegen
 def test_scaling_helpers_read_subnormals_from_bits():
     x = jnp.array([1e-45, 1e-40, 2.0**-126, 1.0, 3e38], jnp.float32)
     mantissa, exponent = numerics.split_exponent(x)
@@ -99,6 +102,7 @@ def test_scaling_helpers_read_subnormals_from_bits():
 # Item 8: the exact Pallas path with far data and a tiny lengthscale
 
 
+@pytest.mark.codegen
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("lengthscale", [1e-35, 1e-38, 1e-45])
@@ -112,6 +116,7 @@ def test_far_data_tiny_lengthscale(impl, precision, lengthscale, offset):
     np.testing.assert_allclose(out, coincident @ VALUES, rtol=1e-6, atol=0)
 
 
+@pytest.mark.codegen
 @pytest.mark.parametrize("impl", IMPLS)
 def test_huge_lengthscale_far_data(impl):
     q, k = QUERIES * np.float32(1e37), KEYS * np.float32(1e37)
@@ -124,6 +129,7 @@ def test_huge_lengthscale_far_data(impl):
 # Item 6: the KDE at tiny bandwidths
 
 
+@pytest.mark.codegen
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("bandwidth", [1e-15, 1e-20, 1e-25, 1e-38, 1e-40, 1e-45])
@@ -153,6 +159,7 @@ def test_kde_tiny_bandwidth(impl, precision, bandwidth):
 # Item 10: KDE weights of any finite positive size
 
 
+@pytest.mark.codegen
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("scale", [1e-45, 1e-40, 1e-30, 1.0, 1e30, 1e38, 3.4e38])
 @pytest.mark.parametrize("log", [False, True])
@@ -168,6 +175,7 @@ def test_kde_weights_of_any_size(impl, scale, log):
     np.testing.assert_allclose(np.asarray(out), expected, rtol=2e-5)
 
 
+@pytest.mark.codegen
 @pytest.mark.parametrize("scale", [1e-45, 1e-40, 3.4e38])
 def test_kde_weights_of_any_size_under_jit(scale):
     """The same inside a caller's ``jax.jit``: XLA fuses the weights' normalisation there, and
@@ -179,14 +187,17 @@ def test_kde_weights_of_any_size_under_jit(scale):
     np.testing.assert_allclose(np.asarray(out), expected, rtol=2e-5)
 
 
-def test_this_folder_runs_with_the_default_cpu_codegen(request):
+@pytest.mark.codegen
+def test_the_scale_checks_run_with_the_default_cpu_codegen():
     """The check above fails on the broken normalisation only with XLA's default CPU emitters,
-    not the older ones ``nox -s tests`` uses to compile the other folders faster: tests/rbf is
-    marked ``codegen`` (tests/conftest.py) and its run keeps the default."""
-    assert request.node.get_closest_marker("codegen") is not None
+    not the older ones ``nox -s tests`` compiles the other tests with: the checks of extreme
+    scales are marked ``codegen``, and nox runs those with the default."""
     assert "xla_cpu_use_fusion_emitters=false" not in os.environ.get("XLA_FLAGS", "")
+    marks = test_kde_weights_of_any_size_under_jit.pytestmark
+    assert any(mark.name == "codegen" for mark in marks)
 
 
+@pytest.mark.codegen
 def test_kde_weights_gradient_through_normalisation():
     weights = np.array([1.0, 0.5, 0.25], np.float32)
 
@@ -226,6 +237,7 @@ def test_public_rbf_functions_are_fully_annotated(fn):
     assert hints[first] == jax.typing.ArrayLike
 
 
+@pytest.mark.codegen
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("lengthscale", [1e-30, 1e-40, 1e-45])
 def test_gradients_finite_at_tiny_scales(impl, lengthscale):

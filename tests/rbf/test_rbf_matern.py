@@ -128,6 +128,7 @@ def test_highest_is_float32_accurate_on_offset_data(kernel, impl):
 
 
 @pytest.mark.kernels
+@pytest.mark.codegen
 @pytest.mark.parametrize("kernel", MATERN)
 @pytest.mark.parametrize("lengthscale", [1e-3, 1e3])
 @pytest.mark.parametrize("impl", ["xla", "pallas"])
@@ -148,6 +149,7 @@ def test_tiny_and_huge_lengthscales(kernel, lengthscale, impl):
 
 
 @pytest.mark.kernels
+@pytest.mark.codegen
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_values_in_unit_interval_at_every_scale(kernel):
     """Subnormal to huge lengthscales (the XLA path; the Pallas kernels share the profiles)."""

@@ -70,6 +70,7 @@ def clustered_points(lengthscale, rng):
     return np.concatenate([base, base[4:8], near]).astype(np.float32)
 
 
+@pytest.mark.codegen
 @pytest.mark.parametrize("impl, precision", CASES)
 def test_coincident_points_at_small_lengthscales(impl, precision):
     rng = np.random.default_rng(0)
@@ -85,6 +86,7 @@ def test_coincident_points_at_small_lengthscales(impl, precision):
             assert np.all(np.diag(kernel) == 1.0)
 
 
+@pytest.mark.codegen
 @pytest.mark.parametrize("impl, precision", [
     pytest.param(impl, precision,
                  marks=[pytest.mark.kernels] if impl == "pallas" and precision != "highest" else [])
@@ -118,6 +120,7 @@ def test_extreme_lengthscales(impl, precision):
             np.testing.assert_allclose(np.asarray(grads[2])[0], g[2] + g[5], rtol=rtol)
 
 
+@pytest.mark.codegen
 @pytest.mark.parametrize("impl, precision", [
     pytest.param(impl, precision,
                  marks=[pytest.mark.kernels] if (impl, precision) == ("pallas", "high") else [])
@@ -207,6 +210,7 @@ def log_density_and_grads(impl, precision):
     return run
 
 
+@pytest.mark.codegen
 @pytest.mark.parametrize("impl, precision", CASES)
 def test_log_density_at_tiny_bandwidths(impl, precision):
     # The log density is finite and float32-accurate down to bandwidths of 1e-16 (exponents
@@ -275,6 +279,7 @@ def test_bf16x2_dot_rounds_the_first_operand_only():
     assert rel_err(got, a.astype(np.float64) @ b) > 2.0**-12  # a's rounding shows
 
 
+@pytest.mark.codegen
 @pytest.mark.parametrize("per_dimension", [False, True])
 def test_the_lengthscales_bit_level_work_is_done_once_not_per_dimension(per_dimension):
     """The exact distance path scales each coordinate difference by ``numerics.Scale``: the

@@ -16,7 +16,7 @@ from rbf_oracle import kde_density, kernel_mv
 
 import tilax
 
-pytestmark = pytest.mark.kernels
+pytestmark = [pytest.mark.kernels, pytest.mark.codegen]  # subnormal to huge scales
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 # Relative tolerance of a result against the oracle on the inputs as rounded to their dtype:
