@@ -370,25 +370,27 @@ def moe_init(key: jax.Array, config: MoEConfig) -> dict[str, Any]:
         >>> params["w_down"].shape
         (4, 64, 32)
     """
+    return _random_params(key, config)
+
+
+# Compiled as one program with one draw for every matrix: eager, each matrix's sampler compiled
+# for its own shape (about 0.5 s each on a CPU, 4 s for a layer with a shared expert); one
+# program with a sampler per matrix compiles as slowly. One draw: 0.7 s.
+@functools.partial(jax.jit, static_argnames="config")
+def _random_params(key: jax.Array, config: MoEConfig) -> dict[str, Any]:
     shapes = param_shapes(config)
     bias_shape = shapes.pop("router_bias", None)
-    leaves, treedef = jax.tree_util.tree_flatten(
-        shapes, is_leaf=lambda s: isinstance(s, tuple)
-    )
-    paths = [
-        jax.tree_util.keystr(path)
-        for path, _ in jax.tree_util.tree_flatten_with_path(
-            shapes, is_leaf=lambda s: isinstance(s, tuple)
-        )[0]
-    ]
-    keys = jax.random.split(key, len(leaves))
-    values = []
-    for subkey, shape, path in zip(keys, leaves, paths, strict=True):
-        dtype = jnp.float32 if path == "['router']" else config.dtype
+    is_shape = lambda s: isinstance(s, tuple)  # noqa: E731
+    named, treedef = jax.tree_util.tree_flatten_with_path(shapes, is_leaf=is_shape)
+    sizes = [math.prod(shape) for _, shape in named]
+    draw = jax.random.normal(key, (sum(sizes),), jnp.float32)
+    values, offset = [], 0
+    for (path, shape), size in zip(named, sizes, strict=True):
+        dtype = jnp.float32 if jax.tree_util.keystr(path) == "['router']" else config.dtype
         fan_in = shape[-2]
-        values.append(
-            (jax.random.normal(subkey, shape, jnp.float32) / math.sqrt(fan_in)).astype(dtype)
-        )
+        matrix = draw[offset:offset + size].reshape(shape) / math.sqrt(fan_in)
+        values.append(matrix.astype(dtype))
+        offset += size
     params = jax.tree_util.tree_unflatten(treedef, values)
     if bias_shape is not None:
         params["router_bias"] = jnp.zeros(bias_shape, jnp.float32)
