@@ -41,7 +41,7 @@ def test_the_generating_hyperparameters_are_recovered():
     hyperparameters already at n = 2048 (seed 0: 2.01, 0.97, 0.095 for 2, 1, 0.1; seeds 1 and 2
     within 2%; at n = 1024 the noise estimate of seed 0 is still 12% low). The likelihood is
     computed here in NumPy, independently of ``tilax.gp.reference.dense_mll`` (the same maximiser
-    to six digits, in half the time)."""
+    to six digits, in a third of the CPU time)."""
     n = 2048
     x, y = bench_gp.known_gp_data(n, bench_gp.DIM, seed=0)
     x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)

@@ -6,8 +6,8 @@ The runnable blocks of one page run in page order as one script in a fresh Pytho
 like a reader who copies them one after another into a file. Pages choose their sizes from
 the device (``jax.default_backend()``), so each page runs twice where it can: on the CPU
 backend with none of this environment's tilax, JAX, XLA or BLAS settings, where it must need
-less than a minute of CPU time (what a reader on a CPU laptop gets), and, on a machine with a GPU,
-on the GPU at its GPU sizes.
+less than a minute of CPU time (what a reader on a CPU laptop gets), and, on a machine with a
+GPU, on the GPU at its GPU sizes.
 """
 
 from __future__ import annotations
