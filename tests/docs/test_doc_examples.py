@@ -27,7 +27,7 @@ import tilax
 # A reader on a CPU laptop must be able to run a page's code in under a minute. The test
 # machine may be busy, so the limit is on the CPU time of the run (user + system, all threads):
 # what it needs of a machine of this speed, whatever else runs there. An idle machine takes at
-# most that long. The pages need 10-20 s on a 2-core machine.
+# most that long. The pages need 5-35 s of CPU on a 2-core machine (kernel-sums the most).
 CPU_LIMIT_S = 60
 # Wall-clock backstops: a CPU run this long is far over its limit anyway (or hung); on a GPU the
 # pages run at their GPU sizes.
