@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -107,3 +108,33 @@ def test_the_default_preconditioner_is_complete_up_to_1024_points():
     assert rel_err(grads, grads_ref) <= 1e-3, (grads, grads_ref)
     assert [tilax.gp.api.preconditioner_rank_for(None, n) for n in (800, 1024, 1025)] == [
         800, 1024, 400]
+
+
+def _dot_precisions(jaxpr) -> list:
+    """The precision of every dot_general in ``jaxpr`` and the programs nested in it."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            found.append(eqn.params["precision"])
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            found += _dot_precisions(sub)
+    return found
+
+
+@pytest.mark.parametrize("fn", ["mll", "posterior"])
+def test_every_product_outside_the_kernel_sums_is_full_float32(fn):
+    # JAX's default float32 product on NVIDIA GPUs is TF32 (a 10-bit mantissa); the
+    # preconditioner's solve divides a cancelling difference by the noise, and at n = 1000 on
+    # the H200 the MLL missed the dense value (tests/gp/test_gp_gpu.py). The CPU computes float32
+    # whatever the precision, so what is checked here is that every product asks for it.
+    x, y = gp_data(40, 2, seed=0, noise=0.01)
+    params = as_params(0.3, 1.0, 0.01)
+    if fn == "mll":
+        program = jax.value_and_grad(
+            lambda p: tilax.gp.mll(p, x, y, key=jax.random.key(0), impl="xla"))
+    else:
+        program = lambda p: tilax.gp.posterior(p, x, y, x[:4] + 0.01, impl="xla")  # noqa: E731
+    precisions = _dot_precisions(jax.make_jaxpr(program)(params).jaxpr)
+    assert precisions
+    highest = (jax.lax.Precision.HIGHEST, jax.lax.Precision.HIGHEST)
+    assert all(p == highest for p in precisions), precisions

@@ -202,7 +202,7 @@ def _mll_forward(estimator, lengthscale, outputscale, noise, x, y, key):
     logdet = precond.logdet() + lanczos.logdet_ratio(
         solved.alphas[:, 1:], solved.betas[:, 1:], solved.initial_norms[1:]
     )
-    value = -0.5 * (jnp.dot(y, alpha) + logdet + n * math.log(2 * math.pi))
+    value = -0.5 * (preconditioner.matmul(y, alpha) + logdet + n * math.log(2 * math.pi))
     info = {"cg_iterations": solved.iterations,
             "relative_residual": jnp.max(solved.relative_residuals)}
     # For the gradient: alpha = C^-1 y, u_i = C^-1 z_i, w_i = P^-1 z_i and the pivots.
@@ -237,7 +237,8 @@ def _mll_bwd(estimator, saved, cotangents):
         data_fit = 0.5 * jnp.sum(alpha * products[:, :1])
         factor = model.nystrom_factor(lengthscale, outputscale, x, pivoted)
         logdet_p = 2 * jnp.sum(inverse_times_factor * factor) + trace_inverse * noise
-        w_p_w = jnp.sum((factor.T @ w) ** 2, axis=0) + noise * jnp.sum(w**2, axis=0)
+        factor_w = preconditioner.matmul(factor.T, w)
+        w_p_w = jnp.sum(factor_w**2, axis=0) + noise * jnp.sum(w**2, axis=0)
         u_c_w = jnp.sum(u * products[:, 1:], axis=0)
         return data_fit - 0.5 * (logdet_p + jnp.mean(u_c_w - w_p_w))
 

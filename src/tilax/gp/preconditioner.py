@@ -17,6 +17,10 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+# JAX's default float32 matmul is TF32 on NVIDIA GPUs (10-bit mantissa): the solve below divides
+# a cancelling difference by the noise, so every product here is full float32.
+matmul = functools.partial(jnp.matmul, precision=jax.lax.Precision.HIGHEST)
+
 
 class PivotedCholesky(NamedTuple):
     factor: jax.Array  # L: [n, rank]
@@ -52,7 +56,7 @@ def pivoted_cholesky(
         pivot_value = remaining[pivot]
         usable = pivot_value > floor
         # Columns m.. of the factor are still zero, so the full product is the partial one.
-        residual_column = column(pivot) - factor @ factor[pivot]
+        residual_column = column(pivot) - matmul(factor, factor[pivot])
         new = jnp.where(usable, residual_column / jnp.sqrt(jnp.where(usable, pivot_value, 1)), 0)
         new = new.at[pivot].set(jnp.where(usable, jnp.sqrt(pivot_value), 0))
         factor = factor.at[:, m].set(new)
@@ -105,7 +109,7 @@ def _cholesky_of_jvp(primals, tangents):
     solve = functools.partial(jax.scipy.linalg.solve_triangular, factor, lower=True)
     inner = solve(solve(d_matrix).T)  # L^-1 dA L^-T (symmetric)
     phi = jnp.tril(inner) - 0.5 * jnp.diag(jnp.diagonal(inner))
-    return factor, factor @ phi
+    return factor, matmul(factor, phi)
 
 
 class Preconditioner(NamedTuple):
@@ -131,13 +135,14 @@ class Preconditioner(NamedTuple):
             return cls(factor, noise, factor, jnp.zeros((0,), factor.dtype))
         q, r = jnp.linalg.qr(factor)
         u, singular_values, _ = jnp.linalg.svd(r)
-        return cls(factor, noise, q @ u, singular_values**2)
+        return cls(factor, noise, matmul(q, u), singular_values**2)
 
     def solve(self, v: jax.Array) -> jax.Array:
         """``P^{-1} v`` for ``v: [n, c]``."""
-        projections = self.basis.T @ v
-        complement = (v - self.basis @ projections) / self.noise
-        return complement + self.basis @ (projections / (self.eigenvalues + self.noise)[:, None])
+        projections = matmul(self.basis.T, v)
+        complement = (v - matmul(self.basis, projections)) / self.noise
+        scaled = projections / (self.eigenvalues + self.noise)[:, None]
+        return complement + matmul(self.basis, scaled)
 
     def logdet(self) -> jax.Array:
         """``log det P = sum(log(s + noise)) + (n - k) log(noise)``."""
@@ -155,4 +160,4 @@ class Preconditioner(NamedTuple):
         low_key, full_key = jax.random.split(key)
         low = jax.random.normal(low_key, (rank, count), self.factor.dtype)
         full = jax.random.normal(full_key, (n, count), self.factor.dtype)
-        return self.factor @ low + jnp.sqrt(self.noise) * full
+        return matmul(self.factor, low) + jnp.sqrt(self.noise) * full

@@ -15,6 +15,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+HIGHEST = jax.lax.Precision.HIGHEST  # not the GPUs' default TF32 products
+
 
 def _distance(squared: jax.Array) -> jax.Array:
     """``sqrt(squared)`` with a zero gradient at zero (``sqrt``'s is infinite there): the
@@ -90,7 +92,7 @@ def dense_mll(params: Mapping[str, Any], x: jax.Array, y: jax.Array, *,
     n = x.shape[0]
     factor = _covariance_factor(params, x, kernel)
     white = jax.scipy.linalg.solve_triangular(factor, y, lower=True)
-    return (-0.5 * jnp.dot(white, white) - jnp.sum(jnp.log(jnp.diag(factor)))
+    return (-0.5 * jnp.dot(white, white, precision=HIGHEST) - jnp.sum(jnp.log(jnp.diag(factor)))
             - 0.5 * n * math.log(2 * math.pi))
 
 
@@ -113,7 +115,7 @@ def dense_posterior(params: Mapping[str, Any], x: jax.Array, y: jax.Array, x_sta
     cross = params["outputscale"] * kernel_matrix(kernel, x, x_star, params["lengthscale"])
     white_y = jax.scipy.linalg.solve_triangular(factor, y, lower=True)
     white_cross = jax.scipy.linalg.solve_triangular(factor, cross, lower=True)
-    mean = white_cross.T @ white_y
+    mean = jnp.matmul(white_cross.T, white_y, precision=HIGHEST)
     variance = params["outputscale"] - jnp.sum(white_cross * white_cross, axis=0)
     return mean, jnp.maximum(variance, 0)
 
