@@ -123,10 +123,9 @@ def _dot_precisions(jaxpr) -> list:
 
 @pytest.mark.parametrize("fn", ["mll", "posterior"])
 def test_every_product_outside_the_kernel_sums_is_full_float32(fn):
-    # JAX's default float32 product on NVIDIA GPUs is TF32 (a 10-bit mantissa); the
-    # preconditioner's solve divides a cancelling difference by the noise, and at n = 1000 on
-    # the H200 the MLL missed the dense value (tests/gp/test_gp_gpu.py). The CPU computes float32
-    # whatever the precision, so what is checked here is that every product asks for it.
+    # JAX's default float32 product on NVIDIA GPUs is TF32 (a 10-bit mantissa), and the
+    # preconditioner's solve divides a cancelling difference by the noise. The CPU computes
+    # float32 whatever the precision, so what is checked here is that every product asks for it.
     x, y = gp_data(40, 2, seed=0, noise=0.01)
     params = as_params(0.3, 1.0, 0.01)
     if fn == "mll":
