@@ -74,7 +74,7 @@ def tests_kernels(session: nox.Session) -> None:
     change of ``src/`` (CI does: see docs/contributing.md).
     """
     install_groups(session, "tests")
-    run_by_codegen(session, "kernels", "tests/moe", "tests/rbf")
+    run_by_codegen(session, "kernels", folders=("tests/moe", "tests/rbf"))
 
 
 # XLA's CPU fusion emitters, the default of jax 0.10, take about twice as long as the older
@@ -106,20 +106,37 @@ def older_cpu_emitters(session: nox.Session) -> dict[str, str]:
 ONE_BLAS_THREAD = {"OPENBLAS_NUM_THREADS": "1"}
 
 
-def run_by_codegen(session: nox.Session, marks: str, *args: str) -> None:
-    """pytest over the cores on the tests ``marks`` selects, in two runs: those also marked
-    ``codegen`` with XLA's default CPU emitters, then the others with the older ones, each run
-    printing its 15 slowest tests. A run that selects nothing passes. A ``-m`` of the
-    session's arguments replaces the selection: one run, with the default emitters."""
-    runs = [(f"({marks}) and codegen", {})]
-    if "-m" not in session.posargs:
-        runs.append((f"({marks}) and not codegen", older_cpu_emitters(session)))
+# Where the tests marked ``codegen`` live. The first run collects only these folders (collecting
+# the whole suite costs each worker 5 s, a tenth of that run); tests/conftest.py stops a run
+# that finds a ``codegen`` test elsewhere, which the first run would never collect.
+CODEGEN_FOLDERS = ("tests/rbf",)
+CODEGEN_FOLDERS_VARIABLE = "TILAX_CODEGEN_FOLDERS"
+
+
+def run_by_codegen(session: nox.Session, marks: str, *options: str,
+                   folders: tuple[str, ...] = ()) -> None:
+    """pytest over the cores on the tests ``marks`` selects in ``folders`` (default: all), in
+    two runs: those also marked ``codegen`` (from ``CODEGEN_FOLDERS`` unless the session's
+    arguments name files or folders) with XLA's default CPU emitters, then the others with the
+    older ones, each run printing its 15 slowest tests. A run that selects nothing passes. A
+    ``-m`` of the session's arguments replaces the selection: one run, with the default
+    emitters."""
+    if "-m" in session.posargs:
+        runs = [(marks, {}, folders)]  # the arguments' -m, the last one given, wins
+    else:
+        runs = []
+        if any(Path(arg.split("::")[0]).exists() for arg in session.posargs):
+            runs.append((f"({marks}) and codegen", {}, folders))  # the arguments' paths
+        elif codegen := [f for f in CODEGEN_FOLDERS
+                         if not folders or any(f.startswith(g) for g in folders)]:
+            runs.append((f"({marks}) and codegen", {}, tuple(codegen)))
+        runs.append((f"({marks}) and not codegen", older_cpu_emitters(session), folders))
     with shared_compilation_cache() as env:
-        env |= ONE_BLAS_THREAD
-        for selection, codegen in runs:
+        env |= ONE_BLAS_THREAD | {CODEGEN_FOLDERS_VARIABLE: os.pathsep.join(CODEGEN_FOLDERS)}
+        for selection, codegen, where in runs:
             session.run(
                 "pytest", "-n", "logical", "--maxprocesses", "4", "-m", selection,
-                "--durations", "15", *args, *session.posargs, env=env | codegen,
+                "--durations", "15", *options, *where, *session.posargs, env=env | codegen,
                 success_codes=[0, 5],  # 5: nothing selected (e.g. -k naming one folder)
             )
 

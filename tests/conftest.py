@@ -62,6 +62,22 @@ def pytest_xdist_make_scheduler(config, log):
     return FolderGroupScheduling(config, log)
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m deselects them
+def pytest_collection_modifyitems(config, items):
+    """Stop a nox run that finds a ``codegen`` test outside the folders nox's first run collects
+    (``CODEGEN_FOLDERS`` in noxfile.py, passed in TILAX_CODEGEN_FOLDERS): no run would run it."""
+    folders = os.environ.get("TILAX_CODEGEN_FOLDERS")
+    if not folders:
+        return
+    roots = [config.rootpath / folder for folder in folders.split(os.pathsep)]
+    strays = [item.nodeid for item in items if item.get_closest_marker("codegen")
+              and not any(item.path.is_relative_to(root) for root in roots)]
+    if strays:
+        raise pytest.UsageError(
+            f"tests marked codegen outside {folders} (add their folder to CODEGEN_FOLDERS in "
+            f"noxfile.py): {strays[:5]}")
+
+
 @pytest.fixture(autouse=True)
 def child_processes_are_not_xdist_workers(monkeypatch):
     """A pytest started by a test (the bench smoke run) is a plain run, not an xdist worker:

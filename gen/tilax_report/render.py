@@ -219,9 +219,10 @@ def _files_of(rows: pd.DataFrame) -> pd.Series:
 def source_line(rows: pd.DataFrame, caption: str = "", raw_dir: str = RAW_DIR) -> str:
     """'Source: [file](data/file) (runs a, b)' as a paragraph with class tilax-source."""
     parts = []
-    per_file = rows[["run"]].assign(file=_files_of(rows)).explode("file")
-    for name in source_files(rows):
-        runs = sorted(per_file.loc[per_file["file"] == name, "run"].dropna().unique())
+    per_file = rows[["run"]].assign(file=_files_of(rows)).explode("file").dropna(subset="file")
+    runs_of = per_file.dropna().groupby("file")["run"].unique()
+    for name in sorted(per_file["file"].unique()):
+        runs = sorted(runs_of.get(name, []))
         shown = ", ".join(f"`{r}`" for r in runs[:8]) + (f" and {len(runs) - 8} more"
                                                         if len(runs) > 8 else "")
         label = "run" if len(runs) == 1 else "runs"

@@ -286,9 +286,7 @@ def conform(frame: pd.DataFrame) -> pd.DataFrame:
     Raises ``ValueError`` naming the column when a value does not fit its dtype (e.g. 4096.5
     tokens), so a loader bug never turns into a silently wrong table.
     """
-    unknown = sorted(set(frame.columns) - set(COLUMN_NAMES))
-    if unknown:
-        raise ValueError(f"columns not in the schema: {unknown}")
+    check_columns(frame)
     columns = {}
     for name, (dtype, _) in COLUMNS.items():
         if name not in frame:  # built directly: casting a column of nothing costs the most
@@ -300,6 +298,13 @@ def conform(frame: pd.DataFrame) -> pd.DataFrame:
         except (TypeError, ValueError) as exc:
             raise ValueError(f"column {name!r} does not fit dtype {dtype}: {exc}") from exc
     return pd.DataFrame(columns)
+
+
+def check_columns(frame: pd.DataFrame) -> None:
+    """Raise ``ValueError`` naming the columns of ``frame`` that the schema does not have."""
+    unknown = sorted(set(frame.columns) - set(COLUMN_NAMES))
+    if unknown:
+        raise ValueError(f"columns not in the schema: {unknown}")
 
 
 def _missing(length: int, dtype: str):

@@ -94,6 +94,18 @@ def test_load_results_fails_on_the_one_bad_file_among_good_ones(tmp_path, data_d
         load_results(tmp_path)
 
 
+def test_a_value_that_does_not_fit_its_column_names_its_file(tmp_path, data_dir):
+    # load_results casts the files' rows together: the error must still name the one file.
+    for path in result_files(data_dir):
+        write(tmp_path, path.name, path.read_bytes())
+    doc = json.loads(PYTEST_BENCHMARK_FIXTURE.read_text())
+    doc["benchmarks"][1]["extra_info"]["tokens"] = 4096.5
+    write(tmp_path, "mid-run.json", json.dumps(doc))
+    with pytest.raises(UnreadableResultFile,
+                       match=r"mid-run\.json.*'tokens' does not fit dtype Int64"):
+        load_results(tmp_path)
+
+
 def test_empty_or_missing_results_folder(tmp_path):
     with pytest.raises(UnreadableResultFile, match="does not exist"):
         load_results(tmp_path)
