@@ -142,7 +142,7 @@ def load_results(directory: Path | None = None) -> StoredResults:
               for path, (name, doc, _) in zip(paths, parsed, strict=True)
               if name == moe_layer_seed.NAME}
     rows = _conform_all(paths, [frame for _, _, frame in parsed])
-    by_file = dict(list(rows.groupby("source_file", sort=False)))
+    by_file = dict(list(rows.groupby("source_file", sort=False)))  # dict() of a groupby fails
     files = [_describe_file(path, name, doc, by_file.get(path.name, rows.iloc[:0]))
              for path, (name, doc, _) in zip(paths, parsed, strict=True)]
     rows = assign_runs(rows)
