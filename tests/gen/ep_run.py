@@ -18,19 +18,13 @@ the times are chosen here so the tests can check the report's ratios by hand:
 from __future__ import annotations
 
 import json
-import statistics
-import sys
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
-if str(BENCH) not in sys.path:
-    sys.path.insert(0, str(BENCH))
+import bench_ep  # tests/bench is on sys.path (report_fixtures, site_build)
+import bench_moe
+import bench_rows
+import synthetic_runs
 
-import bench_ep  # noqa: E402
-import bench_moe  # noqa: E402
-import bench_rows  # noqa: E402
-
-GPU = "NVIDIA H200"
 COMMIT = "e9a0b1c"
 STARTED = "2026-02-01T10:00:00+00:00"
 FILE_NAME = "h200-20260201-e9a0b1c-ep.json"
@@ -89,44 +83,22 @@ def _rounds(median_ms: float) -> list[float]:
     return [median_ms * 1e-3 * (1 + s) for s in spread]
 
 
-def _stats(data: list[float]) -> dict:
-    q1, _, q3 = (statistics.quantiles(data, n=4, method="inclusive") if len(data) > 1
-                 else data * 3)
-    return {"min": min(data), "max": max(data), "mean": statistics.fmean(data),
-            "stddev": statistics.stdev(data) if len(data) > 1 else 0.0, "rounds": len(data),
-            "median": statistics.median(data), "q1": q1, "q3": q3, "iqr": q3 - q1,
-            "total": sum(data), "iterations": 1, "data": data}
-
-
 def benchmark(case: bench_ep.EpCase, median_ms: float | None, error: str | None) -> dict:
     """One benchmark as pytest-benchmark writes it, with the harness's extra_info."""
-    info = {**case.extra_info(), "compile_s": None}
-    if error is not None:
-        info["error"] = error
-        stats = _stats([1e-6])  # the harness times a no-op for a row that timed nothing
-    else:
-        stats = _stats(_rounds(median_ms))
-        info["compile_s"] = 2.5
-        if case.part != "link":
-            info.update(max_expert_frac=0.14, empty_experts=0)
-        if case.part == "step" and case.devices > 1:
-            info["rel_err_out_vs_one_device"] = 0.0041
-        info.update(case.rates(stats["median"]))
-    return {"group": "ep", "name": f"test_ep[{case.id}]",
-            "fullname": f"tests/bench/test_bench_ep.py::test_ep[{case.id}]", "params": None,
-            "extra_info": info, "stats": stats}
+    measured = {}
+    if case.part != "link":
+        measured.update(max_expert_frac=0.14, empty_experts=0)
+    if case.part == "step" and case.devices > 1:
+        measured["rel_err_out_vs_one_device"] = 0.0041
+    timed = None if error else _rounds(median_ms)
+    return synthetic_runs.benchmark(case, "test_bench_ep.py::test_ep", timed, error, group="ep",
+                                    compile_s=2.5, **measured)
 
 
 def document() -> dict:
     """The whole pytest-benchmark document."""
-    machine = {"gpu": GPU, "gpu_driver": "580.159.04", "gpu_memory_gb": 139.8,
-               "compute_capability": "9.0", "jax": "0.11.2", "jaxlib": "0.11.2",
-               "cuda": "13.0", "triton": "3.6.0", "python": "3.12.8", "commit": COMMIT,
-               "platform": "gpu", "bench_mode": "full", "bench_suites": ["ep"],
-               "bench_budget_s": 480.0}
-    return {"machine_info": machine, "commit_info": {"id": "unknown"},
-            "benchmarks": [benchmark(*row) for row in ROWS], "datetime": STARTED,
-            "version": "5.1.0"}
+    return synthetic_runs.document([benchmark(*row) for row in ROWS], commit=COMMIT,
+                                   suites=["ep"], budget_s=480.0, started=STARTED)
 
 
 def write_ep_run(results_dir: Path) -> Path:

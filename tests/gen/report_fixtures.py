@@ -1,11 +1,16 @@
-"""Paths and constants the report-generator tests share (imported by name: keep it unique)."""
+"""Paths and constants the report-generator tests share (imported by name: keep it unique).
+
+Importing it (conftest.py does, before any test module) puts gen/ on ``sys.path`` for
+``tilax_report``, and tests/bench for the bench's own cases, which the synthetic runs are made of.
+"""
 
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-if str(REPO / "gen") not in sys.path:
-    sys.path.insert(0, str(REPO / "gen"))
+for folder in (REPO / "gen", REPO / "tests" / "bench"):
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
 
 FIXTURES = Path(__file__).parent / "fixtures"
 PYTEST_BENCHMARK_FIXTURE = FIXTURES / "h200-20260115-0a1b2c3.json"

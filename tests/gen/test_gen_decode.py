@@ -14,22 +14,15 @@ With 100 touched experts the touched bytes are 100 * 3 * 2048 * 768 * 2 + 2048 *
 
 import json
 import statistics
-import sys
-from pathlib import Path
 
+import bench_moe
+import bench_rows
 import pandas as pd
 import pytest
-import report_fixtures  # noqa: F401 (puts gen/ on sys.path)
+import synthetic_runs
 from tilax_report.load import load_results
 from tilax_report.pages import moe_decode
 from tilax_report.render import fmt_int
-
-BENCH = Path(__file__).resolve().parents[1] / "bench"
-if str(BENCH) not in sys.path:
-    sys.path.insert(0, str(BENCH))
-
-import bench_moe  # noqa: E402
-import bench_rows  # noqa: E402
 
 FILE_NAME = "h200-20260301-d3c0d3e-decode.json"
 SHAPE = bench_moe.DECODE_SHAPES["qwen3"]
@@ -62,76 +55,21 @@ ROWS = [
 ]
 
 
-def _stats(median_ms: float) -> dict:
-    data = [median_ms * 1e-3 * (1 + s) for s in (-0.01, -0.005, 0.0, 0.005, 0.01)]
-    q1, _, q3 = statistics.quantiles(data, n=4, method="inclusive")
-    return {
-        "min": min(data),
-        "max": max(data),
-        "mean": statistics.fmean(data),
-        "stddev": statistics.stdev(data),
-        "rounds": len(data),
-        "median": statistics.median(data),
-        "q1": q1,
-        "q3": q3,
-        "iqr": q3 - q1,
-        "total": sum(data),
-        "iterations": 1,
-        "data": data,
-    }
-
-
 def _benchmark(case, median_ms, error) -> dict:
-    info = {**case.extra_info(), "compile_s": None}
-    if error is not None:
-        info["error"] = error
-        stats = _stats(1e-3)
-    else:
-        stats = _stats(median_ms)
-        info["compile_s"] = 1.5
-        if case.impl != "copy_bandwidth":
-            info.update(
-                max_expert_frac=0.02,
-                empty_experts=128 - TOUCHED,
-                touched_experts=TOUCHED,
-                touched_weight_bytes=TOUCHED_BYTES,
-                rel_err_out=0.004,
-            )
-        info.update(case.rates(stats["median"]))
-    return {
-        "group": "decode",
-        "name": f"test_decode[{case.id}]",
-        "fullname": f"tests/bench/test_bench_moe.py::test_decode[{case.id}]",
-        "params": None,
-        "extra_info": info,
-        "stats": stats,
-    }
+    measured = {}
+    if case.impl != "copy_bandwidth":
+        measured = dict(max_expert_frac=0.02, empty_experts=128 - TOUCHED,
+                        touched_experts=TOUCHED, touched_weight_bytes=TOUCHED_BYTES,
+                        rel_err_out=0.004)
+    timed = None if error else [median_ms * 1e-3 * (1 + s) for s in (-0.01, -0.005, 0, 0.005, 0.01)]
+    return synthetic_runs.benchmark(case, "test_bench_moe.py::test_decode", timed, error,
+                                    group="decode", **measured)
 
 
 def document() -> dict:
-    machine = {
-        "gpu": "NVIDIA H200",
-        "gpu_driver": "580.159.04",
-        "gpu_memory_gb": 139.8,
-        "compute_capability": "9.0",
-        "jax": "0.11.2",
-        "jaxlib": "0.11.2",
-        "cuda": "13.0",
-        "triton": "3.6.0",
-        "python": "3.12.8",
-        "commit": "d3c0d3e",
-        "platform": "gpu",
-        "bench_mode": "full",
-        "bench_suites": ["decode"],
-        "bench_budget_s": 200.0,
-    }
-    return {
-        "machine_info": machine,
-        "commit_info": {"id": "unknown"},
-        "benchmarks": [_benchmark(*row) for row in ROWS],
-        "datetime": "2026-03-01T10:00:00+00:00",
-        "version": "5.1.0",
-    }
+    return synthetic_runs.document([_benchmark(*row) for row in ROWS], commit="d3c0d3e",
+                                   suites=["decode"], budget_s=200.0,
+                                   started="2026-03-01T10:00:00+00:00")
 
 
 @pytest.fixture(scope="module")

@@ -11,21 +11,14 @@ curve's last point is its final loss (the mean of the last tenth of 4 points is 
 
 import json
 import re
-import statistics
-import sys
-from pathlib import Path
 
+import bench_fp8_convergence
+import bench_rows
 import pytest
-import report_fixtures  # puts gen/ on sys.path
+import report_fixtures
+import synthetic_runs
 from tilax_report.load import UnreadableResultFile, load_results
 from tilax_report.pages import fp8_convergence
-
-BENCH = Path(__file__).resolve().parents[1] / "bench"
-if str(BENCH) not in sys.path:
-    sys.path.insert(0, str(BENCH))
-
-import bench_fp8_convergence  # noqa: E402
-import bench_rows  # noqa: E402
 
 BF16_CASE, FP8_CASE = bench_fp8_convergence.suite_cases("fp8_convergence", "smoke")
 FLOOR = 1.8
@@ -51,46 +44,12 @@ def run_id(run: str) -> str:
     return f"h200-2026030{day}-{commit}"
 
 
-def _stats(seconds: list[float]) -> dict:
-    q1, _, q3 = statistics.quantiles(seconds, n=4, method="inclusive")
-    return {
-        "min": min(seconds),
-        "max": max(seconds),
-        "mean": statistics.fmean(seconds),
-        "stddev": statistics.stdev(seconds),
-        "rounds": len(seconds),
-        "median": statistics.median(seconds),
-        "q1": q1,
-        "q3": q3,
-        "iqr": q3 - q1,
-        "total": sum(seconds),
-        "iterations": 1,
-        "data": seconds,
-    }
-
-
 def _row(case, curve=None, error=None) -> dict:
-    info = {**case.extra_info(), "compile_s": None}
-    if error is not None:
-        info["error"] = error
-        stats = _stats([1e-6, 1e-6])
-    else:
-        stats = _stats([SECONDS * 0.99, SECONDS, SECONDS * 1.01])
-        info.update(
-            compile_s=3.0,
-            loss_curve=curve,
-            final_loss=curve[-1][1],
-            final_floor=curve[-1][2],
-            **case.rates(stats["median"]),
-        )
-    return {
-        "group": None,
-        "name": f"test_fp8_convergence[{case.id}]",
-        "fullname": f"tests/bench/test_bench_fp8_convergence.py::test_fp8_convergence[{case.id}]",
-        "params": None,
-        "extra_info": info,
-        "stats": stats,
-    }
+    measured = {} if curve is None else dict(loss_curve=curve, final_loss=curve[-1][1],
+                                             final_floor=curve[-1][2])
+    timed = None if error else [SECONDS * 0.99, SECONDS, SECONDS * 1.01]
+    return synthetic_runs.benchmark(case, "test_bench_fp8_convergence.py::test_fp8_convergence",
+                                    timed, error, compile_s=3.0, **measured)
 
 
 def fp8_curve(ratio: float) -> list[list[float]]:
@@ -105,29 +64,9 @@ def document(run: str) -> dict:
         rows.append(_row(FP8_CASE, error=FAILED))
     elif ratio is not None:
         rows.append(_row(FP8_CASE, fp8_curve(ratio)))
-    machine = {
-        "gpu": "NVIDIA H200",
-        "gpu_driver": "580.159.04",
-        "gpu_memory_gb": 139.8,
-        "compute_capability": "9.0",
-        "jax": "0.11.2",
-        "jaxlib": "0.11.2",
-        "cuda": "13.0",
-        "triton": "3.6.0",
-        "python": "3.12.8",
-        "commit": commit,
-        "platform": "gpu",
-        "bench_mode": "smoke",
-        "bench_suites": ["fp8_convergence"],
-        "bench_budget_s": 240.0,
-    }
-    return {
-        "machine_info": machine,
-        "commit_info": {"id": "unknown"},
-        "benchmarks": rows,
-        "datetime": f"2026-03-0{day}T10:00:00+00:00",
-        "version": "5.1.0",
-    }
+    return synthetic_runs.document(rows, commit=commit, suites=["fp8_convergence"],
+                                   budget_s=240.0, started=f"2026-03-0{day}T10:00:00+00:00",
+                                   mode="smoke")
 
 
 @pytest.fixture(scope="module")

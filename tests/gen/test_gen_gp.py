@@ -4,20 +4,13 @@ and the page shows each row's time or status, CG iterations and errors, and the 
 
 import json
 import re
-import statistics
-import sys
-from pathlib import Path
 
+import bench_gp
+import bench_rows
 import pytest
+import synthetic_runs
 from tilax_report.load import load_results
 from tilax_report.pages import gp
-
-BENCH = Path(__file__).resolve().parents[1] / "bench"
-if str(BENCH) not in sys.path:
-    sys.path.insert(0, str(BENCH))
-
-import bench_gp  # noqa: E402
-import bench_rows  # noqa: E402
 
 FILE_NAME = "h200-20260301-a1b2c3d-gp.json"
 GRAD = {"lengthscale": 1.0, "outputscale": -2.0, "noise": 30.0}
@@ -25,26 +18,11 @@ DOES_NOT_FIT = "skipped: not attempted, does not fit: a dense Cholesky MLL ..."
 KEOPS = "KeOpsFailed: KeOps failed its probe in a fresh subprocess (exit code 1): nvcc missing"
 
 
-def _stats(seconds: list[float]) -> dict:
-    q1, _, q3 = statistics.quantiles(seconds, n=4, method="inclusive")
-    return {"min": min(seconds), "max": max(seconds), "mean": statistics.fmean(seconds),
-            "stddev": statistics.stdev(seconds), "rounds": len(seconds),
-            "median": statistics.median(seconds), "q1": q1, "q3": q3, "iqr": q3 - q1,
-            "total": sum(seconds), "iterations": 1, "data": seconds}
-
-
 def _row(case, seconds=None, error=None, **measured) -> dict:
-    info = {**case.extra_info(), "compile_s": None}
-    if error is not None:
-        info["error"] = error
-        stats = _stats([1e-6, 1e-6])
-    else:
-        stats = _stats([seconds * 0.99, seconds, seconds * 1.01])
-        info.update(compile_s=5.0, **measured, **case.rates(stats["median"]))
     test = "test_gp_fit" if case.suite == "gp_fit" else "test_gp"
-    return {"group": None, "name": f"{test}[{case.id}]",
-            "fullname": f"tests/bench/test_bench_gp.py::{test}[{case.id}]", "params": None,
-            "extra_info": info, "stats": stats}
+    timed = None if seconds is None else [seconds * 0.99, seconds, seconds * 1.01]
+    return synthetic_runs.benchmark(case, f"test_bench_gp.py::{test}", timed, error,
+                                    compile_s=5.0, **measured)
 
 
 def document() -> dict:
@@ -63,14 +41,8 @@ def document() -> dict:
     fit_row = _row(fit, 600.0)
     fit_row["extra_info"].update(steps=30, fit_s=600.0, converged=True, final=trajectory[-1],
                                  trajectory=trajectory)
-    machine = {"gpu": "NVIDIA H200", "gpu_driver": "580.159.04", "gpu_memory_gb": 139.8,
-               "compute_capability": "9.0", "jax": "0.11.2", "jaxlib": "0.11.2",
-               "cuda": "13.0", "triton": "3.6.0", "python": "3.12.8", "commit": "a1b2c3d",
-               "platform": "gpu", "bench_mode": "full", "bench_suites": ["gp", "gp_fit"],
-               "bench_budget_s": 480.0}
-    return {"machine_info": machine, "commit_info": {"id": "unknown"},
-            "benchmarks": [*rows, fit_row], "datetime": "2026-03-01T10:00:00+00:00",
-            "version": "5.1.0"}
+    return synthetic_runs.document([*rows, fit_row], commit="a1b2c3d", suites=["gp", "gp_fit"],
+                                   budget_s=480.0, started="2026-03-01T10:00:00+00:00")
 
 
 @pytest.fixture(scope="module")

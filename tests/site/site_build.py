@@ -13,7 +13,7 @@ import pandas as pd
 REPO = Path(__file__).resolve().parents[2]
 DATA = REPO / "data"
 PYTEST_BENCHMARK_FIXTURE = REPO / "tests" / "gen" / "fixtures" / "h200-20260115-0a1b2c3.json"
-for _path in (REPO / "gen", REPO / "tests" / "gen"):
+for _path in (REPO / "gen", REPO / "tests" / "gen", REPO / "tests" / "bench"):
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 
